@@ -1,0 +1,16 @@
+# corefleet — README's two commands are `make run` and `make test`.
+.PHONY: setup run test lint clean-cache
+
+setup:
+	bash hack/setup.sh
+
+# The main job: a local control plane and the operator, running until Ctrl-C.
+run: setup
+	set -a; . ./.corefleet.env; set +a; .venv/bin/corefleet up
+
+# The whole test suite (lint, types, import contract, unit + integration + e2e).
+test: setup
+	bash hack/test.sh
+
+clean-cache:
+	rm -rf $${COREFLEET_CACHE:-$${XDG_CACHE_HOME:-$$HOME/.cache}/corefleet}

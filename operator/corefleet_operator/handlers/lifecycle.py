@@ -1,0 +1,33 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Operator start-up: kopf settings that keep kopf's bookkeeping out of our API."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kopf
+
+from corefleet_operator import constants
+
+
+def configure_settings(settings: kopf.OperatorSettings) -> None:
+    """Apply corefleet's kopf settings (a plain function, so tests can check it directly)."""
+    # Progress and diff-base live in annotations under our own prefix, never in status.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
+        prefix=constants.KOPF_ANNOTATION_PREFIX
+    )
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=constants.KOPF_ANNOTATION_PREFIX, key="last-handled-configuration"
+    )
+    settings.persistence.finalizer = constants.FINALIZER
+    # Bounded watches and requests: a silent connection never stalls the operator.
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.watching.connect_timeout = 30
+    settings.networking.request_timeout = 60
+    settings.networking.connect_timeout = 30
+
+
+@kopf.on.startup()
+def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+    configure_settings(settings)

@@ -1,0 +1,474 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A real Kubernetes control plane on 127.0.0.1, for tests and local runs.
+
+etcd, kube-apiserver (token auth, RBAC on), kube-controller-manager and kube-scheduler are started
+as child processes on ports picked here, with their state in one directory. There is no kubelet:
+`add_gpu_node` registers fake nodes with `nvidia.com/gpu` capacity, and `KubeletStandIn` plays the
+kubelet's part by moving scheduled pods to Running/Ready.
+
+The binaries come from `hack/control-plane.sh`, which builds them from the Go module proxy and
+caches them outside the repository; its output directory is given here as `bin_dir` (or through
+the COREFLEET_K8S_BIN environment variable).
+
+Failure is loud: a component that exits or does not become ready raises `ControlPlaneError` with
+its command line and the tail of its log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shlex
+import signal
+import socket
+import ssl
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from corefleet_operator.constants import GPU_RESOURCE
+
+logger = logging.getLogger(__name__)
+
+BIN_ENV = "COREFLEET_K8S_BIN"
+COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
+TOOLS = ("kubectl", "helm")
+ADMIN_TOKEN = "corefleet-admin-token"  # a static token in system:masters; RBAC holds for all others
+# Controllers that need a kubelet, a cloud or node IPAM are off; the rest (garbage collector,
+# namespace, serviceaccount-token, replicaset, ...) run as in a real cluster.
+DISABLED_CONTROLLERS = (
+    "nodeipam",
+    "nodelifecycle",
+    "persistentvolume-binder",
+    "attachdetach",
+    "persistentvolume-expander",
+    "ttl",
+    "bootstrapsigner",
+    "tokencleaner",
+    "cloud-node-lifecycle",
+    "route",
+    "service-lb-controller",
+)
+
+
+class ControlPlaneError(RuntimeError):
+    """A control-plane binary is missing, exited, or did not become ready in time."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_until(check: Callable[[], bool], timeout: float, what: str, interval: float = 0.1,
+               fatal: tuple[type[BaseException], ...] = ()) -> None:
+    """Poll `check` until it returns True, for at most `timeout` seconds; raises TimeoutError.
+
+    Exceptions count as "not yet", except those of the `fatal` types, which propagate at once.
+    """
+    deadline = time.monotonic() + timeout
+    last: BaseException | None = None
+    while True:
+        try:
+            if check():
+                return
+        except fatal:
+            raise
+        except Exception as e:  # not ready yet; keep the last reason for the error message
+            last = e
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{what}: not done after {timeout:.0f} s (last error: {last!r})")
+        time.sleep(interval)
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def resolve_bin_dir(bin_dir: Path | str | None = None) -> Path:
+    """The directory with the control-plane binaries, checked to be complete."""
+    raw = bin_dir if bin_dir is not None else os.environ.get(BIN_ENV)
+    if not raw:
+        raise ControlPlaneError(
+            f"{BIN_ENV} is not set: run `bash hack/control-plane.sh` and set {BIN_ENV} to the "
+            "directory it prints (README's commands do this)"
+        )
+    path = Path(raw)
+    missing = [b for b in (*COMPONENTS, *TOOLS) if not os.access(path / b, os.X_OK)]
+    if missing:
+        raise ControlPlaneError(f"missing control-plane binaries in {path}: {', '.join(missing)}")
+    return path
+
+
+@dataclass
+class _Proc:
+    name: str
+    argv: list[str]
+    log: Path
+    popen: subprocess.Popen[bytes]
+    logfile: IO[bytes]
+
+
+@dataclass
+class LocalControlPlane:
+    """etcd + kube-apiserver + kube-controller-manager + kube-scheduler on 127.0.0.1.
+
+    Use as a context manager, or call `start()` and `stop()`. `kubeconfig` is a file naming only
+    this server, so nothing run against it can reach another cluster.
+    """
+
+    state_dir: Path
+    bin_dir: Path = field(default_factory=resolve_bin_dir)
+    ready_timeout: float = 120.0
+    server: str = ""
+    _procs: list[_Proc] = field(default_factory=list, repr=False)
+
+    # ---- paths ------------------------------------------------------------------------------
+    @property
+    def kubeconfig(self) -> Path:
+        return self.state_dir / "admin.kubeconfig"
+
+    @property
+    def ca_file(self) -> Path:
+        return self.state_dir / "certs" / "apiserver.crt"
+
+    @property
+    def sa_key(self) -> Path:
+        return self.state_dir / "sa.key"
+
+    def binary(self, name: str) -> str:
+        return str(self.bin_dir / name)
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def __enter__(self) -> LocalControlPlane:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> None:
+        d = self.state_dir
+        self._run(["openssl", "genrsa", "-out", str(self.sa_key), "2048"])
+        self._run(["openssl", "rsa", "-in", str(self.sa_key), "-pubout", "-out", str(d / "sa.pub")])
+        (d / "tokens.csv").write_text(f"{ADMIN_TOKEN},admin,admin,system:masters\n")
+
+        etcd_url = f"http://127.0.0.1:{free_port()}"
+        peer_url = f"http://127.0.0.1:{free_port()}"
+        etcd = self._spawn(
+            "etcd",
+            "--name=cp",
+            f"--data-dir={d / 'etcd'}",
+            f"--listen-client-urls={etcd_url}",
+            f"--advertise-client-urls={etcd_url}",
+            f"--listen-peer-urls={peer_url}",
+            f"--initial-advertise-peer-urls={peer_url}",
+            f"--initial-cluster=cp={peer_url}",
+            "--unsafe-no-fsync",  # test data only; keeps the 2-core machine's disk out of the way
+        )
+        self._wait(etcd, lambda: b"true" in _get(f"{etcd_url}/health"), "etcd /health")
+
+        port = free_port()
+        self.server = f"https://127.0.0.1:{port}"
+        api = self._spawn(
+            "kube-apiserver",
+            f"--etcd-servers={etcd_url}",
+            "--bind-address=127.0.0.1",
+            "--advertise-address=127.0.0.1",
+            f"--secure-port={port}",
+            f"--cert-dir={d / 'certs'}",
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+            f"--service-account-key-file={d / 'sa.pub'}",
+            f"--service-account-signing-key-file={self.sa_key}",
+            f"--token-auth-file={d / 'tokens.csv'}",
+            "--authorization-mode=RBAC",
+            "--service-cluster-ip-range=10.96.0.0/16",
+            "--allow-privileged=true",
+            "--profiling=false",
+            "--endpoint-reconciler-type=none",
+        )
+        self._wait(api, lambda: self.request("GET", "/readyz", raw=True) == b"ok", "kube-apiserver /readyz")
+        self._write_kubeconfig(self.kubeconfig, ADMIN_TOKEN, "admin")
+
+        kcm = self._spawn(
+            "kube-controller-manager",
+            f"--kubeconfig={self.kubeconfig}",
+            f"--authentication-kubeconfig={self.kubeconfig}",
+            f"--authorization-kubeconfig={self.kubeconfig}",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={free_port()}",
+            "--leader-elect=false",
+            f"--service-account-private-key-file={self.sa_key}",
+            f"--root-ca-file={self.ca_file}",
+            "--use-service-account-credentials=false",
+            "--controllers=*," + ",".join(f"-{c}" for c in DISABLED_CONTROLLERS),
+        )
+        sched = self._spawn(
+            "kube-scheduler",
+            f"--kubeconfig={self.kubeconfig}",
+            f"--authentication-kubeconfig={self.kubeconfig}",
+            f"--authorization-kubeconfig={self.kubeconfig}",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={free_port()}",
+            "--leader-elect=false",
+        )
+        # The default service account exists once the serviceaccount controller runs: proof that
+        # the controller manager is working, and pods can be created from here on.
+        self._wait(kcm, lambda: self._exists("/api/v1/namespaces/default/serviceaccounts/default"),
+                   "kube-controller-manager (default service account)")
+        self._wait(sched, lambda: self._alive(sched), "kube-scheduler")
+        logger.info("control plane ready at %s (state %s)", self.server, d)
+
+    def stop(self) -> None:
+        """Stop every component by PID, in reverse order, each with a timeout and then a kill."""
+        while self._procs:
+            p = self._procs.pop()
+            if p.popen.poll() is None:
+                p.popen.send_signal(signal.SIGTERM)
+                try:
+                    p.popen.wait(10)
+                except subprocess.TimeoutExpired:  # the scheduler may ignore SIGTERM
+                    p.popen.kill()
+                    p.popen.wait()
+            p.logfile.close()
+
+    @property
+    def pids(self) -> dict[str, int]:
+        return {p.name: p.popen.pid for p in self._procs}
+
+    # ---- helpers for processes --------------------------------------------------------------
+    def _run(self, argv: list[str]) -> None:
+        r = subprocess.run(argv, capture_output=True, text=True, check=False)
+        if r.returncode:
+            raise ControlPlaneError(f"`{shlex.join(argv)}` failed ({r.returncode}): {r.stderr[-2000:]}")
+
+    def _spawn(self, name: str, *args: str) -> _Proc:
+        argv = [self.binary(name), *args]
+        log = self.state_dir / f"{name}.log"
+        logfile = log.open("wb")
+        popen = subprocess.Popen(argv, stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = _Proc(name, argv, log, popen, logfile)
+        self._procs.append(proc)
+        return proc
+
+    def _alive(self, p: _Proc) -> bool:
+        if p.popen.poll() is not None:
+            raise ControlPlaneError(self._describe(p, f"exited with code {p.popen.returncode}"))
+        return True
+
+    def _wait(self, p: _Proc, check: Callable[[], bool], what: str) -> None:
+        def ready() -> bool:
+            self._alive(p)  # a component that died fails at once, with its log
+            return check()
+
+        try:
+            wait_until(ready, self.ready_timeout, what, fatal=(ControlPlaneError,))
+        except TimeoutError as e:
+            raise ControlPlaneError(self._describe(p, str(e))) from None
+
+    @staticmethod
+    def _describe(p: _Proc, problem: str) -> str:
+        return f"{p.name} {problem}\ncommand: {shlex.join(p.argv)}\nlog {p.log} (tail):\n{tail(p.log)}"
+
+    # ---- API access -------------------------------------------------------------------------
+    def _ssl(self) -> ssl.SSLContext:
+        return ssl.create_default_context(cafile=str(self.ca_file))
+
+    def request(self, method: str, path: str, body: Any = None, *, token: str = ADMIN_TOKEN,
+                content_type: str = "application/json", raw: bool = False) -> Any:
+        """One REST call to the API server; JSON in and out. Raises urllib.error.HTTPError."""
+        data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+        req = urllib.request.Request(self.server + path, data=data, method=method,
+                                     headers={"Authorization": f"Bearer {token}", "Content-Type": content_type})
+        with urllib.request.urlopen(req, context=self._ssl(), timeout=30) as r:
+            out = r.read()
+        return out if raw else json.loads(out)
+
+    def _exists(self, path: str) -> bool:
+        try:
+            self.request("GET", path)
+        except urllib.error.HTTPError as e:
+            if e.code == 404:
+                return False
+            raise
+        return True
+
+    def _write_kubeconfig(self, path: Path, token: str, user: str) -> None:
+        path.write_text(json.dumps({  # JSON is valid YAML
+            "apiVersion": "v1",
+            "kind": "Config",
+            "current-context": "corefleet-local",
+            "clusters": [{"name": "corefleet-local",
+                          "cluster": {"server": self.server, "certificate-authority": str(self.ca_file)}}],
+            "users": [{"name": user, "user": {"token": token}}],
+            "contexts": [{"name": "corefleet-local", "context": {"cluster": "corefleet-local", "user": user}}],
+        }, indent=1))
+
+    def kubeconfig_for_token(self, token: str, name: str) -> Path:
+        """A kubeconfig that authenticates with `token` (e.g. a service account's), for RBAC checks."""
+        path = self.state_dir / f"{name}.kubeconfig"
+        self._write_kubeconfig(path, token, name)
+        return path
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True,
+                kubeconfig: Path | None = None) -> subprocess.CompletedProcess[str]:
+        """Run the project's kubectl against this server only."""
+        argv = [self.binary("kubectl"), f"--kubeconfig={kubeconfig or self.kubeconfig}", *args]
+        r = subprocess.run(argv, input=input, capture_output=True, text=True, check=False, timeout=120)
+        if check and r.returncode:
+            raise subprocess.CalledProcessError(r.returncode, argv, r.stdout, r.stderr)
+        return r
+
+    def env(self) -> dict[str, str]:
+        """Environment for child processes: this cluster's kubeconfig and the binaries on PATH."""
+        return {**os.environ, "KUBECONFIG": str(self.kubeconfig),
+                "PATH": f"{self.bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+
+def _get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=2) as r:
+        body: bytes = r.read()
+        return body
+
+
+# ---- fake nodes and the kubelet stand-in ----------------------------------------------------
+def gpu_node(name: str, gpus: int = 8, labels: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """A Node object with `gpus` of `nvidia.com/gpu` and room for plenty of pods."""
+    res = {"cpu": "64", "memory": "512Gi", "pods": "250", GPU_RESOURCE: str(gpus)}
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, **(labels or {})}},
+        "spec": {},
+        "status": {"capacity": res, "allocatable": res,
+                   "conditions": [{"type": "Ready", "status": "True", "reason": "FakeNode",
+                                   "message": "registered by corefleet's test harness (no kubelet)"}]},
+    }
+
+
+def add_gpu_node(cp: LocalControlPlane, name: str, gpus: int = 8,
+                 labels: Mapping[str, str] | None = None) -> None:
+    node = gpu_node(name, gpus, labels)
+    created = cp.request("POST", "/api/v1/nodes", node)
+    # The API server ignores status on create; set it through the status subresource.
+    cp.request("PATCH", f"/api/v1/nodes/{name}/status", {"status": node["status"]},
+               content_type="application/merge-patch+json")
+    # Admission taints new nodes not-ready; the (disabled) node lifecycle controller would lift it.
+    taints = [t for t in created.get("spec", {}).get("taints", []) or []
+              if t.get("key") != "node.kubernetes.io/not-ready"]
+    cp.request("PATCH", f"/api/v1/nodes/{name}", {"spec": {"taints": taints or None}},
+               content_type="application/merge-patch+json")
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def running_status(pod: Mapping[str, Any], ip: str, ready: bool = True) -> dict[str, Any]:
+    """The status a kubelet would report for `pod` once its containers run."""
+    now = _now()
+    cond = "True" if ready else "False"
+    return {
+        "phase": "Running",
+        "podIP": ip,
+        "podIPs": [{"ip": ip}],
+        "hostIP": "127.0.0.1",
+        "startTime": now,
+        "conditions": [
+            {"type": "PodScheduled", "status": "True", "lastTransitionTime": now},
+            {"type": "Initialized", "status": "True", "lastTransitionTime": now},
+            {"type": "ContainersReady", "status": cond, "lastTransitionTime": now},
+            {"type": "Ready", "status": cond, "lastTransitionTime": now},
+        ],
+        "containerStatuses": [
+            {"name": c["name"], "image": c["image"], "imageID": "", "ready": ready, "started": True,
+             "restartCount": 0, "state": {"running": {"startedAt": now}}}
+            for c in pod["spec"]["containers"]
+        ],
+    }
+
+
+def fake_pod_ip(uid: str) -> str:
+    h = int(uid.replace("-", ""), 16)
+    return f"10.244.{(h >> 8) % 256}.{h % 254 + 1}"
+
+
+def mark_bound_pods_running(cp: LocalControlPlane, namespace: str,
+                            ip_for: Callable[[Mapping[str, Any]], str] | None = None) -> list[str]:
+    """Kubelet stand-in, one pass: every scheduled Pending pod in `namespace` becomes Running/Ready.
+
+    Returns the names of the pods it moved.
+    """
+    moved = []
+    pods = cp.request("GET", f"/api/v1/namespaces/{namespace}/pods")["items"]
+    for pod in pods:
+        if not pod["spec"].get("nodeName") or pod.get("status", {}).get("phase") != "Pending":
+            continue
+        if pod["metadata"].get("deletionTimestamp"):
+            continue
+        ip = ip_for(pod) if ip_for else fake_pod_ip(pod["metadata"]["uid"])
+        name = pod["metadata"]["name"]
+        try:
+            cp.request("PATCH", f"/api/v1/namespaces/{namespace}/pods/{name}/status",
+                       {"status": running_status(pod, ip)}, content_type="application/merge-patch+json")
+        except urllib.error.HTTPError as e:
+            if e.code != 404:  # deleted meanwhile
+                raise
+            continue
+        moved.append(name)
+    return moved
+
+
+class KubeletStandIn:
+    """A background thread that keeps calling `mark_bound_pods_running` for some namespaces."""
+
+    def __init__(self, cp: LocalControlPlane, namespaces: list[str], interval: float = 0.2) -> None:
+        self._cp, self._namespaces, self._interval = cp, namespaces, interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kubelet-stand-in", daemon=True)
+        self.errors: list[BaseException] = []
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            for ns in self._namespaces:
+                try:
+                    mark_bound_pods_running(self._cp, ns)
+                except Exception as e:  # surfaced by stop(); the loop keeps serving
+                    self.errors.append(e)
+            self._stop.wait(self._interval)
+
+    def __enter__(self) -> KubeletStandIn:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+@contextlib.contextmanager
+def local_control_plane(state_dir: Path, bin_dir: Path | None = None) -> Iterator[LocalControlPlane]:
+    cp = LocalControlPlane(state_dir=state_dir, bin_dir=resolve_bin_dir(bin_dir))
+    with cp:
+        yield cp

@@ -1,0 +1,70 @@
+# SPDX-License-Identifier: Apache-2.0
+"""README's main job (`corefleet up`): a local control plane plus the operator, stopped by Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import signal
+import ssl
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from corefleet_operator.localcluster import ADMIN_TOKEN
+
+
+def read_lines_until(proc: subprocess.Popen[str], marker: str, timeout: float) -> list[str]:
+    """Collect stdout lines until one contains `marker` (or the deadline passes / the process ends)."""
+    lines: list[str] = []
+    found = threading.Event()
+
+    def reader() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if marker in line:
+                found.set()
+                return
+
+    threading.Thread(target=reader, daemon=True).start()
+    assert found.wait(timeout), f"no line with {marker!r} within {timeout} s; got {lines}"
+    return lines
+
+
+def test_up_runs_control_plane_and_operator_until_interrupted(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    proc = subprocess.Popen([sys.executable, "-m", "corefleet_operator.cli", "up", "--state-dir", str(state)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = read_lines_until(proc, "running; Ctrl-C", timeout=240)
+    except AssertionError:
+        proc.kill()
+        pytest.fail(f"corefleet up did not come up: {proc.communicate()}")
+    kubeconfig = Path(next(ln.split("=", 1)[1] for ln in lines if "export KUBECONFIG=" in ln))
+    server = json.loads(kubeconfig.read_text())["clusters"][0]["cluster"]["server"]
+    ctx = ssl.create_default_context(cafile=str(state / "certs" / "apiserver.crt"))
+
+    def get(path: str) -> dict[str, object]:
+        req = urllib.request.Request(server + path, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+        with urllib.request.urlopen(req, context=ctx, timeout=10) as r:
+            body: dict[str, object] = json.loads(r.read())
+            return body
+
+    node = get("/api/v1/nodes/gpu-node-0")
+    assert node["status"]["allocatable"]["nvidia.com/gpu"] == "8"  # type: ignore[index]
+
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+
+    assert proc.returncode == 0, err
+    assert "corefleet up: stopped" in out
+    with pytest.raises(urllib.error.URLError):
+        get("/readyz")  # everything it started is gone
+    operator_log = (state / "operator.log").read_text()
+    assert "Traceback" not in operator_log
+    assert "Forbidden" not in operator_log

@@ -1,0 +1,41 @@
+# SPDX-License-Identifier: Apache-2.0
+"""kopf's bookkeeping stays under corefleet's prefix, and its watches are bounded."""
+
+from __future__ import annotations
+
+import kopf
+
+from corefleet_operator import constants
+from corefleet_operator.handlers.lifecycle import configure_settings
+
+
+def test_kopf_bookkeeping_uses_our_prefix_and_finalizer() -> None:
+    settings = kopf.OperatorSettings()
+    configure_settings(settings)
+
+    assert settings.persistence.finalizer == "corefleet.io/finalizer"
+    progress = settings.persistence.progress_storage
+    assert isinstance(progress, kopf.AnnotationsProgressStorage)
+    assert progress.prefix == constants.KOPF_ANNOTATION_PREFIX
+    diffbase = settings.persistence.diffbase_storage
+    assert isinstance(diffbase, kopf.AnnotationsDiffBaseStorage)
+    assert diffbase.prefix == constants.KOPF_ANNOTATION_PREFIX
+    # No status-based storage: our status is a designed API.
+    assert not isinstance(progress, kopf.StatusProgressStorage | kopf.SmartProgressStorage)
+
+
+def test_watches_and_requests_are_bounded() -> None:
+    settings = kopf.OperatorSettings()
+    configure_settings(settings)
+
+    assert settings.watching.server_timeout is not None
+    assert settings.watching.client_timeout is not None
+    assert settings.watching.client_timeout > settings.watching.server_timeout
+    assert settings.networking.request_timeout is not None
+
+
+def test_names_are_derived_from_the_group() -> None:
+    assert constants.CRD_NAME == "enginecoresets.corefleet.io"
+    assert constants.API_VERSION == "corefleet.io/v1alpha1"
+    for label in (constants.LABEL_FLEET, constants.LABEL_ROLE, constants.LABEL_RANK):
+        assert label.startswith("corefleet.io/")
