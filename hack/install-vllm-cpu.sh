@@ -15,7 +15,8 @@
 #      vLLM's platform detection.
 #   6. libnuma1 from Debian when the dynamic linker does not know libnuma.so.1.
 # torchvision/torchaudio/torchcodec are removed if present (they break `import vllm.v1.engine`).
-# Idempotent: a finished environment is detected in about a second and left alone.
+# Idempotent: a finished environment is detected (one `import vllm.v1.engine.core`, ~5-15 s on 2
+# cores) and left alone; a half-finished one is completed (pip skips what is already there).
 #
 # Env: PY  the target environment's python (default python3), e.g. PY=/tmp/vllm-venv/bin/python
 set -euo pipefail

@@ -39,9 +39,75 @@ FIELD_MANAGER: Final = "corefleet-operator"
 # --- Resources ---------------------------------------------------------------------------------
 GPU_RESOURCE: Final = "nvidia.com/gpu"
 
+ANNOTATION_SPEC_HASH: Final = f"{GROUP}/spec-hash"  # hash of the fleet-wide config a pod was built from
+ANNOTATION_GENERATION: Final = f"{GROUP}/fleet-generation"  # which incarnation of the fleet a pod belongs to
+
 # --- Ports (fixed, so names and addresses are derived, not discovered) -------------------------
-FRONTEND_HTTP_PORT: Final = 8000
-FRONTEND_ADMIN_PORT: Final = 8001
+FRONTEND_HTTP_PORT: Final = 8000  # default of spec.frontend.port
+FRONTEND_ADMIN_PORT: Final = 8001  # corefleet's authenticated admin API on the frontend
+ENGINE_HEALTH_PORT: Final = 8002  # the engine launcher's /livez and /readyz (ready = joined the fleet)
 DP_RPC_PORT: Final = 29550  # the engines' handshake ROUTER on the frontend (--data-parallel-rpc-port)
+# The standalone DPCoordinator's three fixed ZMQ endpoints (vLLM binds them to port 0 by default).
+COORDINATOR_FRONT_PUBLISH_PORT: Final = 29551  # XPUB: stats and wave state to the frontend
+COORDINATOR_BACK_OUTPUT_PORT: Final = 29552  # PULL: engines' stats
+COORDINATOR_BACK_PUBLISH_PORT: Final = 29553  # XPUB: wave start to the engines
 OPERATOR_HEALTH_PORT: Final = 8080
 OPERATOR_METRICS_PORT: Final = 9090
+
+# --- Container paths and environment ----------------------------------------------------------
+ADMIN_TOKEN_DIR: Final = "/var/run/corefleet/admin"
+ADMIN_TOKEN_KEY: Final = "token"  # key in the admin Secret, file name under ADMIN_TOKEN_DIR
+ENV_POD_IP: Final = "POD_IP"
+ENV_POD_NAME: Final = "POD_NAME"
+ENV_POD_NAMESPACE: Final = "POD_NAMESPACE"
+ENV_ADMIN_TOKEN_FILE: Final = "COREFLEET_ADMIN_TOKEN_FILE"
+ENV_SCALE_UP_LAUNCH: Final = "VLLM_ELASTIC_EP_SCALE_UP_LAUNCH"  # only on pods added by a live scale-up
+
+# --- Names of a fleet's children (derived from the EngineCoreSet's name) ------------------------
+
+
+def frontend_name(fleet: str) -> str:
+    return f"{fleet}-frontend"
+
+
+def coordinator_name(fleet: str) -> str:
+    return f"{fleet}-coordinator"
+
+
+def engine_name(fleet: str, rank: int) -> str:
+    return f"{fleet}-engine-{rank}"
+
+
+def fleet_service_name(fleet: str) -> str:
+    """The headless Service giving every fleet pod a stable DNS name."""
+    return f"{fleet}-fleet"
+
+
+def service_name(fleet: str) -> str:
+    """The user's endpoint: HTTP to the frontend."""
+    return fleet
+
+
+def admin_secret_name(fleet: str) -> str:
+    return f"{fleet}-admin"
+
+
+def network_policy_name(fleet: str) -> str:
+    return f"{fleet}-fleet"
+
+
+def pod_dns(fleet: str, pod: str, namespace: str) -> str:
+    """A fleet pod's DNS name through the headless Service (pod hostname + subdomain)."""
+    return f"{pod}.{fleet_service_name(fleet)}.{namespace}.svc"
+
+
+def selector_labels(fleet: str, role: str | None = None) -> dict[str, str]:
+    labels = {LABEL_FLEET: fleet}
+    if role is not None:
+        labels[LABEL_ROLE] = role
+    return labels
+
+
+def engine_selector(fleet: str) -> str:
+    """`status.selector` for the scale subresource: the fleet's engine pods."""
+    return f"{LABEL_FLEET}={fleet},{LABEL_ROLE}={ROLE_ENGINE}"
