@@ -44,10 +44,12 @@ build_k8s() {
   # with the published module of the same release (derived from the release's own go.mod).
   grep -oE '^\s*k8s\.io/[a-z0-9-]+ => \./staging/' "$kgomod" | awk '{print $1}' | sort -u |
     while read -r m; do go mod edit -replace "$m=$m@$stg"; done
-  log "resolving k8s.io/kubernetes v$K8S"
-  go get -tool "k8s.io/kubernetes/cmd/kube-apiserver@v$K8S" \
+  log "resolving k8s.io/kubernetes v$K8S (log: $CACHE/go-get.log)"
+  if ! go get -tool "k8s.io/kubernetes/cmd/kube-apiserver@v$K8S" \
                "k8s.io/kubernetes/cmd/kube-controller-manager@v$K8S" \
-               "k8s.io/kubernetes/cmd/kube-scheduler@v$K8S" >&2
+               "k8s.io/kubernetes/cmd/kube-scheduler@v$K8S" >"$CACHE/go-get.log" 2>&1; then
+    tail -n 40 "$CACHE/go-get.log" >&2; log "go get failed"; return 1
+  fi
   ld="-s -w -X k8s.io/component-base/version.gitVersion=v$K8S -X k8s.io/component-base/version.gitMajor=1"
   ld="$ld -X k8s.io/component-base/version.gitMinor=$minor"
   log "compiling kube-apiserver, kube-controller-manager, kube-scheduler (several minutes when cold)"
@@ -71,10 +73,10 @@ fetch_etcd() {
   mirror=${mirror:-http://deb.debian.org/debian}
   echo "deb $mirror trixie main" >"$tmp/sources.list"
   local apto=(-o Dir::Etc::SourceList="$tmp/sources.list" -o Dir::Etc::SourceParts=/dev/null
-              -o Dir::State::Lists="$tmp/lists" -o Dir::Cache="$tmp/cache")
+              -o Dir::State::Lists="$tmp/lists" -o Dir::Cache="$tmp/cache" -o APT::Sandbox::User=root)
   log "downloading etcd-server from Debian trixie"
-  apt-get "${apto[@]}" update >&2
-  (cd "$tmp/deb" && apt-get "${apto[@]}" download etcd-server >&2)
+  apt-get -q "${apto[@]}" update >/dev/null
+  (cd "$tmp/deb" && apt-get -q "${apto[@]}" download etcd-server >/dev/null)
   dpkg-deb -x "$tmp"/deb/etcd-server_*.deb "$tmp/x"
   local v
   v=$("$tmp/x/usr/bin/etcd" --version | awk '/etcd Version/{print $3}')

@@ -42,20 +42,15 @@ BIN_ENV = "COREFLEET_K8S_BIN"
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
 TOOLS = ("kubectl", "helm")
 ADMIN_TOKEN = "corefleet-admin-token"  # a static token in system:masters; RBAC holds for all others
-# Controllers that need a kubelet, a cloud or node IPAM are off; the rest (garbage collector,
-# namespace, serviceaccount-token, replicaset, ...) run as in a real cluster.
+# Controllers that need a kubelet, volumes or node IPAM are off (names as in v1.37's --help); the rest
+# (garbage collector, namespace, serviceaccount, replicaset, HPA, ...) run as in a real cluster.
 DISABLED_CONTROLLERS = (
-    "nodeipam",
-    "nodelifecycle",
-    "persistentvolume-binder",
-    "attachdetach",
-    "persistentvolume-expander",
-    "ttl",
-    "bootstrapsigner",
-    "tokencleaner",
-    "cloud-node-lifecycle",
-    "route",
-    "service-lb-controller",
+    "node-ipam-controller",
+    "node-lifecycle-controller",
+    "persistentvolume-binder-controller",
+    "persistentvolume-attach-detach-controller",
+    "persistentvolume-expander-controller",
+    "ttl-controller",
 )
 
 
