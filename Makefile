@@ -14,3 +14,13 @@ test: setup
 
 clean-cache:
 	rm -rf $${COREFLEET_CACHE:-$${XDG_CACHE_HOME:-$$HOME/.cache}/corefleet}
+
+.PHONY: generate verify
+
+# Rewrite every generated file (CRD, RBAC, operator Deployment, the chart's copies) from its source.
+generate: setup
+	.venv/bin/python -m corefleet_operator.generate
+
+# Fail (with a diff) if a generated file is stale; hack/test.sh runs the same check.
+verify: setup
+	.venv/bin/python -m corefleet_operator.generate --check

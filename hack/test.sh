@@ -13,6 +13,7 @@ export PATH="$COREFLEET_K8S_BIN:$PWD/$VENV/bin:$PATH"
 echo "== ruff";   ruff check operator client tests bench
 echo "== mypy";   mypy operator/corefleet_operator client/corefleet_client
 echo "== imports"; lint-imports
+echo "== verify"; python -m corefleet_operator.generate --check
 echo "== pytest"
 rc=0
 python -m pytest -m "unit or integration or e2e" "$@" || rc=$?

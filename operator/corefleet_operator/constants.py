@@ -111,3 +111,9 @@ def selector_labels(fleet: str, role: str | None = None) -> dict[str, str]:
 def engine_selector(fleet: str) -> str:
     """`status.selector` for the scale subresource: the fleet's engine pods."""
     return f"{LABEL_FLEET}={fleet},{LABEL_ROLE}={ROLE_ENGINE}"
+
+
+# --- The operator's own install (manifests/ and the Helm chart, generated from one place) -------
+OPERATOR_NAME: Final = "corefleet-operator"  # Deployment, ServiceAccount, ClusterRole(Binding)
+OPERATOR_NAMESPACE: Final = "corefleet-system"  # namespace of the plain-manifest install
+OPERATOR_APP_LABEL: Final = "app.kubernetes.io/name"  # selector label of the operator's pod
