@@ -1,0 +1,500 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Manifests of a fleet's children, as pure functions of the typed spec.
+
+Every builder takes a `FleetRef` (identity plus the parsed `EngineCoreSetSpec`) and a few values
+the operator decides (the data-parallel size to build for, the fleet's incarnation, whether a pod
+joins a running fleet) and returns a plain JSON-able dict: the whole object, ready for server-side
+apply. Builders do no I/O, import neither kopf nor a Kubernetes client (import contract in
+pyproject.toml) and never mutate their input: every Kubernetes pass-through value from the spec
+(resources, env, tolerations, affinity, ...) is deep-copied into plain dicts and lists.
+
+Topology (DESIGN.md §1): one frontend pod (vLLM API server + corefleet's DPLB client + the engines'
+handshake ROUTER + the admin API), one coordinator pod (vLLM's DPCoordinator on fixed ports) and one
+pod per data-parallel rank (a headless vLLM engine core). All of them are bare pods with
+`restartPolicy: Never`: an engine that restarts cannot rejoin the fleet (vllm-protocol.md §0.1.5),
+so a lost pod is a fleet recovery, decided by the operator, never a kubelet restart. Every pod gets
+a stable DNS name `<pod>.<fleet>-fleet.<ns>.svc` (hostname + subdomain + the headless Service with
+`publishNotReadyAddresses`) because ranks must find the frontend before anything is Ready.
+
+Pods carry two annotations the operator compares with what it would build now:
+`ANNOTATION_SPEC_HASH` (`fleet_config_hash`: the configuration every rank must share) and
+`ANNOTATION_GENERATION` (which incarnation of the fleet the pod belongs to).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from corefleet_operator import constants
+from corefleet_operator.models import JSON, EngineCoreSetSpec, FleetRef, to_json
+
+# Fixed names inside the pods (not part of any contract with other components).
+ENGINE_CONTAINER = "engine"
+COORDINATOR_CONTAINER = "coordinator"
+FRONTEND_CONTAINER = "frontend"
+SHM_VOLUME = "dshm"
+ADMIN_TOKEN_VOLUME = "admin-token"
+TERMINATION_GRACE_SECONDS = 30
+PROBE_PERIOD_SECONDS = 10  # startup probes: failureThreshold = ceil(readyTimeoutSeconds / period)
+PROBE_TIMEOUT_SECONDS = 5
+
+# Port names (IANA_SVC_NAME: at most 15 characters), shared by container ports and Services.
+PORT_HTTP = "http"
+PORT_ADMIN = "admin"
+PORT_RPC = "rpc"
+PORT_HEALTH = "health"
+PORT_COORD_FRONT_PUBLISH = "coord-front-pub"
+PORT_COORD_BACK_OUTPUT = "coord-back-out"
+PORT_COORD_BACK_PUBLISH = "coord-back-pub"
+
+COORDINATOR_PORTS: tuple[tuple[str, int], ...] = (
+    (PORT_COORD_FRONT_PUBLISH, constants.COORDINATOR_FRONT_PUBLISH_PORT),
+    (PORT_COORD_BACK_OUTPUT, constants.COORDINATOR_BACK_OUTPUT_PORT),
+    (PORT_COORD_BACK_PUBLISH, constants.COORDINATOR_BACK_PUBLISH_PORT),
+)
+
+ENGINE_COMMAND = ("python", "-m", "corefleet_client.engine")
+COORDINATOR_COMMAND = ("python", "-m", "corefleet_client.coordinator")
+FRONTEND_COMMAND = ("python", "-m", "corefleet_client.frontend")
+# Separates a corefleet launcher's own flags from the vLLM command line it passes on.
+LAUNCHER_ARGS_END = "--"
+
+
+# ---- the fleet-wide configuration hash ----------------------------------------------------------
+def fleet_config_hash(spec: EngineCoreSetSpec, dp_size: int) -> str:
+    """16 hex digits of sha256 over everything every rank of a fleet must agree on.
+
+    A pod whose annotation differs from the hash of the current spec was built for another
+    configuration and cannot join this fleet. The data-parallel size is part of it, so for now a
+    replicas change restarts the fleet. Resize timeouts (`scaling`) and the frontend Service type
+    are not: they change no fleet process.
+    """
+    payload = {
+        "model": spec.model,
+        "image": spec.image,
+        "engine": to_json(spec.engine),
+        "expertParallel": spec.expertParallel,
+        "maxReplicas": spec.max_replicas,
+        "dpSize": dp_size,
+        "scheduling": to_json(spec.scheduling),
+        "frontendPort": spec.frontend.port,
+    }
+    blob = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+# ---- pods ---------------------------------------------------------------------------------------
+def engine_pod(
+    fleet: FleetRef,
+    rank: int,
+    *,
+    dp_size: int,
+    frontend_address: str,
+    scale_up: bool = False,
+    fleet_generation: int = 0,
+) -> JSON:
+    """The pod of data-parallel rank `rank`: one headless vLLM engine core on `tensorParallelSize` GPUs.
+
+    `frontend_address` is the DP master address the engine handshakes with (the frontend pod's DNS
+    name). `scale_up` marks a pod added to a running fleet by a live scale-up
+    (`VLLM_ELASTIC_EP_SCALE_UP_LAUNCH=1`); pods of a fresh or recreated fleet never carry it.
+    """
+    _check_size(dp_size)
+    if not 0 <= rank < dp_size:
+        raise ValueError(f"rank {rank} is outside the fleet of {dp_size} ranks")
+    spec = fleet.spec
+    tp = spec.engine.tensorParallelSize
+    name = constants.engine_name(fleet.name, rank)
+
+    args = [
+        "--health-port", str(constants.ENGINE_HEALTH_PORT),
+        LAUNCHER_ARGS_END,
+        spec.model,
+        "--headless",
+        "--data-parallel-size", str(dp_size),
+        "--data-parallel-size-local", "1",
+        "--data-parallel-start-rank", str(rank),
+        "--data-parallel-address", frontend_address,
+        "--data-parallel-rpc-port", str(constants.DP_RPC_PORT),
+        "--tensor-parallel-size", str(tp),
+        "--load-format", spec.engine.loadFormat,
+        *_expert_parallel_flags(spec, dp_size),
+        *spec.engine.args,
+    ]
+    env = _downward_env()
+    if scale_up:
+        env.append({"name": constants.ENV_SCALE_UP_LAUNCH, "value": "1"})
+    env.extend(_plain(spec.engine.env))
+
+    resources = _plain(spec.engine.resources)
+    for section in ("limits", "requests"):
+        resources.setdefault(section, {})[constants.GPU_RESOURCE] = str(tp)
+
+    container: JSON = {
+        "name": ENGINE_CONTAINER,
+        "image": spec.image,
+        "command": list(ENGINE_COMMAND),
+        "args": args,
+        "env": env,
+        "ports": [_container_port(PORT_HEALTH, constants.ENGINE_HEALTH_PORT)],
+        "resources": resources,
+        "volumeMounts": [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}],
+        # The launcher answers /livez as soon as it runs; /readyz once its engine joined the fleet.
+        "startupProbe": _http_probe("/livez", PORT_HEALTH, failures=_startup_failures(spec)),
+        "livenessProbe": _http_probe("/livez", PORT_HEALTH, failures=3),
+        "readinessProbe": _http_probe("/readyz", PORT_HEALTH, failures=3, period=5),
+    }
+    volumes = [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": spec.engine.shmSize}}]
+    labels = {constants.LABEL_RANK: str(rank)}
+    return _pod(fleet, name, constants.ROLE_ENGINE, container, volumes, dp_size, fleet_generation, labels)
+
+
+def coordinator_pod(fleet: FleetRef, *, dp_size: int, fleet_generation: int = 0) -> JSON:
+    """vLLM's DPCoordinator, run standalone on the three fixed ports the frontend and engines use."""
+    _check_size(dp_size)
+    spec = fleet.spec
+    args = [
+        "--engine-count", str(dp_size),
+        "--host", "0.0.0.0",
+        "--front-publish-port", str(constants.COORDINATOR_FRONT_PUBLISH_PORT),
+        "--back-output-port", str(constants.COORDINATOR_BACK_OUTPUT_PORT),
+        "--back-publish-port", str(constants.COORDINATOR_BACK_PUBLISH_PORT),
+    ]
+    container: JSON = {
+        "name": COORDINATOR_CONTAINER,
+        "image": spec.image,
+        "command": list(COORDINATOR_COMMAND),
+        "args": args,
+        "env": _downward_env(),
+        "ports": [_container_port(name, port) for name, port in COORDINATOR_PORTS],
+        "resources": _plain(spec.coordinator.resources),
+        "readinessProbe": {
+            "tcpSocket": {"port": PORT_COORD_FRONT_PUBLISH},
+            "periodSeconds": 5,
+            "timeoutSeconds": PROBE_TIMEOUT_SECONDS,
+            "failureThreshold": 3,
+        },
+    }
+    name = constants.coordinator_name(fleet.name)
+    return _pod(fleet, name, constants.ROLE_COORDINATOR, container, [], dp_size, fleet_generation)
+
+
+def frontend_pod(fleet: FleetRef, *, dp_size: int, coordinator_address: str, fleet_generation: int = 0) -> JSON:
+    """The vLLM API server with corefleet's DPLB client, the engines' handshake ROUTER and the admin API.
+
+    vLLM's flags mirror the engines' (same model, parallel layout and user args, so the frontend's
+    config matches the ranks': max model length, served model name, tokenizer, ...); it runs no
+    engine itself (`--data-parallel-size-local 0`) and is the DP master at its own pod IP.
+    """
+    _check_size(dp_size)
+    spec = fleet.spec
+    token_file = f"{constants.ADMIN_TOKEN_DIR}/{constants.ADMIN_TOKEN_KEY}"
+    args = [
+        "--admin-port", str(constants.FRONTEND_ADMIN_PORT),
+        "--admin-token-file", token_file,
+        "--coordinator-address", coordinator_address,
+        "--coordinator-front-publish-port", str(constants.COORDINATOR_FRONT_PUBLISH_PORT),
+        "--coordinator-back-output-port", str(constants.COORDINATOR_BACK_OUTPUT_PORT),
+        "--coordinator-back-publish-port", str(constants.COORDINATOR_BACK_PUBLISH_PORT),
+        LAUNCHER_ARGS_END,
+        spec.model,
+        "--host", "0.0.0.0",
+        "--port", str(spec.frontend.port),
+        "--data-parallel-size", str(dp_size),
+        "--data-parallel-size-local", "0",
+        "--data-parallel-address", f"$({constants.ENV_POD_IP})",  # expanded by the kubelet
+        "--data-parallel-rpc-port", str(constants.DP_RPC_PORT),
+        "--tensor-parallel-size", str(spec.engine.tensorParallelSize),
+        *_expert_parallel_flags(spec, dp_size),
+        *spec.engine.args,
+    ]
+    container: JSON = {
+        "name": FRONTEND_CONTAINER,
+        "image": spec.image,
+        "command": list(FRONTEND_COMMAND),
+        "args": args,
+        # The engines' extra env (HF_TOKEN, VLLM_* switches) matters to the frontend's config too.
+        "env": [*_downward_env(), *_plain(spec.engine.env)],
+        "ports": [
+            _container_port(PORT_HTTP, spec.frontend.port),
+            _container_port(PORT_ADMIN, constants.FRONTEND_ADMIN_PORT),
+            _container_port(PORT_RPC, constants.DP_RPC_PORT),
+        ],
+        "resources": _plain(spec.frontend.resources),
+        "volumeMounts": [{"name": ADMIN_TOKEN_VOLUME, "mountPath": constants.ADMIN_TOKEN_DIR, "readOnly": True}],
+        # vLLM serves HTTP only once every engine has handshaked: as slow as the slowest model load.
+        "startupProbe": _http_probe("/health", PORT_HTTP, failures=_startup_failures(spec)),
+        "readinessProbe": _http_probe("/health", PORT_HTTP, failures=3, period=5),
+    }
+    volumes = [{
+        "name": ADMIN_TOKEN_VOLUME,
+        "secret": {"secretName": constants.admin_secret_name(fleet.name)},
+    }]
+    name = constants.frontend_name(fleet.name)
+    return _pod(fleet, name, constants.ROLE_FRONTEND, container, volumes, dp_size, fleet_generation)
+
+
+# ---- services, secret, network policy -----------------------------------------------------------
+def frontend_service(fleet: FleetRef) -> JSON:
+    """The user's endpoint `<fleet>`: HTTP to the frontend pod."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(fleet, constants.service_name(fleet.name)),
+        "spec": {
+            "type": fleet.spec.frontend.service.type,
+            "selector": constants.selector_labels(fleet.name, constants.ROLE_FRONTEND),
+            "ports": [_service_port(PORT_HTTP, fleet.spec.frontend.port, target=PORT_HTTP)],
+        },
+    }
+
+
+def fleet_service(fleet: FleetRef) -> JSON:
+    """Headless Service `<fleet>-fleet`: stable DNS for every fleet pod, Ready or not."""
+    ports = [_service_port(PORT_RPC, constants.DP_RPC_PORT)]
+    ports += [_service_port(name, port) for name, port in COORDINATOR_PORTS]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(fleet, constants.fleet_service_name(fleet.name)),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": constants.selector_labels(fleet.name),
+            "ports": ports,
+        },
+    }
+
+
+def admin_secret(fleet: FleetRef, token: str) -> JSON:
+    """Secret `<fleet>-admin` with the frontend admin API's bearer token (as `data`, which the API
+    server stores verbatim, so server-side apply round-trips without a diff)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _metadata(fleet, constants.admin_secret_name(fleet.name)),
+        "type": "Opaque",
+        "data": {constants.ADMIN_TOKEN_KEY: base64.b64encode(token.encode()).decode("ascii")},
+    }
+
+
+def network_policy(fleet: FleetRef) -> JSON | None:
+    """Ingress rules for the fleet's pods, or None unless `spec.networkPolicy`.
+
+    Fleet pods reach each other on every TCP port (vLLM's data-plane ports are ephemeral); anyone
+    reaches the frontend's HTTP port; only the operator's pods (any namespace) reach the admin port.
+    One policy selects all fleet pods, so the HTTP port is open on each of them, but only the
+    frontend listens there.
+    """
+    if not fleet.spec.networkPolicy:
+        return None
+    def fleet_pods() -> JSON:  # a fresh dict per use: no object is shared within the output
+        return {"matchLabels": constants.selector_labels(fleet.name)}
+
+    operator_pods = {"matchLabels": {constants.OPERATOR_APP_LABEL: constants.OPERATOR_NAME}}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(fleet, constants.network_policy_name(fleet.name)),
+        "spec": {
+            "podSelector": fleet_pods(),
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"podSelector": fleet_pods()}], "ports": [{"protocol": "TCP"}]},
+                {"ports": [{"protocol": "TCP", "port": fleet.spec.frontend.port}]},
+                {
+                    "from": [{"namespaceSelector": {}, "podSelector": operator_pods}],
+                    "ports": [{"protocol": "TCP", "port": constants.FRONTEND_ADMIN_PORT}],
+                },
+            ],
+        },
+    }
+
+
+# ---- the whole fleet ----------------------------------------------------------------------------
+def fleet_children(
+    fleet: FleetRef,
+    *,
+    dp_size: int,
+    admin_token: str,
+    fleet_generation: int = 0,
+    scale_up_ranks: frozenset[int] = frozenset(),
+) -> list[JSON]:
+    """Every object of a fleet of `dp_size` ranks, in a stable order: the Secret, the Services, the
+    NetworkPolicy (if any), the coordinator, the frontend, then the engines by rank."""
+    _check_size(dp_size)
+    unknown = sorted(r for r in scale_up_ranks if not 0 <= r < dp_size)
+    if unknown:
+        raise ValueError(f"scale-up ranks {unknown} are outside the fleet of {dp_size} ranks")
+    ns = fleet.namespace
+    frontend_address = constants.pod_dns(fleet.name, constants.frontend_name(fleet.name), ns)
+    coordinator_address = constants.pod_dns(fleet.name, constants.coordinator_name(fleet.name), ns)
+    children = [admin_secret(fleet, admin_token), frontend_service(fleet), fleet_service(fleet)]
+    policy = network_policy(fleet)
+    if policy is not None:
+        children.append(policy)
+    children.append(coordinator_pod(fleet, dp_size=dp_size, fleet_generation=fleet_generation))
+    children.append(frontend_pod(fleet, dp_size=dp_size, coordinator_address=coordinator_address,
+                                 fleet_generation=fleet_generation))
+    children += [
+        engine_pod(fleet, rank, dp_size=dp_size, frontend_address=frontend_address,
+                   scale_up=rank in scale_up_ranks, fleet_generation=fleet_generation)
+        for rank in range(dp_size)
+    ]
+    return children
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+def _check_size(dp_size: int) -> None:
+    if dp_size < 1:
+        raise ValueError(f"a fleet needs at least one rank, not {dp_size}")
+
+
+def _plain(value: Any) -> Any:
+    """A deep copy as plain dicts and lists (the spec's pass-through types are dict/list subclasses,
+    which YAML's safe dumper and JSON patching must not see)."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _owner_reference(fleet: FleetRef) -> JSON:
+    return {
+        "apiVersion": constants.API_VERSION,
+        "kind": constants.KIND,
+        "name": fleet.name,
+        "uid": fleet.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _labels(fleet: FleetRef, role: str | None = None, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    labels = {constants.LABEL_MANAGED_BY: constants.MANAGED_BY, **constants.selector_labels(fleet.name, role)}
+    labels.update(extra or {})
+    return labels
+
+
+def _metadata(
+    fleet: FleetRef,
+    name: str,
+    role: str | None = None,
+    *,
+    labels: Mapping[str, str] | None = None,
+    annotations: Mapping[str, str] | None = None,
+) -> JSON:
+    meta: JSON = {
+        "name": name,
+        "namespace": fleet.namespace,
+        "labels": _labels(fleet, role, labels),
+        "ownerReferences": [_owner_reference(fleet)],
+    }
+    if annotations:
+        meta["annotations"] = dict(annotations)
+    return meta
+
+
+def _scheduling(spec: EngineCoreSetSpec) -> JSON:
+    """The pod spec's placement fields, only those the user set."""
+    s = spec.scheduling
+    out: JSON = {}
+    if s.nodeSelector:
+        out["nodeSelector"] = _plain(s.nodeSelector)
+    if s.tolerations:
+        out["tolerations"] = _plain(s.tolerations)
+    if s.affinity:
+        out["affinity"] = _plain(s.affinity)
+    if s.priorityClassName:
+        out["priorityClassName"] = s.priorityClassName
+    if s.schedulerName:
+        out["schedulerName"] = s.schedulerName
+    return out
+
+
+def _pod(
+    fleet: FleetRef,
+    name: str,
+    role: str,
+    container: JSON,
+    volumes: Iterable[JSON],
+    dp_size: int,
+    fleet_generation: int,
+    labels: Mapping[str, str] | None = None,
+) -> JSON:
+    annotations = {
+        constants.ANNOTATION_SPEC_HASH: fleet_config_hash(fleet.spec, dp_size),
+        constants.ANNOTATION_GENERATION: str(fleet_generation),
+    }
+    spec: JSON = {
+        # Never restarted in place: a fleet process that died cannot rejoin (the operator recreates the fleet).
+        "restartPolicy": "Never",
+        # <name>.<fleet>-fleet.<ns>.svc through the headless Service, before the pod is Ready.
+        "hostname": name,
+        "subdomain": constants.fleet_service_name(fleet.name),
+        # No <SVC>_PORT variables: a Service named e.g. `vllm` would set VLLM_PORT and break vLLM.
+        "enableServiceLinks": False,
+        # Fleet processes never call the Kubernetes API.
+        "automountServiceAccountToken": False,
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
+        "containers": [container],
+        **_scheduling(fleet.spec),
+    }
+    volumes = list(volumes)
+    if volumes:
+        spec["volumes"] = volumes
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": _metadata(fleet, name, role, labels=labels, annotations=annotations),
+        "spec": spec,
+    }
+
+
+def _downward_env() -> list[JSON]:
+    return [
+        {"name": constants.ENV_POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": constants.ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": constants.ENV_POD_NAMESPACE, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+    ]
+
+
+def _expert_parallel_flags(spec: EngineCoreSetSpec, dp_size: int) -> list[str]:
+    """MoE elastic EP flags, identical on the frontend and every rank. vLLM rejects a maximum below
+    the current size, so a fleet built at a size above the spec's maximum (recovering at the last
+    committed size while the spec shrank) gets its own size as the maximum."""
+    if not spec.expertParallel:
+        return []
+    return [
+        "--enable-expert-parallel",
+        "--enable-elastic-ep",
+        "--enable-eplb",
+        "--elastic-ep-max-dp-size", str(max(spec.max_replicas, dp_size)),
+    ]
+
+
+def _startup_failures(spec: EngineCoreSetSpec) -> int:
+    return math.ceil(spec.scaling.readyTimeoutSeconds / PROBE_PERIOD_SECONDS)
+
+
+def _http_probe(path: str, port: str, *, failures: int, period: int = PROBE_PERIOD_SECONDS) -> JSON:
+    return {
+        "httpGet": {"path": path, "port": port},
+        "periodSeconds": period,
+        "timeoutSeconds": PROBE_TIMEOUT_SECONDS,
+        "failureThreshold": failures,
+    }
+
+
+def _container_port(name: str, port: int) -> JSON:
+    return {"name": name, "containerPort": port, "protocol": "TCP"}
+
+
+def _service_port(name: str, port: int, *, target: str | int | None = None) -> JSON:
+    return {"name": name, "port": port, "targetPort": port if target is None else target, "protocol": "TCP"}
