@@ -151,6 +151,8 @@ def crd() -> JSON:
                     "description": "A data-parallel fleet of vLLM engine cores behind one OpenAI-compatible "
                                    "frontend, resized in place without Ray.",
                     "required": ["spec"],
+                    "x-kubernetes-validations": [{"rule": rule, "message": message}
+                                                 for rule, message in EngineCoreSetSpec.OBJECT_CEL_RULES],
                     "properties": {
                         "apiVersion": {"type": "string"},
                         "kind": {"type": "string"},

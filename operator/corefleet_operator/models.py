@@ -185,6 +185,14 @@ class EngineCoreSetSpec:
     CEL_RULES: ClassVar[tuple[tuple[str, str], ...]] = (
         ("!has(self.maxReplicas) || self.replicas <= self.maxReplicas",
          "replicas must not exceed maxReplicas"),
+        ("!(self.frontend.port in [8001, 29550])",
+         "frontend.port must not be 8001 or 29550: they carry the fleet's admin and handshake traffic"),
+    )
+    # CEL rules on the whole object (metadata.name becomes part of child names and DNS labels).
+    OBJECT_CEL_RULES: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("self.metadata.name.size() <= 48 && self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",
+         "metadata.name must be a DNS label of at most 48 characters starting with a letter: it names the "
+         "fleet's Service and its pods' hostnames"),
     )
     # Fields that cannot change in place (CEL transition rules).
     IMMUTABLE: ClassVar[tuple[str, ...]] = ("expertParallel",)
@@ -209,6 +217,9 @@ class EngineCoreSetSpec:
             raise SpecError("spec.engine.args", f"{reserved} is set by corefleet and cannot be overridden")
         if self.frontend.port in RESERVED_PORTS:
             raise SpecError("spec.frontend.port", f"port {self.frontend.port} is reserved for fleet traffic")
+        for i, var in enumerate(self.engine.env):
+            if var.get("name") in RESERVED_ENV:
+                raise SpecError(f"spec.engine.env[{i}].name", f"{var['name']} is set by corefleet")
 
 
 @dataclass(frozen=True)
@@ -226,8 +237,11 @@ RESERVED_FLAGS = (
     "--data-parallel-size", "-dp", "--data-parallel-size-local", "-dpl", "--data-parallel-rank", "-dpn",
     "--data-parallel-start-rank", "-dpr", "--data-parallel-address", "-dpa", "--data-parallel-rpc-port",
     "-dpp", "--headless", "--tensor-parallel-size", "-tp", "--port", "--host", "--elastic-ep-max-dp-size",
-    "--enable-elastic-ep", "--api-server-count", "--load-format",
+    "--enable-elastic-ep", "--api-server-count", "--load-format", "--enable-expert-parallel", "-ep",
+    "--enable-eplb", "--data-parallel-backend", "-dpb", "--data-parallel-hybrid-lb", "--data-parallel-external-lb",
+    "--nnodes", "--node-rank", "--master-addr", "--model", "--health-port", "--",
 )
+RESERVED_ENV = ("POD_IP", "POD_NAME", "POD_NAMESPACE", "VLLM_ELASTIC_EP_SCALE_UP_LAUNCH")
 RESERVED_PORTS = (8001, 29550)
 
 
@@ -241,7 +255,8 @@ def _reserved_flag(args: tuple[str, ...]) -> str | None:
 
 # ---- status -----------------------------------------------------------------------------------
 RankPhase = Literal["Pending", "Joining", "Serving", "Draining", "Retired", "Failed"]
-FleetPhase = Literal["Pending", "Starting", "Running", "Scaling", "Recovering", "Degraded", "Failed"]
+FleetPhase = Literal["Pending", "Starting", "Running", "Restarting", "Scaling", "Recovering", "Stopped", "Degraded",
+                     "Failed"]
 OperationPhase = Literal["Preparing", "Committing", "Draining", "Completed", "Failed"]
 
 
@@ -252,8 +267,8 @@ class Condition:
     type: str = field(metadata=meta("Condition type (Available, Progressing, Scaling, Degraded)."))
     status: Literal["True", "False", "Unknown"] = field(metadata=meta("Condition status."))
     reason: str = field(metadata=meta("CamelCase reason.", pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"))
+    lastTransitionTime: str = field(metadata=meta("When the status last flipped.", format="date-time"))
     message: str = field(default="", metadata=meta("Human-readable details."))
-    lastTransitionTime: str = field(default="", metadata=meta("When the status last flipped.", format="date-time"))
     observedGeneration: int = field(default=0, metadata=meta("Generation the condition was computed for.",
                                                              minimum=0))
 
@@ -272,7 +287,7 @@ class OperationStatus:
     fromReplicas: int = field(metadata=meta("Committed size before.", minimum=0))
     toReplicas: int = field(metadata=meta("Target size.", minimum=0))
     phase: OperationPhase = field(metadata=meta("Phase of the resize."))
-    startedAt: str = field(default="", metadata=meta("When it started.", format="date-time"))
+    startedAt: str | None = field(default=None, metadata=meta("When it started.", format="date-time"))
     message: str = field(default="", metadata=meta("Details or the failure reason."))
 
 
@@ -288,6 +303,10 @@ class EngineCoreSetStatus:
     operation: OperationStatus | None = field(default=None, metadata=meta("The resize in flight, if any."))
     recoveries: int = field(default=0, metadata=meta(
         "How many times the fleet was recreated after losing a rank.", minimum=0))
+    fleetGeneration: int = field(default=0, metadata=meta(
+        "Incarnation of the fleet: goes up each time all its pods are recreated (a spec change that "
+        "needs identical ranks, or a recovery). Every fleet pod carries the incarnation it belongs to.",
+        minimum=0))
     endpoint: str = field(default="", metadata=meta("The OpenAI-compatible endpoint (Service URL)."))
 
     @classmethod
