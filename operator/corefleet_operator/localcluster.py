@@ -435,8 +435,47 @@ def mark_bound_pods_running(cp: LocalControlPlane, namespace: str,
     return moved
 
 
+def finish_pod_deletions(cp: LocalControlPlane, namespace: str) -> list[str]:
+    """Kubelet stand-in: pods being deleted gracefully are removed, as a kubelet does once their
+    containers stopped (without it, a pod bound to a node keeps its deletionTimestamp forever)."""
+    done = []
+    for pod in cp.request("GET", f"/api/v1/namespaces/{namespace}/pods")["items"]:
+        meta = pod["metadata"]
+        if not meta.get("deletionTimestamp"):
+            continue
+        try:
+            cp.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/{meta['name']}",
+                       {"gracePeriodSeconds": 0, "preconditions": {"uid": meta["uid"]}})
+        except urllib.error.HTTPError as e:
+            if e.code not in (404, 409):
+                raise
+            continue
+        done.append(meta["name"])
+    return done
+
+
+def fail_pod(cp: LocalControlPlane, namespace: str, name: str, exit_code: int = 137,
+             reason: str = "OOMKilled") -> None:
+    """Make a running pod's containers exit, as a kubelet reports it (restartPolicy Never: Failed)."""
+    pod = cp.request("GET", f"/api/v1/namespaces/{namespace}/pods/{name}")
+    now = _now()
+    status = {
+        "phase": "Failed",
+        "conditions": [{"type": "Ready", "status": "False", "lastTransitionTime": now}],
+        "containerStatuses": [
+            {"name": c["name"], "image": c["image"], "imageID": "", "ready": False, "started": False,
+             "restartCount": 0, "state": {"terminated": {"exitCode": exit_code, "reason": reason,
+                                                         "startedAt": now, "finishedAt": now}}}
+            for c in pod["spec"]["containers"]
+        ],
+    }
+    cp.request("PATCH", f"/api/v1/namespaces/{namespace}/pods/{name}/status", {"status": status},
+               content_type="application/merge-patch+json")
+
+
 class KubeletStandIn:
-    """A background thread that keeps calling `mark_bound_pods_running` for some namespaces."""
+    """A background thread that plays the kubelet for some namespaces: it starts scheduled pods
+    (`mark_bound_pods_running`) and completes graceful deletions (`finish_pod_deletions`)."""
 
     def __init__(self, cp: LocalControlPlane, namespaces: list[str], interval: float = 0.2) -> None:
         self._cp, self._namespaces, self._interval = cp, namespaces, interval
@@ -449,6 +488,7 @@ class KubeletStandIn:
             for ns in self._namespaces:
                 try:
                     mark_bound_pods_running(self._cp, ns)
+                    finish_pod_deletions(self._cp, ns)
                 except Exception as e:  # surfaced by stop(); the loop keeps serving
                     self.errors.append(e)
             self._stop.wait(self._interval)

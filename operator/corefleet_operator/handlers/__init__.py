@@ -6,6 +6,6 @@ Importing this package registers the handlers with kopf's default registry.
 
 from __future__ import annotations
 
-from corefleet_operator.handlers import lifecycle
+from corefleet_operator.handlers import fleet, lifecycle
 
-__all__ = ["lifecycle"]
+__all__ = ["fleet", "lifecycle"]

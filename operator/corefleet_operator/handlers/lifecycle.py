@@ -8,6 +8,7 @@ from typing import Any
 import kopf
 
 from corefleet_operator import constants
+from corefleet_operator.kube import Kube, connection_info
 
 
 def configure_settings(settings: kopf.OperatorSettings) -> None:
@@ -28,6 +29,26 @@ def configure_settings(settings: kopf.OperatorSettings) -> None:
     settings.networking.connect_timeout = 30
 
 
+    # Server-side filtering: the operator only ever receives the children it manages.
+    owned = f"{constants.LABEL_MANAGED_BY}={constants.MANAGED_BY}"
+    for resource in ("pods", "services", "secrets", "networkpolicies"):
+        settings.watching.label_selectors[resource] = owned
+
+
+@kopf.on.login()
+def login(**_: Any) -> kopf.ConnectionInfo:
+    return connection_info()
+
+
 @kopf.on.startup()
-def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     configure_settings(settings)
+    memo.kube = Kube()
+    memo.wakeups = {}  # (namespace, name) -> the fleet daemon's wake-up event
+
+
+@kopf.on.cleanup()
+async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    kube = getattr(memo, "kube", None)
+    if kube is not None:
+        await kube.close()

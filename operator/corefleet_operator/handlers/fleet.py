@@ -1,0 +1,250 @@
+# SPDX-License-Identifier: Apache-2.0
+"""EngineCoreSet reconciliation: one path, triggered by everything that can change the answer.
+
+One kopf daemon per EngineCoreSet runs `reconcile` — observe, plan (pure), write the status once if
+it changed, carry out the actions, emit events — and then sleeps until something wakes it: a
+change of the EngineCoreSet, a change of one of its children (pods, Services, Secret,
+NetworkPolicy, all watched through kopf indexes with a server-side label selector), or the timer.
+The daemon is also what runs on operator start (resume) and on create; there are no
+create/update handlers, so kopf keeps no progress or diff-base of its own on our objects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import copy
+import datetime
+import logging
+import secrets
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import kopf
+
+from corefleet_operator import constants
+from corefleet_operator.kube import Kube, KubeError
+from corefleet_operator.models import EngineCoreSetSpec, EngineCoreSetStatus, FleetRef, SpecError
+from corefleet_operator.planner import Apply, Delete, Observed, Plan, PodObs, plan, plan_invalid
+from corefleet_operator.status import status_patch
+
+logger = logging.getLogger(__name__)
+
+RESYNC_SECONDS = 60.0  # the timer: reconcile at least this often even if nothing was seen
+MAX_BACKOFF_SECONDS = 60.0
+ECS = (constants.GROUP, constants.VERSION, constants.PLURAL)
+# Children of a fleet. (The server-side label selector set at startup already limits the watches
+# to objects managed by corefleet; see handlers/lifecycle.py.)
+OWNED = {constants.LABEL_FLEET: kopf.PRESENT}
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# ---- observation: compact copies of the children, kept by kopf's indexes ----------------------
+def pod_obs(name: str, meta: Mapping[str, Any], spec: Mapping[str, Any], status: Mapping[str, Any]) -> PodObs:
+    """The planner's view of one pod (a kopf index value: small, immutable)."""
+    labels = meta.get("labels") or {}
+    annotations = meta.get("annotations") or {}
+    conditions = {c.get("type"): c for c in status.get("conditions") or []}
+    ready = (conditions.get("Ready") or {}).get("status") == "True"
+    message = ""
+    phase = status.get("phase") or "Pending"
+    if phase in ("Failed", "Succeeded"):
+        for cs in status.get("containerStatuses") or []:
+            term = (cs.get("state") or {}).get("terminated")
+            if term:
+                message = f"container {cs.get('name')} exited with {term.get('exitCode')}"
+                if term.get("reason"):
+                    message += f" ({term['reason']})"
+                break
+        message = message or status.get("message") or status.get("reason") or ""
+    elif not spec.get("nodeName"):
+        scheduled = conditions.get("PodScheduled") or {}
+        if scheduled.get("status") == "False":
+            message = scheduled.get("message") or scheduled.get("reason") or ""
+    rank = labels.get(constants.LABEL_RANK)
+    try:
+        generation = int(annotations.get(constants.ANNOTATION_GENERATION, "0"))
+    except ValueError:
+        generation = 0
+    return PodObs(
+        name=name,
+        uid=str(meta.get("uid", "")),
+        role=str(labels.get(constants.LABEL_ROLE, "")),
+        rank=int(rank) if rank is not None and str(rank).isdigit() else None,
+        phase=phase,
+        ready=ready,
+        terminating=bool(meta.get("deletionTimestamp")),
+        spec_hash=str(annotations.get(constants.ANNOTATION_SPEC_HASH, "")),
+        fleet_generation=generation,
+        node=str(spec.get("nodeName") or ""),
+        ip=str(status.get("podIP") or ""),
+        message=message,
+    )
+
+
+def _fleet_key(namespace: str | None, labels: Mapping[str, str]) -> tuple[str, str]:
+    return str(namespace), labels[constants.LABEL_FLEET]
+
+
+@kopf.index("pods", labels=OWNED)
+def fleet_pods(name: str, namespace: str | None, labels: Mapping[str, str], meta: kopf.Meta,
+               spec: kopf.Spec, status: kopf.Status, **_: Any) -> dict[tuple[str, str], PodObs]:
+    return {_fleet_key(namespace, labels): pod_obs(name, meta, spec, status)}
+
+
+def _object(kind: str, body: Mapping[str, Any]) -> tuple[str, str, dict[str, Any]]:
+    return kind, str(body["metadata"]["name"]), copy.deepcopy(dict(body))
+
+
+@kopf.index("services", labels=OWNED)
+def fleet_services(namespace: str | None, labels: Mapping[str, str], body: kopf.Body,
+                   **_: Any) -> dict[tuple[str, str], tuple[str, str, dict[str, Any]]]:
+    return {_fleet_key(namespace, labels): _object("Service", body)}
+
+
+@kopf.index("secrets", labels=OWNED)
+def fleet_secrets(namespace: str | None, labels: Mapping[str, str], body: kopf.Body,
+                  **_: Any) -> dict[tuple[str, str], tuple[str, str, dict[str, Any]]]:
+    return {_fleet_key(namespace, labels): _object("Secret", body)}
+
+
+@kopf.index("networking.k8s.io", "v1", "networkpolicies", labels=OWNED)
+def fleet_netpols(namespace: str | None, labels: Mapping[str, str], body: kopf.Body,
+                  **_: Any) -> dict[tuple[str, str], tuple[str, str, dict[str, Any]]]:
+    return {_fleet_key(namespace, labels): _object("NetworkPolicy", body)}
+
+
+# ---- wake-ups ---------------------------------------------------------------------------------
+def _wake(memo: Any, key: tuple[str, str]) -> None:
+    event = memo.wakeups.get(key) if hasattr(memo, "wakeups") else None
+    if event is not None:
+        event.set()
+
+
+@kopf.on.event("pods", labels=OWNED)
+@kopf.on.event("services", labels=OWNED)
+@kopf.on.event("secrets", labels=OWNED)
+@kopf.on.event("networking.k8s.io", "v1", "networkpolicies", labels=OWNED)
+def child_changed(namespace: str | None, labels: Mapping[str, str], memo: Any, **_: Any) -> None:
+    _wake(memo, _fleet_key(namespace, labels))
+
+
+@kopf.on.event(*ECS)
+def fleet_changed(name: str, namespace: str | None, memo: Any, **_: Any) -> None:
+    _wake(memo, (str(namespace), name))
+
+
+# ---- the reconcile path -----------------------------------------------------------------------
+def admin_token(objects: Mapping[tuple[str, str], Mapping[str, Any]], fleet: str, fallback: str) -> str:
+    secret = objects.get(("Secret", constants.admin_secret_name(fleet)))
+    encoded = ((secret or {}).get("data") or {}).get(constants.ADMIN_TOKEN_KEY)
+    if encoded:
+        return base64.b64decode(encoded).decode()
+    return fallback
+
+
+def observe(body: Mapping[str, Any], stored_status: Mapping[str, Any] | None, pods: Iterable[PodObs],
+            objects: Iterable[tuple[str, str, dict[str, Any]]], token: str) -> Observed:
+    by_key = {(kind, name): obj for kind, name, obj in objects}
+    return Observed(
+        generation=int(body["metadata"].get("generation") or 0),
+        status=EngineCoreSetStatus.parse(stored_status),
+        pods=tuple(sorted(pods, key=lambda p: p.name)),
+        objects=by_key,
+        admin_token=admin_token(by_key, str(body["metadata"]["name"]), token),
+    )
+
+
+def make_plan(body: Mapping[str, Any], observed: Observed) -> Plan:
+    meta = body["metadata"]
+    try:
+        spec = EngineCoreSetSpec.parse(body.get("spec") or {})
+    except SpecError as e:
+        return plan_invalid(e, observed, now())
+    fleet = FleetRef(name=str(meta["name"]), namespace=str(meta["namespace"]), uid=str(meta["uid"]), spec=spec)
+    return plan(fleet, observed, now())
+
+
+async def carry_out(kube: Kube, namespace: str, the_plan: Plan) -> None:
+    for action in the_plan.actions:
+        if isinstance(action, Apply):
+            await kube.apply(action.obj)
+        elif isinstance(action, Delete):
+            await kube.delete(action.api_version, action.kind, namespace, action.name, action.uid)
+
+
+class FleetReconciler:
+    """The state one daemon keeps between its reconciles: only caches of its own writes."""
+
+    def __init__(self, kube: Kube, body: kopf.Body) -> None:
+        self.kube = kube
+        self.body = body
+        self.written_status: dict[str, Any] | None = None  # what we last wrote (the watch may lag)
+        self.token = secrets.token_urlsafe(32)  # used only until the admin Secret is observed
+
+    async def reconcile(self, indexes: Mapping[str, kopf.Index[Any, Any]]) -> None:
+        body = self.body
+        meta = body["metadata"]
+        if meta.get("deletionTimestamp"):
+            return  # owned children go with the EngineCoreSet (garbage collection)
+        name, namespace = str(meta["name"]), str(meta["namespace"])
+        key = (namespace, name)
+        stored = self.written_status if self.written_status is not None else dict(body.get("status") or {})
+        objects = [o for idx in ("fleet_services", "fleet_secrets", "fleet_netpols") for o in indexes[idx].get(key, [])]
+        observed = observe(body, stored, indexes["fleet_pods"].get(key, []), objects, self.token)
+        the_plan = make_plan(body, observed)
+        patch = status_patch(stored, the_plan.status)
+        if patch is not None:
+            await self.kube.patch_status(namespace, name, patch)
+            self.written_status = the_plan.status.to_json()
+        await carry_out(self.kube, namespace, the_plan)
+        for ev in the_plan.events:
+            kopf.event(body, type=ev.type, reason=ev.reason, message=ev.message)
+
+
+INDEXES = ("fleet_pods", "fleet_services", "fleet_secrets", "fleet_netpols")
+
+
+@kopf.daemon(*ECS, cancellation_timeout=30.0)
+async def fleet(body: kopf.Body, name: str, namespace: str | None, memo: Any, stopped: kopf.DaemonStopped,
+                logger: kopf.Logger, **kwargs: Any) -> None:
+    """One per EngineCoreSet: reconcile, then sleep until woken (or the resync timer)."""
+    key = (str(namespace), name)
+    wake = asyncio.Event()
+    memo.wakeups[key] = wake
+    reconciler = FleetReconciler(memo.kube, body)
+    indexes: dict[str, kopf.Index[Any, Any]] = {idx: kwargs[idx] for idx in INDEXES}  # kopf passes them by name
+    backoff = 1.0
+    try:
+        while not stopped:
+            wake.clear()
+            delay = RESYNC_SECONDS
+            try:
+                await reconciler.reconcile(indexes)
+                backoff = 1.0
+            except (TimeoutError, KubeError, OSError) as e:
+                logger.warning("reconcile failed, retrying in %.0f s: %s", backoff, e)
+                delay, backoff = backoff, min(backoff * 2, MAX_BACKOFF_SECONDS)
+                if isinstance(e, KubeError) and e.status == 409:
+                    reconciler.written_status = None  # someone else wrote the status: read it again
+            except Exception:
+                logger.exception("reconcile failed unexpectedly, retrying in %.0f s", backoff)
+                delay, backoff = backoff, min(backoff * 2, MAX_BACKOFF_SECONDS)
+            await _sleep(wake, stopped, delay)
+    finally:
+        if memo.wakeups.get(key) is wake:
+            del memo.wakeups[key]
+
+
+async def _sleep(wake: asyncio.Event, stopped: kopf.DaemonStopped, seconds: float) -> None:
+    """Until woken, stopped, or `seconds` pass."""
+    waiter = asyncio.ensure_future(wake.wait())
+    stopper = asyncio.ensure_future(stopped.wait())  # kopf's awaitable promise, not a coroutine
+    try:
+        await asyncio.wait({waiter, stopper}, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (waiter, stopper):
+            t.cancel()

@@ -1,0 +1,192 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The one thin adapter between corefleet and the Kubernetes API.
+
+Server-side apply with a fixed field manager, deletes by name with a UID precondition, status
+merge patches; 404/409 handling and logging in one place; every request counted (by verb and
+resource) for the metrics and the benchmarks. Credentials come from kopf's own login helpers
+(in-cluster service account or kubeconfig) and are refreshed on 401.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import ssl
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+import kopf
+
+from corefleet_operator import constants
+
+logger = logging.getLogger(__name__)
+
+# kind -> plural, for the objects corefleet reads and writes.
+PLURALS = {
+    "Pod": "pods",
+    "Service": "services",
+    "Secret": "secrets",
+    "NetworkPolicy": "networkpolicies",
+    "Event": "events",
+    constants.KIND: constants.PLURAL,
+}
+
+
+class KubeError(RuntimeError):
+    def __init__(self, method: str, path: str, status: int, body: str) -> None:
+        try:
+            detail = json.loads(body).get("message", body)
+        except ValueError:
+            detail = body
+        super().__init__(f"{method} {path}: {status} {detail}")
+        self.status = status
+        self.detail = detail
+
+
+def object_path(api_version: str, kind: str, namespace: str, name: str | None = None) -> str:
+    base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
+    path = f"{base}/namespaces/{namespace}/{PLURALS[kind]}"
+    return f"{path}/{name}" if name else path
+
+
+def connection_info() -> kopf.ConnectionInfo:
+    """Credentials through the Kubernetes client library: in-cluster service account, else kubeconfig.
+
+    Unlike kopf's `login_via_client`, the kubeconfig path is read from $KUBECONFIG when this runs
+    (the library reads the variable once, when it is imported). Bearer tokens, client certificates
+    and exec/auth-provider plugins all end up in the library's Configuration, read here.
+    """
+    import kubernetes.client
+    import kubernetes.config
+
+    cfg = kubernetes.client.Configuration()
+    try:
+        kubernetes.config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
+    except kubernetes.config.ConfigException:
+        path = os.environ.get("KUBECONFIG") or os.path.expanduser("~/.kube/config")
+        try:
+            kubernetes.config.load_kube_config(config_file=path,  # type: ignore[no-untyped-call]
+                                               client_configuration=cfg)
+        except kubernetes.config.ConfigException as e:
+            raise kopf.LoginError(f"no Kubernetes credentials in-cluster or in {path}: {e}") from e
+    header = cfg.get_api_key_with_prefix("BearerToken") or cfg.get_api_key_with_prefix("authorization")
+    scheme, _, token = (header or "").rpartition(" ")
+    return kopf.ConnectionInfo(
+        server=cfg.host,
+        ca_path=cfg.ssl_ca_cert,
+        insecure=not cfg.verify_ssl,
+        scheme=scheme or None,
+        token=token or None,
+        certificate_path=cfg.cert_file,
+        private_key_path=cfg.key_file,
+    )
+
+
+def resource_of(path: str) -> str:
+    """`/api/v1/namespaces/ns/pods/p/status` -> `pods/status` (for counting requests)."""
+    parts = path.split("?")[0].strip("/").split("/")
+    if "namespaces" in parts and len(parts) > parts.index("namespaces") + 2:
+        parts = parts[parts.index("namespaces") + 2:]
+    else:
+        parts = parts[2:] if parts[0] == "api" else parts[3:]
+    return "/".join(parts[:1] + parts[2:3])
+
+
+class Kube:
+    """An aiohttp client for the API server, created inside kopf's event loop."""
+
+    def __init__(self, info: kopf.ConnectionInfo | None = None, *, timeout: float = 30.0) -> None:
+        self._info = info
+        self._session: aiohttp.ClientSession | None = None
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._lock = asyncio.Lock()
+        self.requests: Counter[tuple[str, str]] = Counter()  # (verb, resource) -> count
+
+    async def _login(self) -> kopf.ConnectionInfo:
+        return await asyncio.to_thread(connection_info)
+
+    async def _ensure(self) -> aiohttp.ClientSession:
+        async with self._lock:
+            if self._session is None:
+                info = self._info or await self._login()
+                self._info = info
+                ctx = ssl.create_default_context()
+                if info.ca_path:
+                    ctx.load_verify_locations(cafile=str(info.ca_path))
+                elif info.ca_data:
+                    data = info.ca_data.decode() if isinstance(info.ca_data, bytes) else info.ca_data
+                    ctx.load_verify_locations(cadata=data)
+                if info.insecure:
+                    ctx.check_hostname = False
+                    ctx.verify_mode = ssl.CERT_NONE
+                if info.certificate_path and info.private_key_path:
+                    ctx.load_cert_chain(str(info.certificate_path), str(info.private_key_path))
+                headers = {"Authorization": f"{info.scheme or 'Bearer'} {info.token}"} if info.token else {}
+                self._session = aiohttp.ClientSession(
+                    base_url=info.server.rstrip("/"), headers=headers, timeout=self._timeout,
+                    connector=aiohttp.TCPConnector(ssl=ctx, limit=20),
+                )
+            return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def request(self, method: str, path: str, *, body: Any = None, content_type: str = "application/json",
+                      params: Mapping[str, str] | None = None) -> dict[str, Any]:
+        self.requests[(method, resource_of(path))] += 1
+        for attempt in (1, 2):
+            session = await self._ensure()
+            data = None if body is None else json.dumps(body)
+            async with session.request(method, path, data=data, params=params,
+                                       headers={"Content-Type": content_type}) as resp:
+                text = await resp.text()
+                if resp.status == 401 and attempt == 1 and self._info is not None:
+                    logger.info("401 from the API server: logging in again")
+                    await self.close()
+                    self._info = None
+                    continue
+                if resp.status >= 400:
+                    raise KubeError(method, path, resp.status, text)
+                result: dict[str, Any] = json.loads(text) if text else {}
+                return result
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    # ---- the verbs corefleet uses -------------------------------------------------------------
+    async def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """Server-side apply (create or converge) with corefleet's field manager."""
+        meta = obj["metadata"]
+        path = object_path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+        return await self.request("PATCH", path, body=obj, content_type="application/apply-patch+yaml",
+                                  params={"fieldManager": constants.FIELD_MANAGER, "force": "true"})
+
+    async def delete(self, api_version: str, kind: str, namespace: str, name: str, uid: str) -> bool:
+        """Delete exactly this object; False if it was already gone or replaced by another UID."""
+        body: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"}
+        if uid:
+            body["preconditions"] = {"uid": uid}
+        try:
+            await self.request("DELETE", object_path(api_version, kind, namespace, name), body=body)
+        except KubeError as e:
+            if e.status in (404, 409):  # gone, or the name now belongs to a newer object
+                return False
+            raise
+        return True
+
+    async def patch_status(self, namespace: str, name: str, patch: Mapping[str, Any]) -> dict[str, Any]:
+        path = object_path(constants.API_VERSION, constants.KIND, namespace, name) + "/status"
+        return await self.request("PATCH", path, body={"status": patch},
+                                  content_type="application/merge-patch+json")
+
+    async def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return await self.request("GET", object_path(api_version, kind, namespace, name))
+        except KubeError as e:
+            if e.status == 404:
+                return None
+            raise

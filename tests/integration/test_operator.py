@@ -1,0 +1,204 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The operator, running in-process (kopf), against the real control plane.
+
+Each test gets its own namespace and its own operator watching only that namespace; the kubelet
+stand-in starts the pods the scheduler binds and completes their deletions. Every test ends by
+asserting that the operator raised nothing and logged no traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from kopf.testing import KopfRunner
+
+from corefleet_operator import crd
+from corefleet_operator.localcluster import KubeletStandIn, LocalControlPlane, fail_pod, wait_until
+from factories import EcsFactory, make_ecs
+
+
+@pytest.fixture(scope="session")
+def ecs_crd(k8s: LocalControlPlane) -> None:
+    k8s.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(crd.crd()))
+    k8s.kubectl("wait", "--for=condition=Established", "crd/enginecoresets.corefleet.io", "--timeout=60s")
+
+
+@pytest.fixture
+def operator(k8s: LocalControlPlane, ecs_crd: None, namespace: str,
+             kubelet: KubeletStandIn) -> Iterator[KopfRunner]:
+    args = ["run", "--standalone", f"--namespace={namespace}", "-m", "corefleet_operator.handlers"]
+    with KopfRunner(args, timeout=60) as runner:
+        yield runner
+    assert runner.exception is None, runner.exception
+    assert runner.exit_code == 0, runner.output
+    assert "Traceback" not in runner.output, runner.output
+
+
+class Cluster:
+    """Reads for assertions, through the admin kubeconfig."""
+
+    def __init__(self, k8s: LocalControlPlane, namespace: str) -> None:
+        self.k8s, self.ns = k8s, namespace
+
+    def make(self, name: str) -> EcsFactory:
+        return make_ecs(name, self.ns)
+
+    def get(self, path: str) -> Any:
+        return self.k8s.request("GET", path)
+
+    def ecs(self, name: str) -> dict[str, Any]:
+        obj: dict[str, Any] = self.get(f"/apis/corefleet.io/v1alpha1/namespaces/{self.ns}/enginecoresets/{name}")
+        return obj
+
+    def pods(self, fleet: str) -> dict[str, dict[str, Any]]:
+        items = self.get(f"/api/v1/namespaces/{self.ns}/pods?labelSelector=corefleet.io/fleet={fleet}")["items"]
+        return {p["metadata"]["name"]: p for p in items}
+
+    def events(self, reason: str) -> list[str]:
+        items = self.get(f"/api/v1/namespaces/{self.ns}/events")["items"]
+        return [e["message"] for e in items if e["reason"] == reason]
+
+    def apply(self, obj: dict[str, Any]) -> None:
+        self.k8s.kubectl("apply", "-n", self.ns, "-f", "-", input=json.dumps(obj))
+
+    def wait(self, what: str, check: Callable[[], bool], timeout: float = 90) -> None:
+        wait_until(check, timeout, what, interval=0.2)
+
+    def wait_running(self, name: str, replicas: int) -> dict[str, Any]:
+        def running() -> bool:
+            st = self.ecs(name).get("status", {})
+            return st.get("phase") == "Running" and st.get("readyReplicas") == replicas \
+                and st.get("replicas") == replicas
+        self.wait(f"{name} Running with {replicas} ready", running)
+        return self.ecs(name)
+
+
+@pytest.fixture
+def cluster(k8s: LocalControlPlane, namespace: str) -> Cluster:
+    return Cluster(k8s, namespace)
+
+
+def test_sample_becomes_a_complete_fleet_with_status(cluster: Cluster, operator: KopfRunner) -> None:
+    cluster.apply(cluster.make("llm").replicas(2).arg("--max-model-len=256").manifest())
+
+    ecs = cluster.wait_running("llm", 2)
+
+    pods = cluster.pods("llm")
+    assert sorted(pods) == ["llm-coordinator", "llm-engine-0", "llm-engine-1", "llm-frontend"]
+    engine = pods["llm-engine-1"]
+    assert engine["metadata"]["ownerReferences"][0]["uid"] == ecs["metadata"]["uid"]
+    assert engine["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    args = engine["spec"]["containers"][0]["args"]
+    assert args[args.index("--data-parallel-start-rank") + 1] == "1"
+    assert args[-1] == "--max-model-len=256"
+    assert engine["spec"]["restartPolicy"] == "Never"
+    for svc in ("llm", "llm-fleet"):
+        cluster.get(f"/api/v1/namespaces/{cluster.ns}/services/{svc}")
+    assert cluster.get(f"/api/v1/namespaces/{cluster.ns}/services/llm-fleet")["spec"]["clusterIP"] == "None"
+    cluster.get(f"/api/v1/namespaces/{cluster.ns}/secrets/llm-admin")
+    st = ecs["status"]
+    assert st["observedGeneration"] == ecs["metadata"]["generation"]
+    assert st["selector"] == "corefleet.io/fleet=llm,corefleet.io/role=engine"
+    assert st["endpoint"] == f"http://llm.{cluster.ns}.svc:8000/v1"
+    assert [(r["rank"], r["phase"]) for r in st["ranks"]] == [(0, "Serving"), (1, "Serving")]
+    conditions = {c["type"]: c for c in st["conditions"]}
+    assert conditions["Available"]["status"] == "True"
+    assert conditions["Progressing"]["status"] == "False"
+    assert re.fullmatch(r"[A-Z][A-Za-z]+", conditions["Available"]["reason"])
+    # kopf's bookkeeping stays out of status and under our prefix.
+    assert set(st) <= {"observedGeneration", "replicas", "readyReplicas", "selector", "phase", "conditions",
+                       "ranks", "recoveries", "fleetGeneration", "endpoint", "operation"}
+    assert ecs["metadata"]["finalizers"] == ["corefleet.io/finalizer"]
+    assert not [k for k in ecs["metadata"].get("annotations", {}) if k.startswith("kopf.zalando.org")]
+    assert cluster.events("FleetReady")
+
+    table = cluster.k8s.kubectl("get", "ecs", "-n", cluster.ns).stdout.splitlines()
+    assert table[0].split() == ["NAME", "REPLICAS", "READY", "PHASE", "MODEL", "AGE"]
+    assert table[1].split()[:5] == ["llm", "2", "2", "Running", "corefleet/tiny-llama"]
+
+
+def test_kubectl_scale_converges_to_the_new_size(cluster: Cluster, operator: KopfRunner) -> None:
+    cluster.apply(cluster.make("s").replicas(1).manifest())
+    cluster.wait_running("s", 1)
+
+    cluster.k8s.kubectl("scale", "ecs", "s", "-n", cluster.ns, "--replicas=3")
+
+    ecs = cluster.wait_running("s", 3)
+    assert ecs["spec"]["replicas"] == 3
+    assert sorted(n for n in cluster.pods("s") if "engine" in n) == ["s-engine-0", "s-engine-1", "s-engine-2"]
+    scale = cluster.get(f"/apis/corefleet.io/v1alpha1/namespaces/{cluster.ns}/enginecoresets/s/scale")
+    assert (scale["spec"]["replicas"], scale["status"]["replicas"]) == (3, 3)
+    assert scale["status"]["selector"] == "corefleet.io/fleet=s,corefleet.io/role=engine"
+
+
+def test_deleted_child_is_recreated(cluster: Cluster, operator: KopfRunner) -> None:
+    cluster.apply(cluster.make("d").replicas(1).manifest())
+    cluster.wait_running("d", 1)
+    old = cluster.get(f"/api/v1/namespaces/{cluster.ns}/services/d")["metadata"]["uid"]
+
+    cluster.k8s.kubectl("delete", "service", "d", "-n", cluster.ns)
+
+    def recreated() -> bool:
+        return bool(cluster.get(f"/api/v1/namespaces/{cluster.ns}/services/d")["metadata"]["uid"] != old)
+    cluster.wait("Service d recreated", recreated)
+    assert any("Service d was missing" in m for m in cluster.events("Repaired"))
+    assert cluster.ecs("d")["status"]["recoveries"] == 0
+
+
+def test_failed_engine_pod_recovers_the_fleet(cluster: Cluster, operator: KopfRunner) -> None:
+    cluster.apply(cluster.make("f").replicas(2).manifest())
+    cluster.wait_running("f", 2)
+    old_uids = {p["metadata"]["uid"] for p in cluster.pods("f").values()}
+
+    fail_pod(cluster.k8s, cluster.ns, "f-engine-1")
+
+    cluster.wait("recovery counted", lambda: cluster.ecs("f")["status"].get("recoveries") == 1)
+    ecs = cluster.wait_running("f", 2)
+    assert ecs["status"]["recoveries"] == 1
+    assert ecs["status"]["fleetGeneration"] == 2
+    assert not old_uids & {p["metadata"]["uid"] for p in cluster.pods("f").values()}
+    lost = cluster.events("RankLost")
+    assert any("rank 1 (pod f-engine-1) failed: container engine exited with 137 (OOMKilled)" in m for m in lost)
+
+
+def test_deleting_the_enginecoreset_leaves_no_child(cluster: Cluster, operator: KopfRunner) -> None:
+    cluster.apply(cluster.make("g").replicas(2).network_policy().manifest())
+    cluster.wait_running("g", 2)
+
+    cluster.k8s.kubectl("delete", "ecs", "g", "-n", cluster.ns, "--wait=true", "--timeout=60s")
+
+    def nothing_left() -> bool:
+        ns = cluster.ns
+        left = [*cluster.pods("g"),
+                *(s["metadata"]["name"] for s in cluster.get(f"/api/v1/namespaces/{ns}/services")["items"]),
+                *(s["metadata"]["name"] for s in cluster.get(f"/api/v1/namespaces/{ns}/secrets")["items"]
+                  if s["metadata"]["name"].startswith("g-")),
+                *(n["metadata"]["name"] for n in
+                  cluster.get(f"/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies")["items"])]
+        return not left
+    cluster.wait("garbage collection of every child", nothing_left)
+
+
+def test_semantic_error_is_a_condition_and_other_fleets_keep_working(
+        cluster: Cluster, operator: KopfRunner) -> None:
+    # The schema cannot know vLLM's flags: corefleet's own wiring flags are refused by the operator.
+    cluster.apply(cluster.make("bad").replicas(1).arg("--data-parallel-size=8").manifest())
+    cluster.apply(cluster.make("good").replicas(1).manifest())
+
+    def invalid() -> bool:
+        conds = {c["type"]: c for c in cluster.ecs("bad").get("status", {}).get("conditions", [])}
+        return conds.get("Degraded", {}).get("reason") == "InvalidSpec"
+    cluster.wait("InvalidSpec condition", invalid)
+    cluster.wait_running("good", 1)
+
+    bad = cluster.ecs("bad")
+    degraded = next(c for c in bad["status"]["conditions"] if c["type"] == "Degraded")
+    assert degraded["message"] == ("spec.engine.args: --data-parallel-size is set by corefleet and cannot be "
+                                   "overridden")
+    assert bad["status"]["phase"] == "Failed"
+    assert cluster.pods("bad") == {}
+    assert cluster.events("InvalidSpec") == [degraded["message"]]
