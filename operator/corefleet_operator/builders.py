@@ -71,8 +71,10 @@ def fleet_config_hash(spec: EngineCoreSetSpec, dp_size: int) -> str:
 
     A pod whose annotation differs from the hash of the current spec was built for another
     configuration and cannot join this fleet. The data-parallel size is part of it, so for now a
-    replicas change restarts the fleet. Resize timeouts (`scaling`) and the frontend Service type
-    are not: they change no fleet process.
+    replicas change restarts the fleet. So is everything else that shapes a fleet pod (pods cannot
+    be changed in place, and a frontend or coordinator cannot be replaced under running engines):
+    their resources and the startup-probe budget (`readyTimeoutSeconds`). The drain timeout, the
+    frontend Service type and the NetworkPolicy switch are not: they change no fleet process.
     """
     payload = {
         "model": spec.model,
@@ -83,6 +85,9 @@ def fleet_config_hash(spec: EngineCoreSetSpec, dp_size: int) -> str:
         "dpSize": dp_size,
         "scheduling": to_json(spec.scheduling),
         "frontendPort": spec.frontend.port,
+        "frontendResources": to_json(spec.frontend.resources),
+        "coordinatorResources": to_json(spec.coordinator.resources),
+        "readyTimeoutSeconds": spec.scaling.readyTimeoutSeconds,
     }
     blob = json.dumps(payload, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

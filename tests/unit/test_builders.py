@@ -289,7 +289,9 @@ def _hash(f: EcsFactory, dp_size: int | None = None) -> str:
     (lambda f: f.set("scheduling.nodeSelector", {"pool": "x"}), True),
     (lambda f: f.set("frontend.port", 9000), True),
     (lambda f: f.set("scaling.drainTimeoutSeconds", 5), False),
-    (lambda f: f.set("scaling.readyTimeoutSeconds", 60), False),
+    (lambda f: f.set("scaling.readyTimeoutSeconds", 60), True),  # sizes the startup probes
+    (lambda f: f.set("frontend.resources", {"limits": {"cpu": "4"}}), True),
+    (lambda f: f.set("coordinator.resources", {"limits": {"cpu": "1"}}), True),
     (lambda f: f.set("frontend.service.type", "NodePort"), False),
     (lambda f: f.network_policy(), False),
     (lambda f: f.set("engine.loadFormat", "auto"), False),  # the default, written out
