@@ -17,6 +17,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="watch only this namespace (repeatable); default: the whole cluster")
     p.add_argument("--liveness", default=f"http://0.0.0.0:{constants.OPERATOR_HEALTH_PORT}/healthz",
                    help="kopf's liveness endpoint (empty to disable)")
+    p.add_argument("--metrics-port", type=int, default=constants.OPERATOR_METRICS_PORT,
+                   help="port of the Prometheus metrics endpoint (0 to disable)")
+    p.add_argument("--metrics-address", default="0.0.0.0", help="address of the metrics endpoint")
+    p.add_argument("--resync-seconds", type=float, default=60.0,
+                   help="reconcile every fleet at least this often, even when nothing was seen")
     p.add_argument("--verbose", action="store_true")
     return p.parse_args(argv)
 
@@ -26,10 +31,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import kopf
+    import prometheus_client
 
     import corefleet_operator.handlers  # noqa: F401  (registers the handlers)
 
+    if args.metrics_port:
+        prometheus_client.start_http_server(args.metrics_port, addr=args.metrics_address)
     kopf.run(
+        memo=kopf.Memo(resync_seconds=args.resync_seconds),
         standalone=True,  # one operator replica; no peering CRDs needed
         clusterwide=not args.namespace,
         namespaces=args.namespace,

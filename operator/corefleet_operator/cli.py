@@ -60,10 +60,12 @@ def cmd_up(args: argparse.Namespace) -> int:
         with LocalControlPlane(state_dir=state, bin_dir=bin_dir) as cp:
             add_gpu_node(cp, "gpu-node-0", gpus=args.gpus)
             health = f"http://127.0.0.1:{free_port()}/healthz"
+            metrics_port = free_port()
             log = state / "operator.log"
             with log.open("wb") as logf:
                 op = subprocess.Popen(
-                    [sys.executable, "-m", "corefleet_operator", f"--liveness={health}"],
+                    [sys.executable, "-m", "corefleet_operator", f"--liveness={health}",
+                     f"--metrics-port={metrics_port}", "--metrics-address=127.0.0.1"],
                     env=cp.env(), stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                     start_new_session=True,
                 )
@@ -79,6 +81,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                     print(f"  export KUBECONFIG={cp.kubeconfig}", flush=True)
                     print(f"  export PATH={bin_dir}:$PATH   # kubectl and helm", flush=True)
                     print(f"  operator log: {log}", flush=True)
+                    print(f"  operator metrics: http://127.0.0.1:{metrics_port}/metrics", flush=True)
                     if args.exit_when_ready:
                         return 0
                     print("corefleet up: running; Ctrl-C stops everything it started", flush=True)

@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 import kopf
 
-from corefleet_operator import constants
+from corefleet_operator import constants, metrics
 
 logger = logging.getLogger(__name__)
 
@@ -139,13 +139,15 @@ class Kube:
 
     async def request(self, method: str, path: str, *, body: Any = None, content_type: str = "application/json",
                       params: Mapping[str, str] | None = None) -> dict[str, Any]:
-        self.requests[(method, resource_of(path))] += 1
+        resource = resource_of(path)
+        self.requests[(method, resource)] += 1
         for attempt in (1, 2):
             session = await self._ensure()
             data = None if body is None else json.dumps(body)
             async with session.request(method, path, data=data, params=params,
                                        headers={"Content-Type": content_type}) as resp:
                 text = await resp.text()
+                metrics.API_REQUESTS.labels(method, resource, str(resp.status)).inc()
                 if resp.status == 401 and attempt == 1 and self._info is not None:
                     logger.info("401 from the API server: logging in again")
                     await self.close()

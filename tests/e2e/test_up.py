@@ -55,6 +55,9 @@ def test_up_runs_control_plane_and_operator_until_interrupted(tmp_path: Path) ->
             body: dict[str, object] = json.loads(r.read())
             return body
 
+    metrics_url = next(ln.split(": ", 1)[1] for ln in lines if "operator metrics:" in ln)
+    with urllib.request.urlopen(metrics_url, timeout=10) as r:
+        assert b"corefleet_fleets 0.0" in r.read()
     node = get("/api/v1/nodes/gpu-node-0")
     assert node["status"]["allocatable"]["nvidia.com/gpu"] == "8"  # type: ignore[index]
 

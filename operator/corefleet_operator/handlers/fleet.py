@@ -13,18 +13,19 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import copy
 import datetime
 import logging
 import secrets
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, get_args
 
 import kopf
 
-from corefleet_operator import constants
+from corefleet_operator import constants, metrics
 from corefleet_operator.kube import Kube, KubeError
-from corefleet_operator.models import EngineCoreSetSpec, EngineCoreSetStatus, FleetRef, SpecError
+from corefleet_operator.models import EngineCoreSetSpec, EngineCoreSetStatus, FleetPhase, FleetRef, SpecError
 from corefleet_operator.planner import Apply, Delete, Observed, Plan, PodObs, plan, plan_invalid
 from corefleet_operator.status import status_patch
 
@@ -176,6 +177,24 @@ async def carry_out(kube: Kube, namespace: str, the_plan: Plan) -> None:
             await kube.delete(action.api_version, action.kind, namespace, action.name, action.uid)
 
 
+PHASES: tuple[str, ...] = get_args(FleetPhase)
+
+
+def publish(namespace: str, name: str, the_plan: Plan) -> None:
+    """The fleet's phase and recoveries as metrics."""
+    for phase in PHASES:
+        metrics.FLEET_PHASE.labels(namespace, name, phase).set(1 if the_plan.status.phase == phase else 0)
+    metrics.RECOVERIES.labels(namespace, name).set(the_plan.status.recoveries)
+
+
+def forget(namespace: str, name: str) -> None:
+    """Drop a deleted fleet's series."""
+    with contextlib.suppress(KeyError):
+        for phase in PHASES:
+            metrics.FLEET_PHASE.remove(namespace, name, phase)
+        metrics.RECOVERIES.remove(namespace, name)
+
+
 class FleetReconciler:
     """The state one daemon keeps between its reconciles: only caches of its own writes."""
 
@@ -196,6 +215,7 @@ class FleetReconciler:
         objects = [o for idx in ("fleet_services", "fleet_secrets", "fleet_netpols") for o in indexes[idx].get(key, [])]
         observed = observe(body, stored, indexes["fleet_pods"].get(key, []), objects, self.token)
         the_plan = make_plan(body, observed)
+        publish(namespace, name, the_plan)
         patch = status_patch(stored, the_plan.status)
         if patch is not None:
             await self.kube.patch_status(namespace, name, patch)
@@ -217,26 +237,35 @@ async def fleet(body: kopf.Body, name: str, namespace: str | None, memo: Any, st
     memo.wakeups[key] = wake
     reconciler = FleetReconciler(memo.kube, body)
     indexes: dict[str, kopf.Index[Any, Any]] = {idx: kwargs[idx] for idx in INDEXES}  # kopf passes them by name
+    resync = float(getattr(memo, "resync_seconds", RESYNC_SECONDS))
     backoff = 1.0
+    metrics.FLEETS.inc()
     try:
         while not stopped:
             wake.clear()
-            delay = RESYNC_SECONDS
+            delay = resync
             try:
-                await reconciler.reconcile(indexes)
+                with metrics.RECONCILE_SECONDS.time():
+                    await reconciler.reconcile(indexes)
+                metrics.RECONCILES.labels("ok").inc()
                 backoff = 1.0
             except (TimeoutError, KubeError, OSError) as e:
+                metrics.RECONCILES.labels("error").inc()
                 logger.warning("reconcile failed, retrying in %.0f s: %s", backoff, e)
                 delay, backoff = backoff, min(backoff * 2, MAX_BACKOFF_SECONDS)
                 if isinstance(e, KubeError) and e.status == 409:
                     reconciler.written_status = None  # someone else wrote the status: read it again
             except Exception:
+                metrics.RECONCILES.labels("error").inc()
                 logger.exception("reconcile failed unexpectedly, retrying in %.0f s", backoff)
                 delay, backoff = backoff, min(backoff * 2, MAX_BACKOFF_SECONDS)
             await _sleep(wake, stopped, delay)
     finally:
+        metrics.FLEETS.dec()
         if memo.wakeups.get(key) is wake:
             del memo.wakeups[key]
+        if body.get("metadata", {}).get("deletionTimestamp"):
+            forget(*key)
 
 
 async def _sleep(wake: asyncio.Event, stopped: kopf.DaemonStopped, seconds: float) -> None:
