@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,6 +20,8 @@ from kopf.testing import KopfRunner
 from corefleet_operator import crd
 from corefleet_operator.localcluster import KubeletStandIn, LocalControlPlane, fail_pod, wait_until
 from factories import EcsFactory, make_ecs
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="session")
@@ -202,3 +205,27 @@ def test_semantic_error_is_a_condition_and_other_fleets_keep_working(
     assert bad["status"]["phase"] == "Failed"
     assert cluster.pods("bad") == {}
     assert cluster.events("InvalidSpec") == [degraded["message"]]
+
+
+def test_operator_with_only_the_manifest_rbac_meets_no_forbidden(
+        k8s: LocalControlPlane, ecs_crd: None, namespace: str, kubelet: KubeletStandIn,
+        cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The operator runs on a service-account token bound by manifests/rbac.yaml, not as admin."""
+    k8s.kubectl("create", "namespace", "corefleet-system", check=False)  # exists if another test made it
+    k8s.kubectl("apply", "-f", str(REPO / "manifests" / "rbac.yaml"))
+    token = k8s.kubectl("create", "token", "corefleet-operator", "-n", "corefleet-system").stdout.strip()
+    monkeypatch.setenv("KUBECONFIG", str(k8s.kubeconfig_for_token(token, "corefleet-operator")))
+
+    args = ["run", "--standalone", f"--namespace={namespace}", "-m", "corefleet_operator.handlers"]
+    with KopfRunner(args, timeout=60) as runner:
+        cluster.apply(cluster.make("rbac").replicas(2).network_policy().manifest())
+        cluster.wait_running("rbac", 2)
+        cluster.k8s.kubectl("delete", "service", "rbac", "-n", namespace)
+        cluster.wait("Service recreated under the operator's own RBAC",
+                     lambda: cluster.get(f"/api/v1/namespaces/{namespace}/services")["items"] != [])
+
+    assert runner.exception is None
+    assert runner.exit_code == 0
+    assert "Traceback" not in runner.output
+    assert "Forbidden" not in runner.output
+    assert " 403" not in runner.output
