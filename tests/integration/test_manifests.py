@@ -126,6 +126,8 @@ INVALID = {
     "tensor-parallel-zero": ({"engine": {"tensorParallelSize": 0}},
                              ["spec.engine.tensorParallelSize", "greater than or equal to 1"]),
     "unknown-field": ({"replica": 2}, ['unknown field "spec.replica"']),
+    "frontend-port-reserved": ({"frontend": {"port": 29550}},
+                               ["frontend.port must not be 8001 or 29550: they carry the fleet's admin"]),
 }
 
 
@@ -138,6 +140,15 @@ def test_invalid_enginecoresets_are_rejected_with_a_readable_message(k8s: LocalC
     for text in expected:
         assert text in r.stderr
     assert k8s.kubectl("get", "ecs", case, "-n", namespace, check=False).returncode != 0  # nothing stored
+
+
+@pytest.mark.parametrize("name", ["9lives", "a" * 49])
+def test_fleet_names_that_cannot_name_its_children_are_rejected(k8s: LocalControlPlane, namespace: str,
+                                                                 ecs_crd: str, name: str) -> None:
+    r = apply(k8s, namespace, ecs(name))
+    assert r.returncode != 0
+    assert "metadata.name must be a DNS label of at most 48 characters starting with a letter" in r.stderr
+    assert apply(k8s, namespace, ecs("a" * 48)).returncode == 0
 
 
 def test_expert_parallel_is_immutable(k8s: LocalControlPlane, namespace: str, ecs_crd: str) -> None:
