@@ -152,6 +152,19 @@ def test_deleted_child_is_recreated(cluster: Cluster, operator: KopfRunner) -> N
     assert cluster.ecs("d")["status"]["recoveries"] == 0
 
 
+def test_edited_child_is_put_back_as_specified(cluster: Cluster, operator: KopfRunner) -> None:
+    cluster.apply(cluster.make("e").replicas(1).manifest())
+    cluster.wait_running("e", 1)
+    path = f"/api/v1/namespaces/{cluster.ns}/services/e"
+    port = cluster.get(path)["spec"]["ports"][0]
+
+    cluster.k8s.kubectl("patch", "service", "e", "-n", cluster.ns, "--type=json", "-p", json.dumps(
+        [{"op": "replace", "path": "/spec/ports/0/targetPort", "value": 9999}]))
+
+    cluster.wait("Service e put back", lambda: cluster.get(path)["spec"]["ports"][0] == port)
+    assert any("Service e was changed" in m for m in cluster.events("Repaired"))
+
+
 def test_failed_engine_pod_recovers_the_fleet(cluster: Cluster, operator: KopfRunner) -> None:
     cluster.apply(cluster.make("f").replicas(2).manifest())
     cluster.wait_running("f", 2)
