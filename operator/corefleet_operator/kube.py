@@ -102,7 +102,10 @@ class Kube:
     def __init__(self, info: kopf.ConnectionInfo | None = None, *, timeout: float = 30.0) -> None:
         self._info = info
         self._session: aiohttp.ClientSession | None = None
-        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        # Bounds on each connection's I/O, not on the whole request: when many fleets reconcile at
+        # once, requests queue for one of the pool's connections, and a total timeout counted that
+        # wait (at 200 fleets, hundreds of reconciles failed with TimeoutError while queued).
+        self._timeout = aiohttp.ClientTimeout(sock_connect=timeout, sock_read=timeout)
         self._lock = asyncio.Lock()
         self.requests: Counter[tuple[str, str]] = Counter()  # (verb, resource) -> count
 

@@ -251,7 +251,7 @@ async def fleet(body: kopf.Body, name: str, namespace: str | None, memo: Any, st
                 backoff = 1.0
             except (TimeoutError, KubeError, OSError) as e:
                 metrics.RECONCILES.labels("error").inc()
-                logger.warning("reconcile failed, retrying in %.0f s: %s", backoff, e)
+                logger.warning("reconcile failed, retrying in %.0f s: %s: %s", backoff, type(e).__name__, e)
                 delay, backoff = backoff, min(backoff * 2, MAX_BACKOFF_SECONDS)
                 if isinstance(e, KubeError) and e.status == 409:
                     reconciler.written_status = None  # someone else wrote the status: read it again
