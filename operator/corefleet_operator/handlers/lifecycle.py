@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import kopf
 
 from corefleet_operator import constants
+from corefleet_operator.handlers.fleet import QuietWakeups
 from corefleet_operator.kube import Kube, connection_info
 
 
@@ -43,6 +45,9 @@ def login(**_: Any) -> kopf.ConnectionInfo:
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     configure_settings(settings)
+    objects_log = logging.getLogger("kopf.objects")
+    if not any(isinstance(f, QuietWakeups) for f in objects_log.filters):
+        objects_log.addFilter(QuietWakeups())
     memo.kube = Kube()
     memo.wakeups = {}  # (namespace, name) -> the fleet daemon's wake-up event
 
