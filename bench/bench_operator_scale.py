@@ -58,6 +58,7 @@ from corefleet_operator.localcluster import (  # noqa: E402
     free_port,
     resolve_bin_dir,
     tail,
+    wait_until,
 )
 from factories import make_ecs  # noqa: E402
 
@@ -80,11 +81,7 @@ def log(msg: str) -> None:
 
 def wait_for(check: Callable[[], bool], timeout: float, what: str, interval: float = POLL) -> None:
     """Poll `check` until True; TimeoutError after `timeout` s. Exceptions propagate (they are errors here)."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"{what}: not done after {timeout:.0f} s")
-        time.sleep(interval)
+    wait_until(check, timeout, what, interval=interval, fatal=(Exception,))
 
 
 # ---- a keep-alive client for the benchmark's own writes -------------------------------------------
@@ -167,7 +164,7 @@ def create_namespaces(cp: LocalControlPlane, names: Iterable[str]) -> None:
         cp.request("POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
 
     def service_accounts() -> bool:  # pods are admitted only once the namespace's default SA exists
-        return all(_exists(cp, f"/api/v1/namespaces/{ns}/serviceaccounts/default") for ns in names)
+        return all(cp.exists(f"/api/v1/namespaces/{ns}/serviceaccounts/default") for ns in names)
     wait_for(service_accounts, 60, "default service accounts")
 
 
@@ -177,18 +174,8 @@ def delete_namespaces(cp: LocalControlPlane, names: Iterable[str]) -> None:
     for ns in names:
         cp.request("DELETE", f"/api/v1/namespaces/{ns}/pods", {"gracePeriodSeconds": 0})
         cp.request("DELETE", f"/api/v1/namespaces/{ns}")
-    wait_for(lambda: not any(_exists(cp, f"/api/v1/namespaces/{ns}") for ns in names), 300,
+    wait_for(lambda: not any(cp.exists(f"/api/v1/namespaces/{ns}") for ns in names), 300,
              "baseline namespaces deleted")
-
-
-def _exists(cp: LocalControlPlane, path: str) -> bool:
-    try:
-        cp.request("GET", path)
-    except urllib.error.HTTPError as e:
-        if e.code == 404:
-            return False
-        raise
-    return True
 
 
 def _ts(value: str) -> float:

@@ -230,7 +230,7 @@ class LocalControlPlane:
         )
         # The default service account exists once the serviceaccount controller runs: proof that
         # the controller manager is working, and pods can be created from here on.
-        self._wait(kcm, lambda: self._exists("/api/v1/namespaces/default/serviceaccounts/default"),
+        self._wait(kcm, lambda: self.exists("/api/v1/namespaces/default/serviceaccounts/default"),
                    "kube-controller-manager (default service account)")
         self._wait(sched, lambda: self._alive(sched), "kube-scheduler")
         logger.info("control plane ready at %s (state %s)", self.server, d)
@@ -300,7 +300,8 @@ class LocalControlPlane:
             out = r.read()
         return out if raw else json.loads(out)
 
-    def _exists(self, path: str) -> bool:
+    def exists(self, path: str) -> bool:
+        """GET `path`: False on 404, other errors raised."""
         try:
             self.request("GET", path)
         except urllib.error.HTTPError as e:
