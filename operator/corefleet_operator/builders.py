@@ -170,6 +170,10 @@ def coordinator_pod(fleet: FleetRef, *, dp_size: int, fleet_generation: int = 0)
         "--back-output-port", str(constants.COORDINATOR_BACK_OUTPUT_PORT),
         "--back-publish-port", str(constants.COORDINATOR_BACK_PUBLISH_PORT),
     ]
+    if not spec.expertParallel:
+        # vLLM coordinates request waves only for MoE (launch_core_engines passes
+        # enable_wave_coordination=model_config.is_moe); dense engines reject START_DP_WAVE.
+        args.append("--no-wave-coordination")
     container: JSON = {
         "name": COORDINATOR_CONTAINER,
         "image": spec.image,

@@ -445,3 +445,11 @@ def test_objects_are_well_formed() -> None:
             if probe in c:
                 handler = c[probe].get("httpGet") or c[probe]["tcpSocket"]
                 assert handler["port"] in ports, (meta["name"], probe)
+
+
+@pytest.mark.parametrize(("moe", "waves"), [(False, False), (True, True)])
+def test_coordinator_coordinates_request_waves_only_for_moe(moe: bool, waves: bool) -> None:
+    # vLLM enables wave coordination only for MoE models; dense engines reject START_DP_WAVE.
+    pod = builders.coordinator_pod(make_ecs("a").expert_parallel(moe).obj(), dp_size=2)
+    args = pod["spec"]["containers"][0]["args"]
+    assert ("--no-wave-coordination" not in args) is waves

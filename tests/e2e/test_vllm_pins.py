@@ -13,7 +13,7 @@ from types import ModuleType
 
 import pytest
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.e2e  # needs the vLLM runtime installed
 
 
 @pytest.fixture(scope="module")
