@@ -8,6 +8,7 @@ subresources and the printer columns. Pure module: no kopf, no client, no I/O.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import types
 import typing
@@ -64,7 +65,7 @@ def schema_for(tp: Any, *, with_defaults: bool = True) -> JSON:
     if origin is Mapping or tp is Mapping:
         return {"type": "object", "additionalProperties": {"type": "string"}}
     if isinstance(tp, type) and tp in K8S_SCHEMAS:
-        copied: JSON = _copy(K8S_SCHEMAS[tp])
+        copied: JSON = copy.deepcopy(K8S_SCHEMAS[tp])
         return copied
     simple = {bool: "boolean", int: "integer", str: "string"}
     if tp in simple:
@@ -88,14 +89,6 @@ def _default_of(f: dataclasses.Field[Any]) -> Any:
     if js in ({}, [], ""):
         return None
     return js
-
-
-def _copy(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {k: _copy(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_copy(v) for v in obj]
-    return obj
 
 
 def spec_schema() -> JSON:

@@ -208,7 +208,8 @@ def plan(fleet: FleetRef, observed: Observed, now: str) -> Plan:
             actions.append(Delete(OPTIONAL_KINDS[kind], kind, name, str(meta.get("uid", ""))))
 
     # 4. The fleet's phase, from what now stands.
-    remaining = {p.name: p for p in live if p not in stale}
+    pods_now = tuple(p for p in live if p not in stale)
+    remaining = {p.name: p for p in pods_now}
     all_ready = bool(wanted) and all(
         name in remaining and remaining[name].ready and remaining[name].phase == "Running" for name in wanted)
     if n == 0 and not remaining and not terminating:
@@ -232,7 +233,6 @@ def plan(fleet: FleetRef, observed: Observed, now: str) -> Plan:
         recoveries=recoveries,
         replicas=n if new_phase in ("Running", "Degraded", "Stopped") else old.replicas,
     )
-    pods_now = tuple(p for p in live if p not in stale)
     status = compute_status(fleet, observed.generation, old, pods_now, decision, now)
     return Plan(status=status, actions=tuple(actions), events=tuple(events))
 
