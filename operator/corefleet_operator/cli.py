@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """The `corefleet` command.
 
-  corefleet up         start a local Kubernetes control plane and the operator against it, and
-                       run until interrupted (`--exit-when-ready` stops once all is healthy)
+  corefleet up         start a local Kubernetes control plane with the EngineCoreSet CRD and a fake
+                       GPU node, and the operator against it; run until interrupted
+                       (`--exit-when-ready` stops once all is healthy)
   corefleet operator   run the operator against the current kubeconfig (what the Deployment runs)
   corefleet version
 """
@@ -10,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -22,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
-from corefleet_operator import __version__
+from corefleet_operator import __version__, constants, crd
 from corefleet_operator.localcluster import (
     ControlPlaneError,
     LocalControlPlane,
@@ -59,6 +61,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         with LocalControlPlane(state_dir=state, bin_dir=bin_dir) as cp:
             add_gpu_node(cp, "gpu-node-0", gpus=args.gpus)
+            cp.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(crd.crd()))
+            cp.kubectl("wait", "--for=condition=Established", f"crd/{constants.CRD_NAME}", "--timeout=60s")
             health = f"http://127.0.0.1:{free_port()}/healthz"
             metrics_port = free_port()
             log = state / "operator.log"
@@ -80,6 +84,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                           f"in {time.monotonic() - t0:.1f} s", flush=True)
                     print(f"  export KUBECONFIG={cp.kubeconfig}", flush=True)
                     print(f"  export PATH={bin_dir}:$PATH   # kubectl and helm", flush=True)
+                    print("  kubectl apply -f manifests/samples/enginecoreset.yaml   # then: kubectl get ecs",
+                          flush=True)
                     print(f"  operator log: {log}", flush=True)
                     print(f"  operator metrics: http://127.0.0.1:{metrics_port}/metrics", flush=True)
                     if args.exit_when_ready:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from corefleet_operator.localcluster import ADMIN_TOKEN
+from corefleet_operator.localcluster import ADMIN_TOKEN, wait_until
 
 
 def read_lines_until(proc: subprocess.Popen[str], marker: str, timeout: float) -> list[str]:
@@ -60,6 +60,22 @@ def test_up_runs_control_plane_and_operator_until_interrupted(tmp_path: Path) ->
         assert b"corefleet_fleets 0.0" in r.read()
     node = get("/api/v1/nodes/gpu-node-0")
     assert node["status"]["allocatable"]["nvidia.com/gpu"] == "8"  # type: ignore[index]
+    # The README's next step works: the sample is accepted and the operator picks it up.
+    kubectl = [str(Path(next(ln.split("=", 1)[1] for ln in lines if "export PATH=" in ln).split(":")[0]) / "kubectl"),
+               f"--kubeconfig={kubeconfig}"]
+    sample = Path(__file__).resolve().parents[2] / "manifests" / "samples" / "enginecoreset.yaml"
+    subprocess.run([*kubectl, "apply", "-n", "default", "-f", str(sample)], check=True, capture_output=True)
+
+    def status_written() -> bool:
+        ecs = get("/apis/corefleet.io/v1alpha1/namespaces/default/enginecoresets/qwen3-dense")
+        return ecs.get("status", {}).get("phase") == "Starting"  # type: ignore[union-attr]
+
+    def pods_created() -> bool:
+        pods = get("/api/v1/namespaces/default/pods?labelSelector=corefleet.io/fleet=qwen3-dense")
+        return len(pods["items"]) == 4  # type: ignore[arg-type]
+
+    wait_until(status_written, 60, "the operator's first status of the sample")
+    wait_until(pods_created, 60, "the sample's coordinator, frontend and 2 engine pods")
 
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
