@@ -41,10 +41,19 @@ def test_up_runs_control_plane_and_operator_until_interrupted(tmp_path: Path) ->
     proc = subprocess.Popen([sys.executable, "-m", "corefleet_operator.cli", "up", "--state-dir", str(state)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        lines = read_lines_until(proc, "running; Ctrl-C", timeout=240)
-    except AssertionError:
-        proc.kill()
-        pytest.fail(f"corefleet up did not come up: {proc.communicate()}")
+        _check_up(proc, state)
+    finally:  # whatever failed, `corefleet up` stops what it started on SIGINT; kill only as a last resort
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _check_up(proc: subprocess.Popen[str], state: Path) -> None:
+    lines = read_lines_until(proc, "running; Ctrl-C", timeout=240)
     kubeconfig = Path(next(ln.split("=", 1)[1] for ln in lines if "export KUBECONFIG=" in ln))
     server = json.loads(kubeconfig.read_text())["clusters"][0]["cluster"]["server"]
     ctx = ssl.create_default_context(cafile=str(state / "certs" / "apiserver.crt"))
