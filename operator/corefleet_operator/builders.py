@@ -326,6 +326,16 @@ def network_policy(fleet: FleetRef) -> JSON | None:
 
 
 # ---- the whole fleet ----------------------------------------------------------------------------
+def fleet_objects(fleet: FleetRef, *, admin_token: str) -> list[JSON]:
+    """The fleet's objects other than pods, which it keeps at any size (also stopped, at 0 ranks):
+    the Secret, the Services and the NetworkPolicy (if any), in that order."""
+    objects = [admin_secret(fleet, admin_token), frontend_service(fleet), fleet_service(fleet)]
+    policy = network_policy(fleet)
+    if policy is not None:
+        objects.append(policy)
+    return objects
+
+
 def fleet_children(
     fleet: FleetRef,
     *,
@@ -343,10 +353,7 @@ def fleet_children(
     ns = fleet.namespace
     frontend_address = constants.pod_dns(fleet.name, constants.frontend_name(fleet.name), ns)
     coordinator_address = constants.pod_dns(fleet.name, constants.coordinator_name(fleet.name), ns)
-    children = [admin_secret(fleet, admin_token), frontend_service(fleet), fleet_service(fleet)]
-    policy = network_policy(fleet)
-    if policy is not None:
-        children.append(policy)
+    children = fleet_objects(fleet, admin_token=admin_token)
     children.append(coordinator_pod(fleet, dp_size=dp_size, fleet_generation=fleet_generation))
     children.append(frontend_pod(fleet, dp_size=dp_size, coordinator_address=coordinator_address,
                                  fleet_generation=fleet_generation))

@@ -31,9 +31,8 @@ from typing import Any, Literal
 
 from corefleet_operator import builders, constants
 from corefleet_operator.models import EngineCoreSetStatus, FleetPhase, FleetRef, SpecError
-from corefleet_operator.status import Decision, compute_status, invalid_spec_status
+from corefleet_operator.status import POD_TERMINAL, Decision, compute_status, invalid_spec_status
 
-POD_TERMINAL = ("Failed", "Succeeded")
 # Children the spec may switch off: deleted when observed but no longer desired (kind -> apiVersion).
 OPTIONAL_KINDS = {"NetworkPolicy": "networking.k8s.io/v1"}
 
@@ -184,8 +183,7 @@ def plan(fleet: FleetRef, observed: Observed, now: str) -> Plan:
         children = builders.fleet_children(fleet, dp_size=n, admin_token=observed.admin_token,
                                            fleet_generation=generation)
     else:  # a stopped fleet keeps its endpoint, Secret and policy, and has no pods
-        children = [o for o in builders.fleet_children(fleet, dp_size=1, admin_token=observed.admin_token)
-                    if o["kind"] != "Pod"]
+        children = builders.fleet_objects(fleet, admin_token=observed.admin_token)
     created_pods = []
     for obj in children:
         kind, name = obj["kind"], obj["metadata"]["name"]

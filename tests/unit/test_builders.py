@@ -453,3 +453,9 @@ def test_coordinator_coordinates_request_waves_only_for_moe(moe: bool, waves: bo
     pod = builders.coordinator_pod(make_ecs("a").expert_parallel(moe).obj(), dp_size=2)
     args = pod["spec"]["containers"][0]["args"]
     assert ("--no-wave-coordination" not in args) is waves
+
+
+def test_fleet_objects_are_the_fleet_children_other_than_pods() -> None:
+    fleet = make_ecs("a").replicas(2).network_policy().obj()
+    children = builders.fleet_children(fleet, dp_size=2, admin_token="t")
+    assert builders.fleet_objects(fleet, admin_token="t") == [c for c in children if c["kind"] != "Pod"]
