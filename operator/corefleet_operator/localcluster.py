@@ -16,7 +16,6 @@ its command line and the tail of its log.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -29,7 +28,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -410,15 +409,19 @@ def fake_pod_ip(uid: str) -> str:
     return f"10.244.{(h >> 8) % 256}.{h % 254 + 1}"
 
 
-def mark_bound_pods_running(cp: LocalControlPlane, namespace: str,
+def _list_pods(cp: LocalControlPlane, namespace: str) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = cp.request("GET", f"/api/v1/namespaces/{namespace}/pods")["items"]
+    return items
+
+
+def mark_bound_pods_running(cp: LocalControlPlane, namespace: str, pods: list[dict[str, Any]] | None = None,
                             ip_for: Callable[[Mapping[str, Any]], str] | None = None) -> list[str]:
     """Kubelet stand-in, one pass: every scheduled Pending pod in `namespace` becomes Running/Ready.
 
-    Returns the names of the pods it moved.
+    `pods` is the namespace's pod list if the caller has it already. Returns the names moved.
     """
     moved = []
-    pods = cp.request("GET", f"/api/v1/namespaces/{namespace}/pods")["items"]
-    for pod in pods:
+    for pod in _list_pods(cp, namespace) if pods is None else pods:
         if not pod["spec"].get("nodeName") or pod.get("status", {}).get("phase") != "Pending":
             continue
         if pod["metadata"].get("deletionTimestamp"):
@@ -436,11 +439,12 @@ def mark_bound_pods_running(cp: LocalControlPlane, namespace: str,
     return moved
 
 
-def finish_pod_deletions(cp: LocalControlPlane, namespace: str) -> list[str]:
+def finish_pod_deletions(cp: LocalControlPlane, namespace: str,
+                         pods: list[dict[str, Any]] | None = None) -> list[str]:
     """Kubelet stand-in: pods being deleted gracefully are removed, as a kubelet does once their
     containers stopped (without it, a pod bound to a node keeps its deletionTimestamp forever)."""
     done = []
-    for pod in cp.request("GET", f"/api/v1/namespaces/{namespace}/pods")["items"]:
+    for pod in _list_pods(cp, namespace) if pods is None else pods:
         meta = pod["metadata"]
         if not meta.get("deletionTimestamp"):
             continue
@@ -488,8 +492,9 @@ class KubeletStandIn:
         while not self._stop.is_set():
             for ns in self._namespaces:
                 try:
-                    mark_bound_pods_running(self._cp, ns)
-                    finish_pod_deletions(self._cp, ns)
+                    pods = _list_pods(self._cp, ns)  # one list per pass serves both steps
+                    mark_bound_pods_running(self._cp, ns, pods)
+                    finish_pod_deletions(self._cp, ns, pods)
                 except Exception as e:  # surfaced by stop(); the loop keeps serving
                     self.errors.append(e)
             self._stop.wait(self._interval)
@@ -501,10 +506,3 @@ class KubeletStandIn:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(10)
-
-
-@contextlib.contextmanager
-def local_control_plane(state_dir: Path, bin_dir: Path | None = None) -> Iterator[LocalControlPlane]:
-    cp = LocalControlPlane(state_dir=state_dir, bin_dir=resolve_bin_dir(bin_dir))
-    with cp:
-        yield cp
