@@ -2,8 +2,8 @@
 """The one thin adapter between corefleet and the Kubernetes API.
 
 Server-side apply with a fixed field manager, deletes by name with a UID precondition, status
-merge patches; 404/409 handling and logging in one place; every request counted (by verb and
-resource) for the metrics and the benchmarks. Credentials come from kopf's own login helpers
+merge patches; 404/409 handling and logging in one place; every request counted (by verb,
+resource and code) in the operator's metrics. Credentials come from kopf's own login helpers
 (in-cluster service account or kubeconfig) and are refreshed on 401.
 """
 
@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import ssl
-from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,7 +30,6 @@ PLURALS = {
     "Service": "services",
     "Secret": "secrets",
     "NetworkPolicy": "networkpolicies",
-    "Event": "events",
     constants.KIND: constants.PLURAL,
 }
 
@@ -107,7 +105,6 @@ class Kube:
         # wait (at 200 fleets, hundreds of reconciles failed with TimeoutError while queued).
         self._timeout = aiohttp.ClientTimeout(sock_connect=timeout, sock_read=timeout)
         self._lock = asyncio.Lock()
-        self.requests: Counter[tuple[str, str]] = Counter()  # (verb, resource) -> count
 
     async def _login(self) -> kopf.ConnectionInfo:
         return await asyncio.to_thread(connection_info)
@@ -143,7 +140,6 @@ class Kube:
     async def request(self, method: str, path: str, *, body: Any = None, content_type: str = "application/json",
                       params: Mapping[str, str] | None = None) -> dict[str, Any]:
         resource = resource_of(path)
-        self.requests[(method, resource)] += 1
         for attempt in (1, 2):
             session = await self._ensure()
             data = None if body is None else json.dumps(body)
@@ -187,11 +183,3 @@ class Kube:
         path = object_path(constants.API_VERSION, constants.KIND, namespace, name) + "/status"
         return await self.request("PATCH", path, body={"status": patch},
                                   content_type="application/merge-patch+json")
-
-    async def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
-        try:
-            return await self.request("GET", object_path(api_version, kind, namespace, name))
-        except KubeError as e:
-            if e.status == 404:
-                return None
-            raise

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 AVAILABLE = "Available"
 PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
-SCALING = "Scaling"
+POD_TERMINAL = ("Failed", "Succeeded")  # pod phases after its containers exited
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def _cond(ctype: str, ok: bool, reason: str, message: str, generation: int, now:
 def rank_phase(pod: PodObs | None) -> RankPhase:
     if pod is None or not pod.node:
         return "Pending"
-    if pod.phase in ("Failed", "Succeeded"):
+    if pod.phase in POD_TERMINAL:
         return "Failed"
     if pod.phase == "Running" and pod.ready:
         return "Serving"

@@ -266,8 +266,9 @@ class FleetReconciler:
         name, namespace = str(meta["name"]), str(meta["namespace"])
         key = (namespace, name)
         stored = self.written_status if self.written_status is not None else dict(body.get("status") or {})
-        objects = [o for idx in ("fleet_services", "fleet_secrets", "fleet_netpols") for o in indexes[idx].get(key, [])]
-        observed = observe(body, stored, indexes["fleet_pods"].get(key, []), objects, self.token)
+        pods_index, *object_indexes = INDEXES
+        objects = [o for idx in object_indexes for o in indexes[idx].get(key, [])]
+        observed = observe(body, stored, indexes[pods_index].get(key, []), objects, self.token)
         the_plan = make_plan(body, observed)
         publish(namespace, name, the_plan)
         patch = status_patch(stored, the_plan.status)
@@ -308,8 +309,6 @@ async def fleet(body: kopf.Body, name: str, namespace: str | None, memo: Any, st
                 metrics.RECONCILES.labels("error").inc()
                 logger.warning("reconcile failed, retrying in %.0f s: %s: %s", backoff, type(e).__name__, e)
                 delay, backoff = backoff, min(backoff * 2, MAX_BACKOFF_SECONDS)
-                if isinstance(e, KubeError) and e.status == 409:
-                    reconciler.written_status = None  # someone else wrote the status: read it again
             except Exception:
                 metrics.RECONCILES.labels("error").inc()
                 logger.exception("reconcile failed unexpectedly, retrying in %.0f s", backoff)
