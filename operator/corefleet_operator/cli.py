@@ -1,7 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """The `corefleet` command.
 
-  corefleet up         start a local Kubernetes control plane with the EngineCoreSet CRD and a fake
+  corefleet up [-- VLLM_FLAGS]  a local fleet without Kubernetes: the coordinator, the frontend and N
+                       engines (real vLLM, or the emulator) as processes on 127.0.0.1; prints the
+                       OpenAI endpoint and runs until interrupted (`--detach` leaves it running).
+                       The logic is in `corefleet_client.local`.
+  corefleet status     the local fleet's processes (alive, RSS) and its ranks from the admin API
+  corefleet down       stop exactly the local fleet's recorded processes
+  corefleet cluster up start a local Kubernetes control plane with the EngineCoreSet CRD and a fake
                        GPU node, and the operator against it; run until interrupted
                        (`--exit-when-ready` stops once all is healthy)
   corefleet operator   run the operator against the current kubeconfig (what the Deployment runs)
@@ -24,6 +30,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
+from corefleet_client import local
+from corefleet_client.tinymodel import VLLM_CPU_FLAGS
 from corefleet_operator import __version__, constants, crd
 from corefleet_operator.localcluster import (
     ControlPlaneError,
@@ -42,12 +50,12 @@ def _healthy(url: str) -> bool:
         return status == 200
 
 
-def cmd_up(args: argparse.Namespace) -> int:
+def cmd_cluster_up(args: argparse.Namespace) -> int:
     state = Path(args.state_dir) if args.state_dir else Path(tempfile.mkdtemp(prefix="corefleet-up-"))
     try:
         bin_dir = resolve_bin_dir()
     except ControlPlaneError as e:
-        print(f"corefleet up: {e}", file=sys.stderr)
+        print(f"corefleet cluster up: {e}", file=sys.stderr)
         return 2
     stop = threading.Event()
 
@@ -57,7 +65,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     t0 = time.monotonic()
-    print(f"corefleet up: starting a local control plane in {state}", flush=True)
+    print(f"corefleet cluster up: starting a local control plane in {state}", flush=True)
     try:
         with LocalControlPlane(state_dir=state, bin_dir=bin_dir) as cp:
             add_gpu_node(cp, "gpu-node-0", gpus=args.gpus)
@@ -80,7 +88,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                         return _healthy(health)
 
                     wait_until(operator_healthy, 60, "operator liveness", fatal=(ControlPlaneError,))
-                    print(f"corefleet up: control plane {cp.server} and operator (pid {op.pid}) healthy "
+                    print(f"corefleet cluster up: control plane {cp.server} and operator (pid {op.pid}) healthy "
                           f"in {time.monotonic() - t0:.1f} s", flush=True)
                     print(f"  export KUBECONFIG={cp.kubeconfig}", flush=True)
                     print(f"  export PATH={bin_dir}:$PATH   # kubectl and helm", flush=True)
@@ -90,10 +98,10 @@ def cmd_up(args: argparse.Namespace) -> int:
                     print(f"  operator metrics: http://127.0.0.1:{metrics_port}/metrics", flush=True)
                     if args.exit_when_ready:
                         return 0
-                    print("corefleet up: running; Ctrl-C stops everything it started", flush=True)
+                    print("corefleet cluster up: running; Ctrl-C stops everything it started", flush=True)
                     while not stop.wait(1.0):
                         if op.poll() is not None:
-                            print(f"corefleet up: operator exited with {op.returncode}:\n{tail(log)}",
+                            print(f"corefleet cluster up: operator exited with {op.returncode}:\n{tail(log)}",
                                   file=sys.stderr)
                             return 1
                     return 0
@@ -106,21 +114,90 @@ def cmd_up(args: argparse.Namespace) -> int:
                             op.kill()
                             op.wait()
     except (ControlPlaneError, TimeoutError) as e:
-        print(f"corefleet up: {e}", file=sys.stderr)
+        print(f"corefleet cluster up: {e}", file=sys.stderr)
         return 1
     finally:
-        print("corefleet up: stopped", flush=True)
+        print("corefleet cluster up: stopped", flush=True)
+
+
+def _local_options(args: argparse.Namespace) -> local.FleetOptions:
+    return local.FleetOptions(
+        replicas=args.replicas, engine=args.engine, model=args.model, port=args.port,
+        state_dir=_state_dir(args), vllm_flags=tuple(args.vllm_flags) if args.vllm_flags else None,
+        moe=args.moe, token_delay_ms=args.token_delay_ms, ready_timeout=args.timeout,
+    )
+
+
+def _state_dir(args: argparse.Namespace) -> Path:
+    return Path(args.state_dir) if args.state_dir else local.default_state_dir()
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    try:
+        opts = _local_options(args)
+        opts.validate()
+    except local.LocalFleetError as e:
+        print(f"corefleet up: {e}", file=sys.stderr)
+        return 2
+    return local.up(opts, detach=args.detach)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    try:
+        return local.status(_state_dir(args))
+    except local.LocalFleetError as e:
+        print(f"corefleet status: {e}", file=sys.stderr)
+        return 1
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    try:
+        return local.down(_state_dir(args))
+    except local.LocalFleetError as e:
+        print(f"corefleet down: {e}", file=sys.stderr)
+        return 1
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="corefleet", description="corefleet: elastic vLLM engine-core fleets")
     sub = p.add_subparsers(dest="command", required=True)
-    up = sub.add_parser("up", help="start a local control plane and the operator")
-    up.add_argument("--state-dir", default=os.environ.get("COREFLEET_STATE_DIR"),
-                    help="where the control plane keeps its state (default: a new temp dir)")
-    up.add_argument("--gpus", type=int, default=8, help="nvidia.com/gpu capacity of the fake node")
-    up.add_argument("--exit-when-ready", action="store_true", help="stop once everything is healthy")
-    up.set_defaults(func=cmd_up)
+    state_help = f"where the local fleet keeps its state file, token and logs (default {local.default_state_dir()})"
+
+    up = sub.add_parser(
+        "up", help="run a local fleet (coordinator, frontend, engines) as processes on 127.0.0.1",
+        usage="corefleet up [options] [-- VLLM_FLAGS...]",
+        description="Start a local fleet and print its OpenAI endpoint. vLLM flags after `--` replace the "
+                    "defaults (" + " ".join(VLLM_CPU_FLAGS) + ").")
+    up.add_argument("--replicas", type=int, default=local.DEFAULT_REPLICAS, help="data-parallel ranks (engines)")
+    up.add_argument("--engine", choices=local.ENGINE_KINDS, default=local.ENGINE_VLLM,
+                    help="real vLLM engines, or the engine emulator (fast, for tests)")
+    up.add_argument("--model", help="model directory or name (default: a tiny llama written into the state dir, "
+                                    "dummy weights)")
+    up.add_argument("--moe", action="store_true", help="with the default model: its Mixtral (MoE) variant")
+    up.add_argument("--port", type=int, default=local.DEFAULT_PORT, help="the OpenAI API's port on 127.0.0.1")
+    up.add_argument("--state-dir", help=state_help)
+    up.add_argument("--detach", action="store_true", help="return once the fleet serves and leave it running")
+    up.add_argument("--timeout", type=float, help="seconds to wait for the fleet to serve (default: "
+                    + ", ".join(f"{k} {v:.0f}" for k, v in local.DEFAULT_READY_TIMEOUT.items()) + ")")
+    up.add_argument("--token-delay-ms", type=int, help="the emulator's delay per generated token")
+    up.set_defaults(func=cmd_up, vllm_flags=[])
+
+    status = sub.add_parser("status", help="the local fleet's processes and ranks")
+    status.add_argument("--state-dir", help=state_help)
+    status.set_defaults(func=cmd_status)
+    down = sub.add_parser("down", help="stop the local fleet's processes")
+    down.add_argument("--state-dir", help=state_help)
+    down.set_defaults(func=cmd_down)
+
+    cluster = sub.add_parser("cluster", help="a local Kubernetes control plane with the operator")
+    cluster_sub = cluster.add_subparsers(dest="cluster_command", required=True)
+    cup = cluster_sub.add_parser("up", help="start a local control plane and the operator")
+    cup.add_argument("--state-dir", default=os.environ.get("COREFLEET_STATE_DIR"),
+                     help="where the control plane keeps its state (default: a new temp dir)")
+    cup.add_argument("--gpus", type=int, default=8, help="nvidia.com/gpu capacity of the fake node")
+    cup.add_argument("--exit-when-ready", action="store_true", help="stop once everything is healthy")
+    cup.set_defaults(func=cmd_cluster_up)
+
     # Listed for --help; main() hands everything after "operator" to the operator's own parser.
     sub.add_parser("operator", help="run the operator against the current kubeconfig", add_help=False)
     ver = sub.add_parser("version", help="print the version")
@@ -134,7 +211,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from corefleet_operator import __main__ as operator_main
 
         return operator_main.main(argv[1:])
+    vllm_flags: list[str] = []
+    if argv[:1] == ["up"] and local.LAUNCHER_ARGS_END in argv:
+        cut = argv.index(local.LAUNCHER_ARGS_END)
+        argv, vllm_flags = argv[:cut], argv[cut + 1:]
     args = build_parser().parse_args(argv)
+    if vllm_flags:
+        args.vllm_flags = vllm_flags
     rc: int = args.func(args)
     return rc
 

@@ -1,5 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""README's main job (`corefleet up`): a local control plane plus the operator, stopped by Ctrl-C."""
+"""`corefleet cluster up`: a local Kubernetes control plane plus the operator, stopped by Ctrl-C.
+
+(README's main job, the local fleet without Kubernetes, is `corefleet up`: tests/e2e/test_local.py.)
+"""
 
 from __future__ import annotations
 
@@ -36,13 +39,13 @@ def read_lines_until(proc: subprocess.Popen[str], marker: str, timeout: float) -
     return lines
 
 
-def test_up_runs_control_plane_and_operator_until_interrupted(tmp_path: Path) -> None:
+def test_cluster_up_runs_control_plane_and_operator_until_interrupted(tmp_path: Path) -> None:
     state = tmp_path / "state"
-    proc = subprocess.Popen([sys.executable, "-m", "corefleet_operator.cli", "up", "--state-dir", str(state)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "corefleet_operator.cli", "cluster", "up",
+                             "--state-dir", str(state)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _check_up(proc, state)
-    finally:  # whatever failed, `corefleet up` stops what it started on SIGINT; kill only as a last resort
+    finally:  # whatever failed, `corefleet cluster up` stops what it started on SIGINT; kill only as a last resort
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
             try:
@@ -90,7 +93,7 @@ def _check_up(proc: subprocess.Popen[str], state: Path) -> None:
     out, err = proc.communicate(timeout=60)
 
     assert proc.returncode == 0, err
-    assert "corefleet up: stopped" in out
+    assert "corefleet cluster up: stopped" in out
     with pytest.raises(urllib.error.URLError):
         get("/readyz")  # everything it started is gone
     operator_log = (state / "operator.log").read_text()

@@ -1,19 +1,45 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The `corefleet` command's argument handling (the commands themselves run in e2e)."""
+"""The `corefleet` command: argument handling, and local mode's supervision with stand-in processes.
+
+Local mode (`corefleet up/status/down`, `corefleet_client.local`) is exercised here with `sleep`
+processes and a fake interpreter that plays the coordinator, frontend (health + admin API) and
+engines in a few lines; the real fleet runs in tests/e2e/test_local.py. `corefleet cluster up`
+runs in tests/e2e/test_up.py.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
 import pytest
 
-from corefleet_operator import __version__
+from corefleet_client import local
+from corefleet_client.admin import FLEET_PATH, FleetState, FleetStatus, RankState, RankStatus, authorized
+from corefleet_client.tinymodel import VLLM_CPU_FLAGS
+from corefleet_operator import __version__, builders
 from corefleet_operator.cli import build_parser, main
+from factories import make_ecs
+
+# ---- argument handling -----------------------------------------------------------------------------
 
 
-def test_up_without_control_plane_binaries_explains_the_fix(
+def test_cluster_up_without_control_plane_binaries_explains_the_fix(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.delenv("COREFLEET_K8S_BIN", raising=False)
 
-    rc = main(["up", "--exit-when-ready"])
+    rc = main(["cluster", "up", "--exit-when-ready"])
 
     assert rc == 2
     assert "hack/control-plane.sh" in capsys.readouterr().err
@@ -24,9 +50,10 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out.strip() == __version__
 
 
-def test_a_command_is_required() -> None:
+@pytest.mark.parametrize("argv", [[], ["cluster"]])
+def test_a_command_is_required(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as err:
-        build_parser().parse_args([])
+        build_parser().parse_args(argv)
     assert err.value.code == 2
 
 
@@ -46,3 +73,521 @@ def test_operator_parser_accepts_namespaces_and_liveness() -> None:
     args = parse_args(["-n", "a", "--namespace", "b", "--liveness", ""])
     assert args.namespace == ["a", "b"]
     assert args.liveness == ""
+
+
+def _captured_options(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> tuple[local.FleetOptions, bool]:
+    seen: list[tuple[local.FleetOptions, bool]] = []
+
+    def fake_up(opts: local.FleetOptions, *, detach: bool) -> int:
+        seen.append((opts, detach))
+        return 0
+
+    monkeypatch.setattr(local, "up", fake_up)
+    assert main(argv) == 0
+    return seen[0]
+
+
+def test_up_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+
+    opts, detach = _captured_options(monkeypatch, ["up"])
+
+    assert (opts.replicas, opts.engine, opts.model, opts.port, detach) == (2, "vllm", None, 8000, False)
+    assert opts.state_dir == tmp_path / "corefleet"
+    assert opts.vllm_flags is None  # the tiny model's CPU flags
+    assert opts.python == sys.executable
+
+
+def test_up_options_and_vllm_flags_after_the_separator(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    opts, detach = _captured_options(monkeypatch, [
+        "up", "--replicas", "4", "--engine", "emulator", "--port", "9000", "--state-dir", str(tmp_path),
+        "--detach", "--token-delay-ms", "5", "--timeout", "30", "--", "--max-model-len", "128", "--detach"])
+
+    assert (opts.replicas, opts.engine, opts.port, opts.state_dir, detach) == (4, "emulator", 9000, tmp_path, True)
+    assert (opts.token_delay_ms, opts.ready_timeout) == (5, 30.0)
+    assert opts.vllm_flags == ("--max-model-len", "128", "--detach")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["up", "--replicas", "0"], "--replicas must be at least 1"),
+    (["up", "--token-delay-ms", "3"], "--engine emulator only"),
+    (["up", "--port", "70000"], "--port must be in 1..65535"),
+])
+def test_up_refuses_bad_options(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_default_state_dir_without_runtime_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+
+    assert local.default_state_dir() == tmp_path / ".cache" / "corefleet" / "local"
+
+
+def test_status_and_down_without_a_fleet(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["status", "--state-dir", str(tmp_path)]) == 1
+    assert main(["down", "--state-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"no fleet recorded in {tmp_path}" in out
+
+
+# ---- command lines: the operator's pod contracts, on 127.0.0.1 ------------------------------------
+PORTS = local.Ports(http=8000, admin=1001, rpc=1002, coord_front_publish=1003, coord_back_output=1004,
+                    coord_back_publish=1005, health=(1010, 1011))
+
+
+def test_command_lines() -> None:
+    py = "/venv/bin/python"
+    assert local.coordinator_argv(py, 2, PORTS, moe=False) == [
+        py, "-m", "corefleet_client.coordinator", "--engine-count", "2", "--host", "127.0.0.1",
+        "--front-publish-port", "1003", "--back-output-port", "1004", "--back-publish-port", "1005",
+        "--no-wave-coordination"]
+    assert "--no-wave-coordination" not in local.coordinator_argv(py, 2, PORTS, moe=True)
+    assert local.frontend_argv(py, "/m", 2, PORTS, Path("/s/admin-token"), ["--enforce-eager"]) == [
+        py, "-m", "corefleet_client.frontend", "--admin-host", "127.0.0.1", "--admin-port", "1001",
+        "--admin-token-file", "/s/admin-token", "--coordinator-address", "127.0.0.1",
+        "--coordinator-front-publish-port", "1003", "--coordinator-back-output-port", "1004",
+        "--coordinator-back-publish-port", "1005", "--",
+        "/m", "--host", "127.0.0.1", "--port", "8000", "--data-parallel-size", "2", "--data-parallel-size-local", "0",
+        "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", "1002", "--enforce-eager"]
+    assert local.engine_argv(py, "vllm", "/m", 2, 1, PORTS, ["--enforce-eager"]) == [
+        py, "-m", "corefleet_client.engine", "--health-host", "127.0.0.1", "--health-port", "1011", "--",
+        "/m", "--headless", "--data-parallel-size", "2", "--data-parallel-size-local", "1",
+        "--data-parallel-start-rank", "1", "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port",
+        "1002", "--enforce-eager"]
+    emulator = local.engine_argv(py, "emulator", "/m", 2, 0, PORTS, [], token_delay_ms=7)
+    assert emulator[:9] == [py, "-m", "corefleet_client.emulator", "--health-host", "127.0.0.1",
+                            "--health-port", "1010", "--token-delay-ms", "7"]
+    assert emulator[9:] == local.engine_argv(py, "vllm", "/m", 2, 0, PORTS, [])[7:]
+
+
+def _flags(args: list[str]) -> tuple[set[str], set[str]]:
+    """Flag names before and after the launcher's `--`."""
+    cut = args.index("--")
+    return {a for a in args[:cut] if a.startswith("--")}, {a for a in args[cut + 1:] if a.startswith("--")}
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_command_lines_match_the_operators_pods(moe: bool) -> None:
+    """Local mode runs the pods' commands: same modules, same flags, plus only the bind-address flags
+    a pod does not need (it binds its own IP) and minus what the pod builder takes from the spec."""
+    fleet = make_ecs("a").expert_parallel(moe).obj()
+    spec_only = {"--tensor-parallel-size", "--load-format", "--enable-expert-parallel", "--enable-elastic-ep",
+                 "--enable-eplb", "--elastic-ep-max-dp-size"}
+    coord = builders.coordinator_pod(fleet, dp_size=2)["spec"]["containers"][0]
+    front = builders.frontend_pod(fleet, dp_size=2, coordinator_address="c")["spec"]["containers"][0]
+    engine = builders.engine_pod(fleet, 1, dp_size=2, frontend_address="f")["spec"]["containers"][0]
+    py = "python"
+
+    expected = local.coordinator_argv(py, 2, dataclasses.replace(
+        PORTS, coord_front_publish=29551, coord_back_output=29552, coord_back_publish=29553), moe=moe)
+    expected[expected.index("--host") + 1] = "0.0.0.0"
+    assert coord["command"] + coord["args"] == expected
+    local_front = local.frontend_argv(py, "/m", 2, PORTS, Path("/t"), [])
+    assert front["command"] == local_front[:3]
+    launcher, vllm = _flags(front["args"])
+    assert (launcher | {"--admin-host"}, vllm - spec_only) == _flags(local_front[3:])
+    local_engine = local.engine_argv(py, "vllm", "/m", 2, 1, PORTS, [])
+    assert engine["command"] == local_engine[:3]
+    launcher, vllm = _flags(engine["args"])
+    assert (launcher | {"--health-host"}, vllm - spec_only) == _flags(local_engine[3:])
+
+
+def test_moe_is_read_from_the_model_config(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"num_local_experts": 4}))
+    assert local.is_moe_model(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert not local.is_moe_model(str(tmp_path))
+    assert not local.is_moe_model("org/some-hub-model")
+
+
+# ---- the state file, /proc, down and status with stand-in processes -------------------------------
+@pytest.fixture
+def spawned() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Processes a test starts; whatever it leaves running is killed (and reaped) after it."""
+    procs: list[subprocess.Popen[bytes]] = []
+    yield procs
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
+def _spawn(spawned: list[subprocess.Popen[bytes]], argv: list[str], role: str, rank: int | None,
+           new_session: bool = True) -> local.ProcessRecord:
+    p = subprocess.Popen(argv, start_new_session=new_session, stdin=subprocess.DEVNULL)
+    spawned.append(p)
+    st = local.proc_stat(p.pid)
+    assert st is not None
+    local.wait_for(lambda: local.proc_cmdline(p.pid) == argv, 10, f"{argv} to exec")
+    return local.ProcessRecord(role=role, rank=rank, pid=p.pid, start_time=st.start_time, argv=tuple(argv),
+                               log="/dev/null")
+
+
+def _record(state_dir: Path, procs: list[local.ProcessRecord], admin_url: str = "http://127.0.0.1:9",
+            token_file: Path | None = None) -> local.FleetRecord:
+    if token_file is None:
+        token_file = state_dir / "admin-token"
+        token_file.write_text("secret\n")
+    rec = local.FleetRecord(
+        state_dir=str(state_dir), engine="emulator", model="/m", served_model_name="tiny", replicas=2,
+        endpoint="http://127.0.0.1:8000/v1", admin_url=admin_url, token_file=str(token_file),
+        ports=PORTS, boot_id=local.boot_id(), processes=tuple(procs), started_at=1.0)
+    local.save_record(rec)
+    return rec
+
+
+def test_state_file_round_trips(tmp_path: Path) -> None:
+    proc = local.ProcessRecord(role="engine", rank=1, pid=123, start_time=456, argv=("a", "b"), log="/l")
+    rec = _record(tmp_path, [proc])
+
+    assert local.load_record(tmp_path) == rec
+    data = json.loads((tmp_path / "fleet.json").read_text())
+    assert data["processes"][0] == {"role": "engine", "rank": 1, "pid": 123, "start_time": 456,
+                                    "argv": ["a", "b"], "log": "/l"}
+    assert local.load_record(tmp_path / "nothing") is None
+    (tmp_path / "fleet.json").write_text("{}")
+    with pytest.raises(local.LocalFleetError, match="not a corefleet state file"):
+        local.load_record(tmp_path)
+
+
+def test_down_stops_exactly_the_recorded_processes(tmp_path: Path, spawned: list[subprocess.Popen[bytes]]) -> None:
+    ours = [_spawn(spawned, ["sleep", "1001"], "coordinator", None),
+            _spawn(spawned, ["sleep", "1002"], "engine", 0)]
+    bystander = _spawn(spawned, ["sleep", "1003"], "engine", 1)
+    _record(tmp_path, ours)
+    out = io.StringIO()
+
+    assert local.down(tmp_path, out=out) == 0
+
+    assert all(not local.is_running(local.proc_stat(p.pid)) for p in ours)
+    assert local.is_running(local.proc_stat(bystander.pid))
+    assert not (tmp_path / "fleet.json").exists()
+    assert "stopped 2 of 2 processes" in out.getvalue()
+
+
+def test_down_never_signals_a_recycled_pid(tmp_path: Path, spawned: list[subprocess.Popen[bytes]]) -> None:
+    """A recorded pid now held by another process (other start time, other command line) is left alone."""
+    other = _spawn(spawned, ["sleep", "1004"], "engine", 0)
+    # As if pid `other.pid` had been an engine of the fleet once, and the pid was then reused.
+    stale = dataclasses.replace(other, start_time=other.start_time - 1,
+                                argv=("python", "-m", "corefleet_client.engine"))
+    same_start_other_cmdline = dataclasses.replace(other, argv=("python", "-m", "corefleet_client.frontend"))
+    for recorded in (stale, same_start_other_cmdline):
+        _record(tmp_path, [recorded])
+        out = io.StringIO()
+
+        assert local.down(tmp_path, out=out) == 0
+
+        assert local.is_running(local.proc_stat(other.pid))
+        assert "belongs to another process; left alone" in out.getvalue()
+        assert "stopped 0 of 1" in out.getvalue()
+
+
+def test_down_stops_what_is_left_of_a_group_whose_leader_died(
+        tmp_path: Path, spawned: list[subprocess.Popen[bytes]]) -> None:
+    """vLLM's EngineCore children outlive a killed launcher: they are stopped through the process group."""
+    pid_file = tmp_path / "child.pid"
+    leader = _spawn(spawned, ["sh", "-c", f"sleep 1005 & echo $! > {pid_file}; wait"], "engine", 0)
+    local.wait_for(lambda: pid_file.exists() and pid_file.read_text().strip().isdigit(), 10, "the child's pid")
+    child = int(pid_file.read_text())
+    os.kill(leader.pid, signal.SIGKILL)
+    spawned[-1].wait()
+    _record(tmp_path, [leader])
+
+    assert local.is_running(local.proc_stat(child))
+    assert local.down(tmp_path, out=io.StringIO()) == 0
+    assert not local.is_running(local.proc_stat(child))
+
+
+def test_down_kills_what_ignores_sigterm(tmp_path: Path, spawned: list[subprocess.Popen[bytes]]) -> None:
+    stubborn = _spawn(spawned, ["sh", "-c", "trap '' TERM; sleep 1006 & wait; sleep 1006"], "frontend", None)
+    rec = _record(tmp_path, [stubborn])
+    out = io.StringIO()
+    t0 = time.monotonic()
+
+    stopped = local.stop_fleet(rec, grace=0.5, out=out)
+
+    assert stopped == [stubborn]
+    assert not local.is_running(local.proc_stat(stubborn.pid))
+    assert "killing: frontend" in out.getvalue()
+    assert time.monotonic() - t0 < 10
+
+
+class _FakeAdmin(BaseHTTPRequestHandler):
+    token = "secret"
+    fleet = FleetStatus(
+        state=FleetState.SERVING, model="tiny", data_parallel_size=2, vllm_version="0.32.0",
+        ranks=(RankStatus(rank=0, identity="0000", state=RankState.SERVING, waiting=1, running=2, in_flight=3,
+                          requests_total=40),
+               RankStatus(rank=1, identity="0100", state=RankState.SERVING, requests_total=41)),
+    )
+
+    def do_GET(self) -> None:
+        if self.path != FLEET_PATH or not authorized(self.headers.get("Authorization"), self.token):
+            self.send_response(401)
+            self.end_headers()
+            return
+        body = json.dumps(self.fleet.to_json()).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def admin_server() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeAdmin)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_status_reports_processes_and_ranks(tmp_path: Path, spawned: list[subprocess.Popen[bytes]],
+                                            admin_server: str, capsys: pytest.CaptureFixture[str]) -> None:
+    procs = [_spawn(spawned, ["sleep", "1007"], "coordinator", None),
+             _spawn(spawned, ["sh", "-c", "sleep 1008 & wait"], "frontend", None),
+             _spawn(spawned, ["sleep", "1009"], "engine", 0),
+             _spawn(spawned, ["sleep", "1010"], "engine", 1)]
+    _record(tmp_path, procs, admin_url=admin_server)
+
+    assert main(["status", "--state-dir", str(tmp_path)]) == 0
+
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert "OpenAI endpoint: http://127.0.0.1:8000/v1" in lines
+    rows = [ln.split() for ln in lines[lines.index(next(ln for ln in lines if ln.startswith("PROCESS"))) + 1:][:4]]
+    assert [(r[0], r[1], r[2], r[3]) for r in rows] == [
+        ("coordinator", "-", str(procs[0].pid), "yes"), ("frontend", "-", str(procs[1].pid), "yes"),
+        ("engine", "0", str(procs[2].pid), "yes"), ("engine", "1", str(procs[3].pid), "yes")]
+    assert all(float(r[4]) >= 0 for r in rows)
+    assert "fleet: Serving  data-parallel size 2  vLLM 0.32.0" in out
+    ranks = [ln.split() for ln in lines[lines.index(next(ln for ln in lines if ln.strip().startswith("RANK"))) + 1:]]
+    assert ranks == [["0", "Serving", "1", "2", "3", "40"], ["1", "Serving", "0", "0", "0", "41"]]
+
+    os.kill(procs[3].pid, signal.SIGKILL)
+    spawned[3].wait()
+    assert main(["status", "--state-dir", str(tmp_path)]) == 1
+    rows = [ln.split()[:4] for ln in capsys.readouterr().out.splitlines()]
+    assert ["engine", "1", str(procs[3].pid), "no"] in rows
+
+
+def test_status_without_an_admin_api(tmp_path: Path, spawned: list[subprocess.Popen[bytes]],
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    _record(tmp_path, [_spawn(spawned, ["sleep", "1011"], "coordinator", None)],
+            admin_url=f"http://127.0.0.1:{local.free_ports(1)[0]}")
+
+    assert main(["status", "--state-dir", str(tmp_path)]) == 1
+    assert "fleet: unknown (admin API:" in capsys.readouterr().out
+
+
+def test_rss_includes_child_processes(spawned: list[subprocess.Popen[bytes]], tmp_path: Path) -> None:
+    # A parent whose child holds ~64 MiB: the tree's RSS counts it.
+    child = f"import time; b = bytearray(64 << 20); open({str(tmp_path / 'ready')!r}, 'w').close(); time.sleep(1000)"
+    parent = _spawn(spawned, [sys.executable, "-c",
+                              f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}])"],
+                    "engine", 0)
+    local.wait_for(lambda: (tmp_path / "ready").exists(), 20, "the child to allocate")
+
+    own = local.proc_stat(parent.pid)
+    assert own is not None
+    assert local.tree_rss_bytes(parent.pid, local.all_procs()) > own.rss_bytes + (60 << 20)
+
+
+# ---- up: the whole supervision with a fake interpreter --------------------------------------------
+FAKE_PYTHON = '''\
+#!{python}
+"""Plays `python -m corefleet_client.{{coordinator,frontend,engine,emulator}}` for local mode's tests."""
+import json, os, signal, sys, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from corefleet_client.admin import FleetState, FleetStatus, RankState, RankStatus, authorized
+
+assert sys.argv[1] == "-m", sys.argv
+module, args = sys.argv[2].rsplit(".", 1)[1], sys.argv[3:]
+def opt(name):
+    return args[args.index(name) + 1]
+def serve(port, routes):
+    class H(BaseHTTPRequestHandler):
+        def do_GET(self):
+            status, body = routes(self)
+            self.send_response(status); self.end_headers(); self.wfile.write(json.dumps(body).encode())
+        def log_message(self, *a): pass
+    ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
+print(module, "starting", flush=True)
+if module == "coordinator":
+    signal.pause()
+elif module == "frontend":
+    import threading
+    token = open(opt("--admin-token-file")).read().strip()
+    n = int(opt("--data-parallel-size"))
+    def fleet():
+        # Like vLLM: a rank serves once its engine is up; HTTP answers once all are.
+        ready = [os.path.exists(os.path.join(os.environ["FAKE_READY_DIR"], f"rank-{{r}}")) for r in range(n)]
+        return FleetStatus(state=FleetState.SERVING if all(ready) else FleetState.STARTING,
+                           model=args[args.index("--") + 1], data_parallel_size=n, vllm_version="fake",
+                           ranks=tuple(RankStatus(r, f"{{r:02x}}00", RankState.SERVING if ok else RankState.JOINING)
+                                       for r, ok in enumerate(ready)))
+    def admin(h):
+        if not authorized(h.headers.get("Authorization"), token):
+            return 401, {{}}
+        return 200, fleet().to_json()
+    threading.Thread(target=serve, args=(int(opt("--admin-port")), admin), daemon=True).start()
+    serve(int(opt("--port")), lambda h: (200 if fleet().state == FleetState.SERVING else 503, {{}}))
+else:
+    rank = int(opt("--data-parallel-start-rank"))
+    if os.environ.get("FAKE_ENGINE_EXIT_RANK") == str(rank):
+        print("engine failed: out of fake memory", flush=True)
+        sys.exit(3)
+    if os.environ.get("FAKE_ENGINE_SLOW_RANK") == str(rank):
+        signal.pause()
+    open(os.path.join(os.environ["FAKE_READY_DIR"], f"rank-{{rank}}"), "w").close()
+    serve(int(opt("--health-port")), lambda h: (200, {{}}))
+'''
+
+
+def read_lines_until(proc: subprocess.Popen[str], marker: str, timeout: float) -> list[str]:
+    """Stdout lines up to the first that contains `marker` (fails at the deadline or when the output ends)."""
+    lines: list[str] = []
+    found = threading.Event()
+
+    def reader() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if marker in line:
+                found.set()
+                return
+
+    threading.Thread(target=reader, daemon=True).start()
+    assert found.wait(timeout), f"no line with {marker!r} within {timeout} s; got {lines}"
+    return lines
+
+
+@pytest.fixture
+def fake_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    (tmp_path / "ready").mkdir()
+    monkeypatch.setenv("FAKE_READY_DIR", str(tmp_path / "ready"))
+    path = tmp_path / "fake-python"
+    path.write_text(FAKE_PYTHON.format(python=sys.executable))
+    path.chmod(0o755)
+    return str(path)
+
+
+def _options(tmp_path: Path, fake_python: str, **kw: object) -> local.FleetOptions:
+    defaults: dict[str, object] = dict(replicas=2, engine="emulator", port=local.free_ports(1)[0],
+                                       state_dir=tmp_path / "state", python=fake_python, ready_timeout=20.0)
+    defaults.update(kw)
+    return local.FleetOptions(**defaults)  # type: ignore[arg-type]
+
+
+def test_up_detach_status_down(tmp_path: Path, fake_python: str) -> None:
+    opts = _options(tmp_path, fake_python, replicas=3)
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        assert local.up(opts, detach=True, out=out, err=err) == 0, err.getvalue()
+
+        text = out.getvalue()
+        assert f"OpenAI endpoint: http://127.0.0.1:{opts.port}/v1" in text
+        rec = local.load_record(opts.state_dir)
+        assert rec is not None
+        assert [p.name for p in rec.processes] == ["coordinator", "frontend", "engine-0", "engine-1", "engine-2"]
+        assert f"admin API: {rec.admin_url}/v1/fleet" in text
+        assert all(local.owns(rec, p) for p in rec.processes)
+        assert rec.model == str(opts.state_dir / "models" / "tiny-llama")
+        assert (Path(rec.model) / "tokenizer.json").exists()
+        assert rec.processes[1].argv[-len(VLLM_CPU_FLAGS) - 2:] == (*VLLM_CPU_FLAGS, "--served-model-name",
+                                                                       "tiny-llama")
+        assert oct(Path(rec.token_file).stat().st_mode & 0o777) == "0o600"
+        assert (opts.state_dir / "logs" / "engine-2.log").read_text().strip() == "emulator starting"
+        # A second fleet in the same state dir is refused while this one runs.
+        again = io.StringIO()
+        assert local.up(dataclasses.replace(opts, port=local.free_ports(1)[0]), detach=True, out=io.StringIO(),
+                        err=again) == 1
+        assert "is still running" in again.getvalue()
+        status_out = io.StringIO()
+        assert local.status(opts.state_dir, out=status_out) == 0, status_out.getvalue()
+        assert "fleet: Serving" in status_out.getvalue()
+    finally:
+        assert local.down(opts.state_dir, out=io.StringIO()) == 0
+    assert all(not local.is_running(local.proc_stat(p.pid)) for p in rec.processes)
+
+
+def test_up_in_the_foreground_stops_its_processes_on_sigterm(tmp_path: Path, fake_python: str) -> None:
+    """`corefleet up` as a command: prints the endpoint, runs until SIGTERM, then nothing it started is left."""
+    state = tmp_path / "state"
+    port = local.free_ports(1)[0]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    code = ("import functools, sys; from corefleet_client import local; from corefleet_operator.cli import main; "
+            f"local.FleetOptions = functools.partial(local.FleetOptions, python={fake_python!r}); "
+            "sys.exit(main(sys.argv[1:]))")
+    proc = subprocess.Popen([sys.executable, "-c", code, "up", "--engine", "emulator", "--state-dir", str(state),
+                             "--port", str(port), "--timeout", "20"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        lines = read_lines_until(proc, "running; Ctrl-C", timeout=30)
+        assert f"  OpenAI endpoint: http://127.0.0.1:{port}/v1   (model 'tiny-llama')" in lines
+        rec = local.load_record(state)
+        assert rec is not None
+        assert len(rec.processes) == 4
+
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    finally:  # kill only as a last resort: SIGTERM is what is under test
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    assert proc.returncode == 0, err
+    assert "corefleet up: stopped" in out
+    assert all(not local.is_running(local.proc_stat(p.pid)) for p in rec.processes)
+    assert not (state / "fleet.json").exists()
+
+
+def test_up_fails_with_the_log_of_the_process_that_died(
+        tmp_path: Path, fake_python: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_ENGINE_EXIT_RANK", "1")
+    opts = _options(tmp_path, fake_python)
+    err = io.StringIO()
+
+    assert local.up(opts, detach=True, out=io.StringIO(), err=err) == 1
+
+    assert "engine-1 (pid" in err.getvalue()
+    assert "exited with 3 before the fleet was ready" in err.getvalue()
+    assert "engine failed: out of fake memory" in err.getvalue()
+    assert not (opts.state_dir / "fleet.json").exists()  # everything else was stopped
+
+
+def test_up_names_the_slow_process_at_the_deadline(
+        tmp_path: Path, fake_python: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_ENGINE_SLOW_RANK", "0")
+    opts = _options(tmp_path, fake_python, ready_timeout=1.0)
+    err = io.StringIO()
+
+    assert local.up(opts, detach=True, out=io.StringIO(), err=err) == 1
+
+    assert "not ready within 1 s" in err.getvalue()
+    assert "engine-0 (pid" in err.getvalue()
+    assert "looks slowest" in err.getvalue()
+
+
+def test_up_refuses_a_taken_port(tmp_path: Path, fake_python: str) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        opts = _options(tmp_path, fake_python, port=s.getsockname()[1])
+        err = io.StringIO()
+
+        assert local.up(opts, detach=True, out=io.StringIO(), err=err) == 1
+
+    assert f"--port {opts.port} on 127.0.0.1 is taken" in err.getvalue()
+    assert not (opts.state_dir / "fleet.json").exists()
+
