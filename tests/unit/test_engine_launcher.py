@@ -1,0 +1,288 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The engine launcher's parts that need no engine: the handshake relay at the wire level, the
+health endpoints, the frontend-address check, and the refusal of arguments it cannot run.
+
+The relay is driven with pyzmq playing vLLM 0.32.0's two ends: a frontend ROUTER
+(`launch_core_engines` / `wait_for_engine_startup`) and an engine DEALER whose identity is its rank
+(`EngineCoreProc._perform_handshake`). Payloads are msgpack maps as vLLM sends them; the relay must
+pass them byte for byte.
+
+The argument tests parse with vLLM's own `serve` parser, so they import vLLM (and torch) once,
+in-process; no engine starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+
+from corefleet_client.enginehealth import EngineState, HandshakeRelay, HealthServer, engine_identity
+
+STEP_TIMEOUT_MS = 5000
+
+HELLO = msgspec.msgpack.encode({"status": "HELLO", "local": False, "headless": True})
+# Stands in for msgpack(EngineHandshakeMetadata): the frontend's and coordinator's addresses.
+INIT = msgspec.msgpack.encode({
+    "addresses": {"inputs": ["tcp://10.0.0.5:41000"], "outputs": ["tcp://10.0.0.5:41001"],
+                  "coordinator_input": "tcp://10.0.0.6:29553", "coordinator_output": "tcp://10.0.0.6:29552",
+                  "frontend_stats_publish_address": None},
+    "parallel_config": {},
+})
+READY = msgspec.msgpack.encode({"status": "READY", "local": False, "headless": True,
+                                "parallel_config_hash": "0123abcd"})
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context]:
+    context: zmq.Context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+@pytest.fixture
+def ipc_path(tmp_path: Path) -> Iterator[str]:
+    # A short path: ipc:// names are limited to ~107 bytes.
+    path = Path("/tmp") / f"corefleet-relay-{uuid.uuid4().hex[:12]}"
+    yield f"ipc://{path}"
+    path.unlink(missing_ok=True)
+
+
+def recv(sock: zmq.Socket) -> list[bytes]:
+    assert sock.poll(STEP_TIMEOUT_MS), "nothing arrived"
+    return sock.recv_multipart()
+
+
+def test_relay_passes_the_handshake_through_and_joins_only_on_ready(ctx: zmq.Context, ipc_path: str) -> None:
+    rank = 3
+    frontend = ctx.socket(zmq.ROUTER)
+    frontend.bind("tcp://127.0.0.1:*")
+    frontend_address = frontend.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    relay = HandshakeRelay(rank, ipc_path, frontend_address)
+    relay.start()
+    engine = ctx.socket(zmq.DEALER)
+    engine.setsockopt(zmq.IDENTITY, engine_identity(rank))
+    engine.connect(ipc_path)
+    try:
+        # HELLO up: the frontend sees the engine's identity (the relay's DEALER) and the same bytes.
+        engine.send(HELLO)
+        identity, payload = recv(frontend)
+        assert identity == b"\x03\x00" == rank.to_bytes(2, "little")
+        assert payload == HELLO
+        assert not relay.joined.is_set()
+
+        # INIT down, addressed by identity as wait_for_engine_startup does.
+        frontend.send_multipart([identity, INIT])
+        assert recv(engine) == [INIT]
+        assert not relay.joined.is_set()
+
+        # READY up; then the relay is done and gone.
+        engine.send(READY)
+        assert recv(frontend) == [identity, READY]
+        assert relay.joined.wait(timeout=STEP_TIMEOUT_MS / 1000)
+        relay.close()
+        assert not Path(ipc_path.removeprefix("ipc://")).exists()
+    finally:
+        relay.close()
+        engine.close(linger=0)
+        frontend.close(linger=0)
+
+
+def test_relay_queues_hello_until_the_frontend_listens(ctx: zmq.Context, ipc_path: str) -> None:
+    """An engine that starts before the frontend binds: HELLO waits in the relay, as in vLLM's DEALER."""
+    with_port = ctx.socket(zmq.ROUTER)
+    with_port.bind("tcp://127.0.0.1:*")
+    frontend_address = with_port.getsockopt_string(zmq.LAST_ENDPOINT)
+    with_port.close(linger=0)  # nobody listens there yet
+
+    relay = HandshakeRelay(0, ipc_path, frontend_address)
+    relay.start()
+    engine = ctx.socket(zmq.DEALER)
+    engine.setsockopt(zmq.IDENTITY, engine_identity(0))
+    engine.connect(ipc_path)
+    frontend = ctx.socket(zmq.ROUTER)
+    try:
+        engine.send(HELLO)
+        frontend.bind(frontend_address)
+        assert recv(frontend) == [b"\x00\x00", HELLO]
+        assert not relay.joined.is_set()
+    finally:
+        relay.close()
+        engine.close(linger=0)
+        frontend.close(linger=0)
+
+
+def test_relay_drops_an_engine_with_another_rank(ctx: zmq.Context, ipc_path: str) -> None:
+    frontend = ctx.socket(zmq.ROUTER)
+    frontend.bind("tcp://127.0.0.1:*")
+    relay = HandshakeRelay(1, ipc_path, frontend.getsockopt_string(zmq.LAST_ENDPOINT))
+    relay.start()
+    stranger = ctx.socket(zmq.DEALER)
+    stranger.setsockopt(zmq.IDENTITY, engine_identity(2))
+    stranger.connect(ipc_path)
+    engine = ctx.socket(zmq.DEALER)
+    engine.setsockopt(zmq.IDENTITY, engine_identity(1))
+    engine.connect(ipc_path)
+    try:
+        stranger.send(READY)
+        engine.send(HELLO)
+        # Only rank 1's HELLO arrives (ordering across the two peers is not guaranteed, so the
+        # stranger's READY, had it been relayed, could come first or second).
+        assert recv(frontend) == [b"\x01\x00", HELLO]
+        assert not frontend.poll(300)
+        assert not relay.joined.is_set()
+    finally:
+        relay.close()
+        stranger.close(linger=0)
+        engine.close(linger=0)
+        frontend.close(linger=0)
+
+
+class FakeProcess:
+    """A process whose sentinel is a pipe: readable (exited) once `exit()` closes the write end."""
+
+    def __init__(self) -> None:
+        self.sentinel, self._write = os.pipe()
+        self.exitcode: int | None = None
+
+    def exit(self, code: int) -> None:
+        self.exitcode = code
+        os.close(self._write)
+
+    def close(self) -> None:
+        os.close(self.sentinel)
+        if self.exitcode is None:
+            os.close(self._write)
+
+
+def get(port: int, path: str) -> tuple[int, dict[str, Any]]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[EngineState, int]]:
+    state = EngineState(rank=1)
+    server = HealthServer("127.0.0.1", 0, state)
+    server.start()
+    try:
+        yield state, server.port
+    finally:
+        server.close()
+
+
+def test_health_follows_the_engine(served: tuple[EngineState, int]) -> None:
+    state, port = served
+    starting = {"rank": 1, "state": "starting", "exitcode": None}
+    # Before the engine process exists (config being built) and while it starts.
+    assert get(port, "/livez") == (200, starting)
+    assert get(port, "/readyz") == (503, starting)
+    proc = FakeProcess()
+    try:
+        state.attach(proc)
+        assert get(port, "/readyz") == (503, starting)
+        state.joined.set()  # the relay passed READY
+        assert get(port, "/readyz") == (200, {"rank": 1, "state": "ready", "exitcode": None})
+        assert get(port, "/livez?verbose") == (200, {"rank": 1, "state": "ready", "exitcode": None})
+        proc.exit(-9)
+        exited = {"rank": 1, "state": "exited", "exitcode": -9}
+        assert get(port, "/livez") == (503, exited)
+        assert get(port, "/readyz") == (503, exited)
+        assert get(port, "/metrics")[0] == 404
+    finally:
+        proc.close()
+
+
+def test_health_port_in_use_is_an_error(served: tuple[EngineState, int]) -> None:
+    _, port = served
+    with pytest.raises(OSError, match="in use"):
+        HealthServer("127.0.0.1", port, EngineState(rank=0))
+
+
+# --- The launcher itself: vLLM's parser, imported once for the module. ---
+
+@pytest.fixture(scope="module")
+def engine_module() -> ModuleType:
+    import corefleet_client.engine as engine
+
+    return engine
+
+
+def test_unresolvable_frontend_fails_with_a_message(engine_module: ModuleType) -> None:
+    error = engine_module.wait_resolvable("no-such-frontend.invalid", 29550, timeout=0)
+    assert error is not None
+    assert "--data-parallel-address 'no-such-frontend.invalid' does not resolve" in error
+    assert engine_module.wait_resolvable("127.0.0.1", 29550, timeout=0) is None
+
+
+GOOD = ["tiny-model", "--headless", "--data-parallel-size", "2", "--data-parallel-size-local", "1",
+        "--data-parallel-start-rank", "1", "--data-parallel-address", "10.0.0.5", "--data-parallel-rpc-port", "29550"]
+
+
+def refusal(engine_module: ModuleType, capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        engine_module.main(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("vllm_args", "message"), [
+    pytest.param([a for a in GOOD if a != "--headless"], "--headless is required", id="no-headless"),
+    pytest.param([*GOOD[:5], "2", *GOOD[6:]], "--data-parallel-size-local must be 1 (one DP rank per pod), got 2",
+                 id="dpl-2"),
+    pytest.param([*GOOD[:4], "-dpl=0", *GOOD[6:]], "--data-parallel-size-local must be 1 (one DP rank per pod), got 0",
+                 id="dpl-0-short-form"),
+    pytest.param([*GOOD[:4], *GOOD[6:]], "--data-parallel-size-local must be 1 (one DP rank per pod), got unset",
+                 id="dpl-unset"),
+    pytest.param([*GOOD, "--data-parallel-rank", "1"], "give the rank with --data-parallel-start-rank",
+                 id="external-lb"),
+    pytest.param([*GOOD, "--no-such-vllm-flag"], "unrecognized arguments: --no-such-vllm-flag", id="unknown-flag"),
+])
+def test_refused_vllm_arguments(engine_module: ModuleType, capsys: pytest.CaptureFixture[str],
+                                monkeypatch: pytest.MonkeyPatch, vllm_args: list[str], message: str) -> None:
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    err = refusal(engine_module, capsys, ["--health-port", "8002", "--", *vllm_args])
+    assert message in err, err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    pytest.param(["--health-port", "8002", *GOOD], "unrecognized arguments", id="no-separator"),
+    pytest.param(["--health-port", "8002", "--"], "the vLLM serve arguments follow `--`", id="nothing-after"),
+    pytest.param(["--", *GOOD], "the following arguments are required: --health-port", id="no-health-port"),
+])
+def test_refused_launcher_arguments(engine_module: ModuleType, capsys: pytest.CaptureFixture[str],
+                                    argv: list[str], message: str) -> None:
+    err = refusal(engine_module, capsys, argv)
+    assert message in err, err
+
+
+def test_vllm_arguments_parse_as_vllm_serve_does(engine_module: ModuleType) -> None:
+    """Underscore forms, `--model`, short flags and dotted config flags all reach vLLM's namespace."""
+    args, serve = engine_module.parse_args([
+        "--health-port", "8002", "--health-host", "127.0.0.1", "--",
+        "--model", "tiny-model", "--headless", "-dp", "2", "--data_parallel_size_local=1", "-dpr", "1",
+        "--data-parallel-address", "frontend.fleet.ns.svc", "--data-parallel-rpc-port", "29550",
+        "--compilation-config.mode", "0", "--max-model-len=256",
+    ])
+    assert (args.health_port, args.health_host) == (8002, "127.0.0.1")
+    assert serve.model == "tiny-model"
+    assert (serve.data_parallel_size, serve.data_parallel_size_local, serve.data_parallel_start_rank) == (2, 1, 1)
+    assert serve.data_parallel_address == "frontend.fleet.ns.svc"
+    assert serve.api_server_count == 0
+    assert serve.max_model_len == 256
+    assert serve.compilation_config.mode == 0  # a dotted flag, merged into JSON by FlexibleArgumentParser
+
