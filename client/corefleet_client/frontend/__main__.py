@@ -1,0 +1,134 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`python -m corefleet_client.frontend [corefleet flags] -- <vllm serve flags>`
+
+vLLM's own OpenAI API server (`run_server`, one API server process) over corefleet's engine-core
+client (`frontend.client`), plus the authenticated admin API on its own port. The vLLM flags are
+parsed by vLLM's `vllm serve` parser, so every serve flag works; the DP flags must describe a
+frontend with no local engine: `--data-parallel-size N --data-parallel-size-local 0
+--data-parallel-address <this pod's IP> --data-parallel-rpc-port P`.
+
+Exit codes: 0 after SIGTERM/SIGINT, 2 for bad arguments or a missing admin token, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from corefleet_client.admin import read_token
+
+EXIT_USAGE = 2
+logger = logging.getLogger("corefleet.frontend")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m corefleet_client.frontend",
+        usage="%(prog)s [options] -- MODEL [vllm serve options]",
+        description="vLLM's OpenAI API server over engines and a coordinator running in other processes/pods.",
+    )
+    p.add_argument("--admin-host", default="0.0.0.0", help="address of the admin API")
+    p.add_argument("--admin-port", type=int, default=8001, help="port of the admin API")
+    p.add_argument("--admin-token-file", default=None,
+                   help="file holding the admin bearer token "
+                        "(else $COREFLEET_ADMIN_TOKEN_FILE or $COREFLEET_ADMIN_TOKEN)")
+    p.add_argument("--coordinator-address", required=True, help="host of the standalone DP coordinator")
+    p.add_argument("--coordinator-front-publish-port", type=int, default=29551)
+    p.add_argument("--coordinator-back-output-port", type=int, default=29552)
+    p.add_argument("--coordinator-back-publish-port", type=int, default=29553)
+    p.add_argument("--engine0-address", default=None,
+                   help="MoE fleets: engine rank 0's address, advertised to the engines as the DP master")
+    p.add_argument("--liveness-interval", type=float, default=1.0,
+                   help="seconds between liveness calls to each engine")
+    p.add_argument("--liveness-timeout", type=float, default=30.0,
+                   help="an engine that does not answer a liveness call within this many seconds is dead")
+    return p
+
+
+def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    argv = list(argv)
+    if "--" not in argv:
+        return argv, []
+    i = argv.index("--")
+    return argv[:i], argv[i + 1:]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ours, vllm_argv = split_argv(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    opts = parser.parse_args(ours)
+    if not vllm_argv:
+        parser.error("the vLLM serve arguments (MODEL and flags) must follow '--'")
+    if opts.liveness_interval <= 0 or opts.liveness_timeout <= 0:
+        parser.error("--liveness-interval and --liveness-timeout must be positive")
+    try:
+        token = read_token(opts.admin_token_file)
+    except (OSError, ValueError):
+        return EXIT_USAGE
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s [%(name)s] %(message)s")
+
+    # vLLM is imported only now: `--help` and argument errors stay fast.
+    import uvloop
+    from vllm.entrypoints.launchers.api_server.entry import run_server
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from corefleet_client import vllm_compat
+    from corefleet_client.frontend.adminserver import AdminServer
+    from corefleet_client.frontend.client import FleetOptions, FleetTracker, KubeDPLBClient, KubeMPClient
+
+    vparser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+    args = vparser.parse_args(vllm_argv)
+    if getattr(args, "model_tag", None):
+        args.model = args.model_tag
+    validate_parsed_serve_args(args)
+    problems = []
+    if args.headless:
+        problems.append("--headless is for engines, not the frontend")
+    if args.data_parallel_size_local != 0:
+        problems.append("--data-parallel-size-local must be 0: the frontend starts no engine")
+    if args.api_server_count not in (None, 1):
+        problems.append("--api-server-count must be 1: one API server owns the engines' sockets")
+    if args.data_parallel_rank is not None or args.data_parallel_start_rank is not None:
+        problems.append("--data-parallel-rank/--data-parallel-start-rank are for engines")
+    if args.data_parallel_external_lb or args.data_parallel_hybrid_lb:
+        problems.append("external and hybrid load balancing are not corefleet's topology")
+    if problems:
+        vparser.error("; ".join(problems))
+    args.api_server_count = None
+
+    options = FleetOptions(
+        coordinator_address=opts.coordinator_address,
+        coordinator_front_publish_port=opts.coordinator_front_publish_port,
+        coordinator_back_output_port=opts.coordinator_back_output_port,
+        coordinator_back_publish_port=opts.coordinator_back_publish_port,
+        engine0_address=opts.engine0_address,
+        liveness_interval_s=opts.liveness_interval,
+        liveness_timeout_s=opts.liveness_timeout,
+    )
+    served = args.served_model_name[0] if args.served_model_name else args.model
+    tracker = FleetTracker(model=served, data_parallel_size=args.data_parallel_size)
+    for cls in (KubeDPLBClient, KubeMPClient):
+        cls.options = options
+        cls.tracker = tracker
+    vllm_compat.use_client_class(KubeDPLBClient, KubeMPClient)
+    vllm_compat.install_fleet_health_check()
+
+    try:
+        admin = AdminServer(opts.admin_host, opts.admin_port, token, tracker.snapshot)
+    except OSError:
+        return 1
+    admin.start()
+    try:
+        uvloop.run(run_server(args))
+    except KeyboardInterrupt:
+        logger.info("Interrupted before the server started; exiting")
+    finally:
+        admin.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
