@@ -9,6 +9,7 @@ runs in tests/e2e/test_up.py.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
@@ -205,18 +206,17 @@ def test_moe_is_read_from_the_model_config(tmp_path: Path) -> None:
 # ---- the state file, /proc, down and status with stand-in processes -------------------------------
 @pytest.fixture
 def spawned() -> Iterator[list[subprocess.Popen[bytes]]]:
-    """Processes a test starts; whatever it leaves running is killed (and reaped) after it."""
+    """Processes a test starts; whatever it leaves running (children included) is killed and reaped after it."""
     procs: list[subprocess.Popen[bytes]] = []
     yield procs
     for p in procs:
-        if p.poll() is None:
-            p.kill()
+        with contextlib.suppress(ProcessLookupError):  # each runs in its own session: its group, children too
+            os.killpg(p.pid, signal.SIGKILL)
         p.wait()
 
 
-def _spawn(spawned: list[subprocess.Popen[bytes]], argv: list[str], role: str, rank: int | None,
-           new_session: bool = True) -> local.ProcessRecord:
-    p = subprocess.Popen(argv, start_new_session=new_session, stdin=subprocess.DEVNULL)
+def _spawn(spawned: list[subprocess.Popen[bytes]], argv: list[str], role: str, rank: int | None) -> local.ProcessRecord:
+    p = subprocess.Popen(argv, start_new_session=True, stdin=subprocess.DEVNULL)
     spawned.append(p)
     st = local.proc_stat(p.pid)
     assert st is not None
@@ -473,13 +473,16 @@ def read_lines_until(proc: subprocess.Popen[str], marker: str, timeout: float) -
 
 
 @pytest.fixture
-def fake_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+def fake_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The fake interpreter; a fleet a failed test leaves in tmp_path/state is stopped after it."""
     (tmp_path / "ready").mkdir()
     monkeypatch.setenv("FAKE_READY_DIR", str(tmp_path / "ready"))
     path = tmp_path / "fake-python"
     path.write_text(FAKE_PYTHON.format(python=sys.executable))
     path.chmod(0o755)
-    return str(path)
+    yield str(path)
+    if local.load_record(tmp_path / "state") is not None:
+        local.down(tmp_path / "state", out=io.StringIO(), grace=2)
 
 
 def _options(tmp_path: Path, fake_python: str, **kw: object) -> local.FleetOptions:
