@@ -685,7 +685,8 @@ def start(opts: FleetOptions) -> LocalFleet:
         model = str(write_tiny_model(state_dir / MODEL_DIR / served, moe=opts.moe))
         default_flags: tuple[str, ...] = (*VLLM_CPU_FLAGS, "--served-model-name", served)
     else:
-        model = opts.model
+        # A local directory by its absolute path (the record and every process agree on it); else a name.
+        model = str(Path(opts.model).absolute()) if Path(opts.model).is_dir() else opts.model
         served = model
         default_flags = ()
         if opts.vllm_flags is None:

@@ -594,3 +594,26 @@ def test_up_refuses_a_taken_port(tmp_path: Path, fake_python: str) -> None:
     assert f"--port {opts.port} on 127.0.0.1 is taken" in err.getvalue()
     assert not (opts.state_dir / "fleet.json").exists()
 
+
+
+def test_up_with_a_model_directory_and_own_vllm_flags(tmp_path: Path, fake_python: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tmp_path / "my-moe"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_local_experts": 8}))
+    monkeypatch.chdir(tmp_path)
+    opts = _options(tmp_path, fake_python, model="my-moe", vllm_flags=("--max-model-len", "128"))
+    try:
+        assert local.up(opts, detach=True, out=io.StringIO(), err=io.StringIO()) == 0
+        rec = local.load_record(opts.state_dir)
+        assert rec is not None
+        coordinator, frontend, *engines = (p.argv for p in rec.processes)
+        assert "--no-wave-coordination" not in coordinator  # MoE: vLLM's wave coordination stays on
+        for argv in (frontend, *engines):
+            assert argv[argv.index("--") + 1] == str(model)  # absolute: the record means the same anywhere
+            assert argv[-2:] == ("--max-model-len", "128")
+            assert "--load-format" not in argv
+        assert rec.served_model_name == str(model)
+        assert not (opts.state_dir / "models").exists()
+    finally:
+        local.down(opts.state_dir, out=io.StringIO())
