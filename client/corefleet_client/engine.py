@@ -32,6 +32,10 @@ What differs from `run_headless`:
    down through `CoreEngineProcManager.shutdown`, with `--shutdown-timeout` as in `run_headless`);
    otherwise, when the engine exits on its own, its exit code if non-zero (128+N if killed by
    signal N), else 1, so the pod ends Failed and the operator sees the lost rank.
+6. The launcher is a child subreaper: if the engine core dies first, its executor workers become
+   the launcher's children, and are stopped (SIGTERM, 5 s, SIGKILL) before it exits; /livez says
+   503 meanwhile. vLLM's workers usually notice their parent's death and exit by themselves; a
+   wedged one would otherwise outlive the launcher wherever it is not PID 1 of a container.
 
 Liveness is vLLM's own `monitor_engine_liveness` (a wait on the process sentinel), run in the
 main thread as `run_headless` does. Multi-node TP/PP (`--nnodes`, `node_rank_within_dp > 0`) is
@@ -41,6 +45,8 @@ refused: a rank and its TP group live in one pod.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import logging
 import signal
 import socket
@@ -49,6 +55,7 @@ import time
 from collections.abc import Sequence
 from types import FrameType
 
+import psutil  # type: ignore[import-untyped]  # a vLLM dependency
 import vllm
 from vllm.entrypoints.cli.serve import ServeSubcommand
 from vllm.entrypoints.launchers.cli_args import propagate_flash_late_interaction
@@ -70,6 +77,10 @@ DEFAULT_HEALTH_HOST = "0.0.0.0"
 # The frontend pod may get its address (and DNS record) a little after the engine pods start.
 DEFAULT_RESOLVE_TIMEOUT_S = 120.0
 _RESOLVE_RETRY_S = 2.0
+
+# vLLM's grace for processes it stops without a configured timeout (v1/utils.py::shutdown).
+ORPHAN_GRACE_S = 5.0
+_PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -167,6 +178,44 @@ def wait_resolvable(host: str, port: int, timeout: float) -> str | None:
             time.sleep(min(_RESOLVE_RETRY_S, left))  # DNS has nothing to wait on
 
 
+def become_subreaper() -> bool:
+    """Make processes orphaned below this one (the engine's executor workers, when the engine core
+    dies first) this process's children rather than init's, so that `stop_orphans` can stop them.
+    In a container the launcher is PID 1 and gets them anyway; run elsewhere, it needs this."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return bool(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
+
+
+def stop_orphans(timeout: float = ORPHAN_GRACE_S) -> None:
+    """Stop whatever the engine left behind, as vLLM's `shutdown` stops the engine: SIGTERM, wait, SIGKILL.
+
+    After `CoreEngineProcManager.shutdown` the only children left should be multiprocessing's
+    resource tracker (which exits by itself, after cleaning up, when this process exits) and
+    orphans reparented here by `become_subreaper`.
+    """
+    orphans = []
+    for child in psutil.Process().children():
+        try:
+            if "resource_tracker" not in " ".join(child.cmdline()):
+                orphans.append(child)
+        except psutil.Error:
+            continue
+    if not orphans:
+        return
+    logger.warning("Stopping %d process(es) the engine left behind: %s", len(orphans), [p.pid for p in orphans])
+    for p in orphans:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _, alive = psutil.wait_procs(orphans, timeout=timeout)
+    for p in alive:
+        logger.warning("Killing pid %d, still running %.0f s after SIGTERM", p.pid, timeout)
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(alive, timeout=timeout)
+
+
 def _exit_status(exitcode: int | None) -> int:
     if exitcode is None or exitcode == 0:
         return EXIT_FAILED
@@ -185,10 +234,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # SIGTERM (the kubelet) and SIGINT stop the engine once, as run_headless's handler does.
     stop_requested = False
+    stopping = False  # the engine is being stopped (asked to, or it exited): a signal changes nothing
 
     def _request_stop(signum: int, frame: FrameType | None) -> None:
         nonlocal stop_requested
-        if stop_requested:
+        if stop_requested or stopping:
             return  # already shutting the engine down; do not interrupt that
         stop_requested = True
         logger.info("Received %s, shutting the engine down", signal.Signals(signum).name)
@@ -197,6 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _request_stop)
     signal.signal(signal.SIGINT, _request_stop)
 
+    become_subreaper()
     rank = serve_args.data_parallel_start_rank or 0
     state = EngineState(rank)
     try:
@@ -253,10 +304,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         # 4. Until the engine exits or a signal arrives.
         engine_manager.monitor_engine_liveness()
+        stopping = True
+        logger.error("Engine core %s exited with code %s without a stop signal; exiting",
+                     engine.name, engine.exitcode)
     except KeyboardInterrupt:
         if not stop_requested:
             raise
     finally:
+        stopping = True
         if relay is not None:
             relay.close()
         if engine_manager is not None:
@@ -264,16 +319,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             if stop_requested:
                 logger.info("Waiting up to %s seconds for the engine to exit", timeout)
             engine_manager.shutdown(timeout=timeout)
-        health.close()
+            stop_orphans()
+        health.close()  # /livez has said 503 since the engine exited
 
     if stop_requested:
         logger.info("Engine stopped")
         return EXIT_OK
     assert engine_manager is not None
-    exitcode = engine_manager.processes[0].exitcode
-    logger.error("Engine core %s exited with code %s without a stop signal; exiting",
-                 engine_manager.processes[0].name, exitcode)
-    return _exit_status(exitcode)
+    return _exit_status(engine_manager.processes[0].exitcode)
 
 
 if __name__ == "__main__":

@@ -286,3 +286,9 @@ def test_vllm_arguments_parse_as_vllm_serve_does(engine_module: ModuleType) -> N
     assert serve.max_model_len == 256
     assert serve.compilation_config.mode == 0  # a dotted flag, merged into JSON by FlexibleArgumentParser
 
+
+
+@pytest.mark.parametrize(("exitcode", "status"), [(-9, 137), (-15, 143), (3, 3), (0, 1), (None, 1)])
+def test_an_engine_that_exits_on_its_own_fails_the_pod(engine_module: ModuleType, exitcode: int | None,
+                                                      status: int) -> None:
+    assert engine_module._exit_status(exitcode) == status
