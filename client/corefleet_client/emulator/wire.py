@@ -154,10 +154,11 @@ def compute_parallel_config_hash(cfg: EmulatorConfig) -> str | None:
     A real engine hashes the ParallelConfig built by `EngineArgs.create_engine_config` (after
     `VllmConfig.__post_init__`). The emulator builds vLLM's own `ParallelConfig` from the flags it
     parses (DP/TP/PP/DCP sizes, EP, EPLB and its config, elastic EP, dp_sync_interval, is_moe) and
-    hashes that. It matches the frontend's hash as long as no other hashed field was set on the
-    command line or changed by the frontend's platform/VllmConfig post-init; otherwise pass
-    `--parallel-config-hash`. None for dense engines (their READY carries no hash) and when vLLM
-    refuses the config on this platform (e.g. elastic EP with async EPLB and no NIXL).
+    hashes that (on a CPU machine with EPLB/elastic EP switched on after construction, since vLLM
+    validates them against the platform). It matches the frontend's hash as long as no other hashed
+    field was set on the command line or changed by the frontend's platform/VllmConfig post-init;
+    otherwise pass `--parallel-config-hash`. None for dense engines (their READY carries no hash)
+    and when vLLM refuses the config outright (e.g. elastic EP with async EPLB and no NIXL).
     """
     if cfg.parallel_config_hash is not None:
         return cfg.parallel_config_hash
@@ -183,13 +184,25 @@ def compute_parallel_config_hash(cfg: EmulatorConfig) -> str | None:
         kwargs["eplb_config"] = EPLBConfig(**cfg.eplb_config)
     try:
         return str(ParallelConfig(**kwargs).compute_hash())
-    except Exception as e:  # vLLM's validation; the frontend will then reject a MoE engine's READY
+    except ValueError as e:
+        refused = e
+    # vLLM refuses EPLB (hence elastic EP) on platforms other than CUDA/ROCm/XPU, which is where the
+    # emulator runs in place of a GPU engine. Build the config without them and set the fields to
+    # the values `ParallelConfig.__post_init__` gives them on a GPU: the hash only reads field values.
+    try:
+        config = ParallelConfig(**{**kwargs, "enable_eplb": False, "enable_elastic_ep": False})
+    except ValueError as e:
         import logging
 
         logging.getLogger(__name__).warning(
-            "Cannot build vLLM's ParallelConfig from these flags (%s); READY carries no parallel_config_hash. "
-            "Pass --parallel-config-hash if the frontend checks it.", e)
+            "Cannot build vLLM's ParallelConfig from these flags (%s; %s); READY carries no parallel_config_hash. "
+            "Pass --parallel-config-hash if the frontend checks it.", refused, e)
         return None
+    config.enable_eplb = cfg.enable_eplb
+    config.enable_elastic_ep = cfg.enable_elastic_ep
+    if cfg.enable_elastic_ep and cfg.elastic_ep_max_dp_size is not None:
+        config.elastic_ep_max_dp_size = cfg.elastic_ep_max_dp_size
+    return str(config.compute_hash())
 
 
 # --- 2. Inputs (frontend and coordinator -> engine) ----------------------------------------------
