@@ -69,6 +69,8 @@ class EmulatorConfig:
     enable_elastic_ep: bool = False
     elastic_ep_max_dp_size: int | None = None
     dp_sync_interval: int = DEFAULT_DP_SYNC_INTERVAL
+    async_scheduling: bool = True
+    disable_nccl_for_dp_synchronization: bool | None = None
     log_stats: bool = True
     scale_up_launch: bool = False
     token_delay_s: float = DEFAULT_TOKEN_DELAY_MS / 1000
@@ -113,6 +115,8 @@ def _vllm_parser() -> argparse.ArgumentParser:
     p.add_argument("--elastic-ep-max-dp-size", type=int, default=None)
     p.add_argument("--dp-sync-interval", type=int, default=DEFAULT_DP_SYNC_INTERVAL)
     p.add_argument("--disable-log-stats", action="store_true")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--disable-nccl-for-dp-synchronization", action=argparse.BooleanOptionalAction, default=None)
     return p
 
 
@@ -237,6 +241,8 @@ def parse_args(argv: Sequence[str], environ: dict[str, str] | None = None) -> Em
         enable_elastic_ep=vllm_args.enable_elastic_ep,
         elastic_ep_max_dp_size=vllm_args.elastic_ep_max_dp_size,
         dp_sync_interval=vllm_args.dp_sync_interval,
+        async_scheduling=vllm_args.async_scheduling is not False,
+        disable_nccl_for_dp_synchronization=vllm_args.disable_nccl_for_dp_synchronization,
         log_stats=not vllm_args.disable_log_stats,
         scale_up_launch=environ.get(ENV_SCALE_UP_LAUNCH, "0") not in ("", "0"),
         token_delay_s=own.token_delay_ms / 1000,

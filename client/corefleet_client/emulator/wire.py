@@ -182,8 +182,10 @@ def compute_parallel_config_hash(cfg: EmulatorConfig) -> str | None:
         kwargs["elastic_ep_max_dp_size"] = cfg.elastic_ep_max_dp_size
     if cfg.eplb_config:
         kwargs["eplb_config"] = EPLBConfig(**cfg.eplb_config)
+    if cfg.disable_nccl_for_dp_synchronization is not None:
+        kwargs["disable_nccl_for_dp_synchronization"] = cfg.disable_nccl_for_dp_synchronization
     try:
-        return str(ParallelConfig(**kwargs).compute_hash())
+        return _hash_as_vllm_config_would(ParallelConfig(**kwargs), cfg)
     except ValueError as e:
         refused = e
     # vLLM refuses EPLB (hence elastic EP) on platforms other than CUDA/ROCm/XPU, which is where the
@@ -202,6 +204,16 @@ def compute_parallel_config_hash(cfg: EmulatorConfig) -> str | None:
     config.enable_elastic_ep = cfg.enable_elastic_ep
     if cfg.enable_elastic_ep and cfg.elastic_ep_max_dp_size is not None:
         config.elastic_ep_max_dp_size = cfg.elastic_ep_max_dp_size
+    return _hash_as_vllm_config_would(config, cfg)
+
+
+def _hash_as_vllm_config_would(config: Any, cfg: EmulatorConfig) -> str:
+    """Resolve the hashed fields that `VllmConfig.__post_init__` fills in (vllm/config/vllm.py), then hash."""
+    config.set_dcp_defaults()  # unless the model's verify_and_update_config chose others
+    if not config.enable_batch_sharded_sampling:  # _validate_batch_sharded_sampling
+        config.enable_batch_sharded_sampling = False
+    if config.disable_nccl_for_dp_synchronization is None:  # True with async scheduling, vLLM's default
+        config.disable_nccl_for_dp_synchronization = cfg.async_scheduling
     return str(config.compute_hash())
 
 
