@@ -155,7 +155,9 @@ def coordinator_argv(python: str, replicas: int, ports: Ports, *, moe: bool) -> 
 
 
 def frontend_argv(python: str, model: str, replicas: int, ports: Ports, token_file: Path,
-                  vllm_flags: Sequence[str]) -> list[str]:
+                  vllm_flags: Sequence[str], *, moe: bool = False) -> list[str]:
+    # MoE: engine rank 0 binds the DP master address the frontend advertises; here it is loopback too.
+    engine0 = ["--engine0-address", LOCALHOST] if moe else []
     return [
         python, "-m", FRONTEND_MODULE,
         "--admin-host", LOCALHOST,
@@ -165,6 +167,7 @@ def frontend_argv(python: str, model: str, replicas: int, ports: Ports, token_fi
         "--coordinator-front-publish-port", str(ports.coord_front_publish),
         "--coordinator-back-output-port", str(ports.coord_back_output),
         "--coordinator-back-publish-port", str(ports.coord_back_publish),
+        *engine0,
         LAUNCHER_ARGS_END,
         model,
         "--host", LOCALHOST,
@@ -709,7 +712,7 @@ def start(opts: FleetOptions) -> LocalFleet:
     # 3. The command lines, in start order.
     plan: list[tuple[str, int | None, list[str], dict[str, str]]] = [
         (ROLE_COORDINATOR, None, coordinator_argv(opts.python, n, ports, moe=moe), {"PYTHONUNBUFFERED": "1"}),
-        (ROLE_FRONTEND, None, frontend_argv(opts.python, model, n, ports, token_file, flags),
+        (ROLE_FRONTEND, None, frontend_argv(opts.python, model, n, ports, token_file, flags, moe=moe),
          {"PYTHONUNBUFFERED": "1"}),
     ]
     plan += [

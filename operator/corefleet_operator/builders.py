@@ -210,6 +210,7 @@ def frontend_pod(fleet: FleetRef, *, dp_size: int, coordinator_address: str, fle
         "--coordinator-front-publish-port", str(constants.COORDINATOR_FRONT_PUBLISH_PORT),
         "--coordinator-back-output-port", str(constants.COORDINATOR_BACK_OUTPUT_PORT),
         "--coordinator-back-publish-port", str(constants.COORDINATOR_BACK_PUBLISH_PORT),
+        *_engine0_flags(fleet),
         LAUNCHER_ARGS_END,
         spec.model,
         "--host", "0.0.0.0",
@@ -479,6 +480,19 @@ def _downward_env() -> list[JSON]:
         {"name": constants.ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": constants.ENV_POD_NAMESPACE, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
     ]
+
+
+def _engine0_flags(fleet: FleetRef) -> list[str]:
+    """MoE: the address the frontend advertises to the engines as the DP master (engine rank 0's pod).
+
+    vLLM's INIT names the frontend itself, assuming engine 0 runs beside it; engine 0 binds its DP
+    group port there (corefleet_client.vllm_compat, change 2). The name resolves to engine 0's pod
+    IP everywhere, inside its own pod too (hostname + subdomain).
+    """
+    if not fleet.spec.expertParallel:
+        return []
+    engine0 = constants.pod_dns(fleet.name, constants.engine_name(fleet.name, 0), fleet.namespace)
+    return ["--engine0-address", engine0]
 
 
 def _expert_parallel_flags(spec: EngineCoreSetSpec, dp_size: int) -> list[str]:

@@ -185,7 +185,7 @@ def test_command_lines_match_the_operators_pods(moe: bool) -> None:
         PORTS, coord_front_publish=29551, coord_back_output=29552, coord_back_publish=29553), moe=moe)
     expected[expected.index("--host") + 1] = "0.0.0.0"
     assert coord["command"] + coord["args"] == expected
-    local_front = local.frontend_argv(py, "/m", 2, PORTS, Path("/t"), [])
+    local_front = local.frontend_argv(py, "/m", 2, PORTS, Path("/t"), [], moe=moe)
     assert front["command"] == local_front[:3]
     launcher, vllm = _flags(front["args"])
     assert (launcher | {"--admin-host"}, vllm - spec_only) == _flags(local_front[3:])
