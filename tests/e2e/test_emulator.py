@@ -530,3 +530,27 @@ def test_elastic_ep_engine_side_scale_up_then_down(tmp_path: Path) -> None:
     finally:
         ctx.destroy(linger=0)
         del startup_store
+
+
+def test_parallel_config_hash_matches_a_real_engines(tmp_path: Path) -> None:
+    """READY's hash equals `parallel_config.compute_hash()` of the VllmConfig vLLM builds from the same
+    flags (the frontend compares the two for MoE fleets). In-process: no engine is started."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from corefleet_client.emulator.config import parse_args
+    from corefleet_client.emulator.wire import compute_parallel_config_hash
+
+    model = write_tiny_model(tmp_path / "tiny-mixtral", architectures=["MixtralForCausalLM"], model_type="mixtral",
+                             num_local_experts=4, num_experts_per_tok=2)
+    for flags, kwargs in [
+        ((), {}),
+        (("--enable-expert-parallel", "--dp-sync-interval", "8"), {"enable_expert_parallel": True,
+                                                                    "dp_sync_interval": 8}),
+        (("--no-async-scheduling",), {"async_scheduling": False}),
+    ]:
+        engine_args = EngineArgs(model=str(model), data_parallel_size=2, data_parallel_size_local=0,
+                                 data_parallel_address="127.0.0.1", load_format="dummy", max_model_len=MAX_MODEL_LEN,
+                                 enforce_eager=True, skip_tokenizer_init=True, **kwargs)
+        want = engine_args.create_engine_config().parallel_config.compute_hash()
+        cfg = parse_args(["--", str(model), "--headless", "-dp", "2", "-dpl", "1", "-dpr", "1", *flags], environ={})
+        assert compute_parallel_config_hash(cfg) == want, flags
