@@ -65,7 +65,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--liveness-interval and --liveness-timeout must be positive")
     try:
         token = read_token(opts.admin_token_file)
-    except (OSError, ValueError):
+    except (OSError, ValueError) as e:
+        sys.stderr.write(f"corefleet frontend: {e}\n")
         return EXIT_USAGE
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s [%(name)s] %(message)s")
 
@@ -118,7 +119,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         admin = AdminServer(opts.admin_host, opts.admin_port, token, tracker.snapshot)
-    except OSError:
+    except OSError as e:
+        where = f"{opts.admin_host}:{opts.admin_port}"
+        sys.stderr.write(f"corefleet frontend: cannot serve the admin API on {where}: {e}\n")
         return 1
     admin.start()
     try:
