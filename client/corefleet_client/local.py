@@ -461,25 +461,33 @@ def stop_fleet(record: FleetRecord, grace: float = STOP_GRACE_SECONDS, reap: Cal
                out: TextIO | None = None) -> list[ProcessRecord]:
     """Stop exactly the recorded processes: SIGTERM to each process group, SIGKILL after `grace` s.
 
+    Which groups are ours is decided once, before the first signal (`_live_groups`); after that a
+    group is waited for until none of its members runs. (Re-deciding while they stop would be
+    wrong: an exiting leader has an empty /proc/PID/cmdline while its children still run.)
     `reap` (optional) collects exited children of the caller, so that they do not linger as
     zombies. Returns the processes that were still running and got signalled.
     """
-    def live() -> dict[ProcessRecord, list[ProcStat]]:
+    if reap is not None:
+        reap()
+    targets = list(_live_groups(record, all_procs()))
+    if not targets:
+        return targets
+
+    def running() -> dict[ProcessRecord, list[ProcStat]]:
         if reap is not None:
             reap()
-        return _live_groups(record, all_procs())
+        procs = all_procs()
+        groups = {t: _group_members(t.pid, procs, t.start_time) for t in targets}
+        return {t: members for t, members in groups.items() if members}
 
-    groups = live()
-    targets = list(groups)
-    if not groups:
-        return targets
     if out is not None:
         print("stopping " + ", ".join(f"{p.name} (pid {p.pid})" for p in targets), file=out, flush=True)
-    _signal_groups(groups, signal.SIGTERM)
+    _signal_groups(targets, signal.SIGTERM)
     deadline = time.monotonic() + grace
+    groups = running()
     while groups and time.monotonic() < deadline:
         time.sleep(0.1)
-        groups = live()
+        groups = running()
     if groups:
         if out is not None:
             names = ", ".join(p.name for p in groups)
@@ -488,7 +496,7 @@ def stop_fleet(record: FleetRecord, grace: float = STOP_GRACE_SECONDS, reap: Cal
         deadline = time.monotonic() + 10
         while groups and time.monotonic() < deadline:
             time.sleep(0.1)
-            groups = live()
+            groups = running()
     if groups:
         raise LocalFleetError("processes survived SIGKILL: " + ", ".join(
             f"{p.name} pids {[m.pid for m in members]}" for p, members in groups.items()))

@@ -315,6 +315,18 @@ def test_down_kills_what_ignores_sigterm(tmp_path: Path, spawned: list[subproces
     assert time.monotonic() - t0 < 10
 
 
+def test_stop_waits_for_a_group_whose_leader_changes_while_it_stops(
+        tmp_path: Path, spawned: list[subprocess.Popen[bytes]]) -> None:
+    """An exiting leader shows an empty command line while its group still runs; ownership is decided
+    once, before the first signal, so the stop still waits for the whole group."""
+    leader = _spawn(spawned, ["sh", "-c", "trap 'exec sleep 1' TERM; sleep 1007 & wait"], "engine", 0)
+    rec = _record(tmp_path, [leader])
+
+    assert local.stop_fleet(rec, grace=10, out=io.StringIO()) == [leader]
+
+    assert not local.is_running(local.proc_stat(leader.pid))  # `sleep 1` (the changed leader) was waited for
+
+
 class _FakeAdmin(BaseHTTPRequestHandler):
     token = "secret"
     fleet = FleetStatus(
