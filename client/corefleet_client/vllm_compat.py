@@ -73,11 +73,11 @@ def use_client_class(dp_client: type, single_client: type) -> None:
         return _ORIGINAL_FACTORY(vllm_config, executor_class, log_stats, client_addresses, client_count,
                                  client_index, renderer=renderer)
 
-    EngineCoreClient.make_async_mp_client = staticmethod(make_async_mp_client)  # type: ignore[method-assign]
+    EngineCoreClient.make_async_mp_client = staticmethod(make_async_mp_client)
 
 
 def restore_client_factory() -> None:
-    EngineCoreClient.make_async_mp_client = staticmethod(_ORIGINAL_FACTORY)  # type: ignore[method-assign]
+    EngineCoreClient.make_async_mp_client = staticmethod(_ORIGINAL_FACTORY)
 
 
 def advertised_parallel_config(parallel_config: ParallelConfig, engine0_address: str | None) -> ParallelConfig:
@@ -106,4 +106,4 @@ def install_fleet_health_check() -> None:
         if check_fleet is not None:
             check_fleet()
 
-    AsyncLLM.check_health = check_health  # type: ignore[method-assign]
+    AsyncLLM.check_health = check_health

@@ -79,15 +79,15 @@ class FleetOptions:
 
     @property
     def front_publish(self) -> str:
-        return get_tcp_uri(self.coordinator_address, self.coordinator_front_publish_port)
+        return str(get_tcp_uri(self.coordinator_address, self.coordinator_front_publish_port))
 
     @property
     def back_output(self) -> str:
-        return get_tcp_uri(self.coordinator_address, self.coordinator_back_output_port)
+        return str(get_tcp_uri(self.coordinator_address, self.coordinator_back_output_port))
 
     @property
     def back_publish(self) -> str:
-        return get_tcp_uri(self.coordinator_address, self.coordinator_back_publish_port)
+        return str(get_tcp_uri(self.coordinator_address, self.coordinator_back_publish_port))
 
 
 class FleetTracker:
@@ -331,7 +331,7 @@ class _FleetClientMixin:
             task.cancel()
 
 
-class KubeDPLBClient(_FleetClientMixin, DPLBAsyncMPClient):
+class KubeDPLBClient(_FleetClientMixin, DPLBAsyncMPClient):  # type: ignore[misc]  # vLLM is not type-checked
     """vLLM's DPLB client over engines in other pods (DP > 1)."""
 
     def __init__(self, vllm_config: Any, executor_class: Any, log_stats: bool,
@@ -352,7 +352,7 @@ class KubeDPLBClient(_FleetClientMixin, DPLBAsyncMPClient):
                 if rank < len(self.lb_engines):
                     self.lb_engines[rank] = [_UNROUTABLE, _UNROUTABLE, 0.0]
         known = request.request_id in self.reqs_in_flight
-        engine = super().get_core_engine_for_request(request)
+        engine: bytes = super().get_core_engine_for_request(request)
         if not known:
             self._tracker.requests_total[int.from_bytes(engine, "little")] += 1
         return engine
@@ -389,7 +389,7 @@ class KubeDPLBClient(_FleetClientMixin, DPLBAsyncMPClient):
         super().shutdown(timeout)
 
 
-class KubeMPClient(_FleetClientMixin, AsyncMPClient):
+class KubeMPClient(_FleetClientMixin, AsyncMPClient):  # type: ignore[misc]  # vLLM is not type-checked
     """A fleet of one rank: vLLM's plain async client over an engine in another pod."""
 
     def __init__(self, vllm_config: Any, executor_class: Any, log_stats: bool,
