@@ -1,12 +1,17 @@
 # corefleet — README's two commands are `make run` and `make test`.
-.PHONY: setup run test lint clean-cache
+.PHONY: setup run run-cluster test lint clean-cache
 
 setup:
 	bash hack/setup.sh
 
-# The main job: a local control plane and the operator, running until Ctrl-C.
+# The main job: a local fleet (coordinator, frontend, 2 real vLLM CPU engines serving a tiny model) as
+# processes on 127.0.0.1, printing its OpenAI endpoint and running until Ctrl-C.
 run: setup
 	set -a; . ./.corefleet.env; set +a; .venv/bin/corefleet up
+
+# A local Kubernetes control plane with the CRD, a fake GPU node and the operator, until Ctrl-C.
+run-cluster: setup
+	set -a; . ./.corefleet.env; set +a; .venv/bin/corefleet cluster up
 
 # The whole test suite (lint, types, import contract, unit + integration + e2e).
 test: setup
