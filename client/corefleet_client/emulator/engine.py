@@ -65,7 +65,7 @@ class EngineExit(Exception):
 @functools.lru_cache(maxsize=1)
 def get_cached_tcp_store_client(host: str, port: int) -> Any:
     """`vllm.distributed.utils.get_cached_tcp_store_client`: a TCPStore client, cached (one at a time)."""
-    from torch.distributed import TCPStore
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
     return TCPStore(host, port, is_master=False, wait_for_workers=False)
 
@@ -147,7 +147,7 @@ class EmulatedEngineCore:
 
     # ---- 1. Handshake (EngineCoreProc._perform_handshake / startup_handshake) ----------------------
 
-    def _wait_readable(self, sock: zmq.Socket, timeout_s: float | None, what: str) -> bool:
+    def _wait_readable(self, sock: zmq.Socket[Any], timeout_s: float | None, what: str) -> bool:
         """Poll `sock` until readable; False on stop, RuntimeError on timeout."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         next_log = time.monotonic() + LOG_WAIT_S
@@ -180,7 +180,7 @@ class EmulatedEngineCore:
             self._eep_executor.shutdown(wait=False, cancel_futures=True)
             ctx.destroy(linger=0)
 
-    def _run(self, ctx: zmq.Context) -> int:
+    def _run(self, ctx: zmq.Context[Any]) -> int:
         cfg = self.cfg
         handshake = make_zmq_socket(ctx, cfg.handshake_address, zmq.DEALER, identity=self.identity,
                                     linger=HANDSHAKE_LINGER_MS, bind=False)
@@ -217,7 +217,7 @@ class EmulatedEngineCore:
         self.addresses = init.addresses
         self.parallel_config = dict(init.parallel_config)
         if self.coordinated_dp and "data_parallel_size" in self.parallel_config:
-            self.data_parallel_size = int(self.parallel_config["data_parallel_size"])  # type: ignore[arg-type]
+            self.data_parallel_size = int(self.parallel_config["data_parallel_size"])
         self.has_coordinator = init.addresses.coordinator_output is not None
         # EngineCoreProc.__init__: internal (or hybrid) DP load balancing publishes request counts.
         self.publish_dp_lb_stats = self.has_coordinator
@@ -683,7 +683,7 @@ class EmulatedEngineCore:
     def _eep_scale_up_before_kv_init(self) -> None:
         """`DPEngineCoreProc._eep_scale_up_before_kv_init`: a new engine of a live scale-up."""
         host = str(self.parallel_config.get("data_parallel_master_ip", self.cfg.data_parallel_master_ip))
-        port = int(self.parallel_config.get("_coord_store_port", 0))  # type: ignore[call-overload]
+        port = int(self.parallel_config.get("_coord_store_port", 0))
         self.ignore_start_dp_wave = True
         # PRE_KV_INIT (weights from the existing ranks, KV-size MIN all-reduce) has nothing to do here.
         self.eep_scaling_state = EmulatedEEPState(worker_type="new", scale_type="scale_up", store_host=host,

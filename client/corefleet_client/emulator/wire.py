@@ -272,7 +272,7 @@ def make_finish_outputs(request_ids: Iterable[str], finish_reason: FinishReason)
     ids only appear in the next step's `finished_requests`."""
     req_ids = list(request_ids)
     outputs = [EngineCoreOutput(req_id, [], finish_reason=finish_reason) for req_id in req_ids]
-    return EngineCoreOutputs(finished_requests=req_ids, outputs=outputs)  # type: ignore[arg-type]
+    return EngineCoreOutputs(finished_requests=req_ids, outputs=outputs)
 
 
 def make_utility_output(call_id: int, result: Any = None, failure_message: str | None = None) -> EngineCoreOutputs:
