@@ -68,6 +68,7 @@ from vllm.utils.network_utils import get_open_zmq_ipc_path, get_tcp_uri
 from vllm.v1.engine.utils import CoreEngineProcManager
 from vllm.v1.executor import Executor
 
+from corefleet_client.argv import split_launcher_argv
 from corefleet_client.enginehealth import EngineState, HandshakeRelay, HealthServer
 
 logger = logging.getLogger(__name__)
@@ -109,18 +110,10 @@ def build_serve_parser() -> FlexibleArgumentParser:
     return parser
 
 
-def _split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    argv = list(argv)
-    if "--" not in argv:
-        return argv, []
-    i = argv.index("--")
-    return argv[:i], argv[i + 1:]
-
-
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, argparse.Namespace]:
     """(launcher args, vLLM serve args); exits 2 with a message on anything this launcher refuses."""
     parser = build_parser()
-    own_argv, vllm_argv = _split(argv)
+    own_argv, vllm_argv = split_launcher_argv(argv)
     args = parser.parse_args(own_argv)
     if not 0 < args.health_port < 65536:
         parser.error(f"--health-port must be in 1..65535, got {args.health_port}")

@@ -11,7 +11,6 @@ import signal
 import ssl
 import subprocess
 import sys
-import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -19,24 +18,7 @@ from pathlib import Path
 import pytest
 
 from corefleet_operator.localcluster import ADMIN_TOKEN, wait_until
-
-
-def read_lines_until(proc: subprocess.Popen[str], marker: str, timeout: float) -> list[str]:
-    """Collect stdout lines until one contains `marker` (or the deadline passes / the process ends)."""
-    lines: list[str] = []
-    found = threading.Event()
-
-    def reader() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line.rstrip("\n"))
-            if marker in line:
-                found.set()
-                return
-
-    threading.Thread(target=reader, daemon=True).start()
-    assert found.wait(timeout), f"no line with {marker!r} within {timeout} s; got {lines}"
-    return lines
+from procs import read_lines_until
 
 
 def test_cluster_up_runs_control_plane_and_operator_until_interrupted(tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ from corefleet_client.tinymodel import VLLM_CPU_FLAGS
 from corefleet_operator import __version__, builders
 from corefleet_operator.cli import build_parser, main
 from factories import make_ecs
+from procs import read_lines_until
 
 # ---- argument handling -----------------------------------------------------------------------------
 
@@ -464,24 +465,6 @@ else:
     open(os.path.join(os.environ["FAKE_READY_DIR"], f"rank-{{rank}}"), "w").close()
     serve(int(opt("--health-port")), lambda h: (200, {{}}))
 '''
-
-
-def read_lines_until(proc: subprocess.Popen[str], marker: str, timeout: float) -> list[str]:
-    """Stdout lines up to the first that contains `marker` (fails at the deadline or when the output ends)."""
-    lines: list[str] = []
-    found = threading.Event()
-
-    def reader() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line.rstrip("\n"))
-            if marker in line:
-                found.set()
-                return
-
-    threading.Thread(target=reader, daemon=True).start()
-    assert found.wait(timeout), f"no line with {marker!r} within {timeout} s; got {lines}"
-    return lines
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from corefleet_client.admin import read_token
+from corefleet_client.argv import split_launcher_argv
 
 EXIT_USAGE = 2
 logger = logging.getLogger("corefleet.frontend")
@@ -47,16 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    argv = list(argv)
-    if "--" not in argv:
-        return argv, []
-    i = argv.index("--")
-    return argv[:i], argv[i + 1:]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    ours, vllm_argv = split_argv(sys.argv[1:] if argv is None else argv)
+    ours, vllm_argv = split_launcher_argv(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     opts = parser.parse_args(ours)
     if not vllm_argv:

@@ -184,6 +184,22 @@ class _FleetClientMixin:
     encoder: Any
     client_index: int
 
+    def __init__(self, vllm_config: Any, executor_class: Any, log_stats: bool,
+                 client_addresses: dict[str, Any] | None = None, client_count: int = 1, client_index: int = 0,
+                 renderer: Any = None) -> None:
+        if client_addresses:
+            raise ValueError("corefleet's frontend is one API server that binds its own engine sockets")
+        client_addresses = self._fleet_client_addresses(vllm_config)
+        super().__init__(vllm_config, executor_class, log_stats, client_addresses,  # type: ignore[call-arg]
+                         client_count, client_index, renderer=renderer)
+        self._fleet_started()
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        task = getattr(self, "_liveness_task", None)
+        if task is not None and not task.done():
+            task.cancel()
+        super().shutdown(timeout)  # type: ignore[misc]
+
     def _fleet_client_addresses(self, vllm_config: Any) -> dict[str, Any]:
         """Bind the engine sockets and handshake every rank; the `client_addresses` for MPClient."""
         options, tracker = type(self).options, type(self).tracker
@@ -231,6 +247,8 @@ class _FleetClientMixin:
         self.input_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._fleet_options = options
         self._tracker = tracker
+        if not hasattr(self, "engine_inflight"):  # vLLM's single-engine client does not count
+            self.engine_inflight = Counter()
         self._liveness_task: asyncio.Task[None] | None = None
         tracker.serving(self)
         logger.info("All %d engine(s) joined; serving", len(self.core_engines))
@@ -325,24 +343,9 @@ class _FleetClientMixin:
                          for rid in lost],
             ))
 
-    def _fleet_shutdown(self) -> None:
-        task = getattr(self, "_liveness_task", None)
-        if task is not None and not task.done():
-            task.cancel()
-
 
 class KubeDPLBClient(_FleetClientMixin, DPLBAsyncMPClient):  # type: ignore[misc]  # vLLM is not type-checked
     """vLLM's DPLB client over engines in other pods (DP > 1)."""
-
-    def __init__(self, vllm_config: Any, executor_class: Any, log_stats: bool,
-                 client_addresses: dict[str, Any] | None = None, client_count: int = 1, client_index: int = 0,
-                 renderer: Any = None) -> None:
-        if client_addresses:
-            raise ValueError("corefleet's frontend is one API server that binds its own engine sockets")
-        client_addresses = self._fleet_client_addresses(vllm_config)
-        super().__init__(vllm_config, executor_class, log_stats, client_addresses, client_count, client_index,
-                         renderer=renderer)
-        self._fleet_started()
 
     def get_core_engine_for_request(self, request: Any) -> bytes:
         dead = self._tracker.dead()
@@ -384,24 +387,9 @@ class KubeDPLBClient(_FleetClientMixin, DPLBAsyncMPClient):  # type: ignore[misc
         except zmq.ZMQError as e:  # the rank is gone, so are its requests: fail them, do not raise
             self._rank_died(rank, f"connection to the engine lost ({e.strerror})")
 
-    def shutdown(self, timeout: float | None = None) -> None:
-        self._fleet_shutdown()
-        super().shutdown(timeout)
-
 
 class KubeMPClient(_FleetClientMixin, AsyncMPClient):  # type: ignore[misc]  # vLLM is not type-checked
     """A fleet of one rank: vLLM's plain async client over an engine in another pod."""
-
-    def __init__(self, vllm_config: Any, executor_class: Any, log_stats: bool,
-                 client_addresses: dict[str, Any] | None = None, client_count: int = 1, client_index: int = 0,
-                 renderer: Any = None) -> None:
-        if client_addresses:
-            raise ValueError("corefleet's frontend is one API server that binds its own engine sockets")
-        client_addresses = self._fleet_client_addresses(vllm_config)
-        super().__init__(vllm_config, executor_class, log_stats, client_addresses, client_count, client_index,
-                         renderer=renderer)
-        self.engine_inflight: Counter[bytes] = Counter()
-        self._fleet_started()
 
     async def add_request_async(self, request: Any) -> None:
         try:
@@ -410,7 +398,3 @@ class KubeMPClient(_FleetClientMixin, AsyncMPClient):  # type: ignore[misc]  # v
             self._rank_died(0, f"connection to the engine lost ({e.strerror})")
             raise EngineDeadError() from None
         self._tracker.requests_total[0] += 1
-
-    def shutdown(self, timeout: float | None = None) -> None:
-        self._fleet_shutdown()
-        super().shutdown(timeout)
