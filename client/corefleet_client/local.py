@@ -40,6 +40,7 @@ import dataclasses
 import json
 import logging
 import os
+import random
 import secrets
 import signal
 import socket
@@ -210,23 +211,49 @@ def is_moe_model(model: str) -> bool:
     return isinstance(config, dict) and any(config.get(k) for k in keys)
 
 
+def _ephemeral_port_range() -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+    return lo, hi
+
+
 def free_ports(count: int, exclude: Iterable[int] = ()) -> list[int]:
-    """`count` distinct free TCP ports on 127.0.0.1 (held open together so none repeats)."""
+    """`count` distinct free TCP ports on 127.0.0.1 (held open together so none repeats).
+
+    They lie below the kernel's ephemeral range. The fleet's processes connect to each other's
+    fixed ports before the other side may be listening (an engine's DEALER retries until the
+    frontend binds), and a TCP connect on one host to a port in the ephemeral range can pick that
+    very port as its source and connect to itself, leaving the server unable to bind.
+    """
     taken = set(exclude)
+    lo, _ = _ephemeral_port_range()
+    first = 10000
+    if lo - first < 10 * count:
+        raise LocalFleetError(f"too few ports below the ephemeral range ({lo}) for {count} free ports")
+    start = random.randrange(first, lo)
     socks: list[socket.socket] = []
     ports: list[int] = []
     try:
-        while len(ports) < count:
+        for port in (*range(start, lo), *range(first, start)):
+            if len(ports) == count:
+                break
+            if port in taken:
+                continue
             s = socket.socket()
+            try:
+                s.bind((LOCALHOST, port))
+            except OSError:
+                s.close()
+                continue
             socks.append(s)
-            s.bind((LOCALHOST, 0))
-            port: int = s.getsockname()[1]
-            if port not in taken:
-                taken.add(port)
-                ports.append(port)
+            ports.append(port)
     finally:
         for s in socks:
             s.close()
+    if len(ports) < count:
+        raise LocalFleetError(f"found only {len(ports)} of {count} free ports on {LOCALHOST}")
     return ports
 
 

@@ -612,3 +612,11 @@ def test_up_with_a_model_directory_and_own_vllm_flags(tmp_path: Path, fake_pytho
         assert not (opts.state_dir / "models").exists()
     finally:
         local.down(opts.state_dir, out=io.StringIO())
+
+
+def test_free_ports_lie_below_the_ephemeral_range() -> None:
+    """A connect to an ephemeral port on the same host can connect to itself and steal the port."""
+    lo, _ = local._ephemeral_port_range()
+    ports = local.free_ports(40, exclude=[local.free_ports(1)[0]])
+    assert len(set(ports)) == 40
+    assert all(1024 < p < lo for p in ports), ports

@@ -28,6 +28,7 @@ import pytest
 import zmq
 
 from corefleet_client.enginehealth import EngineState, HandshakeRelay, HealthServer, engine_identity
+from corefleet_client.local import free_ports
 
 STEP_TIMEOUT_MS = 5000
 
@@ -101,10 +102,9 @@ def test_relay_passes_the_handshake_through_and_joins_only_on_ready(ctx: zmq.Con
 
 def test_relay_queues_hello_until_the_frontend_listens(ctx: zmq.Context, ipc_path: str) -> None:
     """An engine that starts before the frontend binds: HELLO waits in the relay, as in vLLM's DEALER."""
-    with_port = ctx.socket(zmq.ROUTER)
-    with_port.bind("tcp://127.0.0.1:*")
-    frontend_address = with_port.getsockopt_string(zmq.LAST_ENDPOINT)
-    with_port.close(linger=0)  # nobody listens there yet
+    # Nobody listens there yet. A port below the ephemeral range: the relay's reconnects to a port
+    # inside it can connect to themselves (TCP self-connect) and take the port from the frontend.
+    frontend_address = f"tcp://127.0.0.1:{free_ports(1)[0]}"
 
     relay = HandshakeRelay(0, ipc_path, frontend_address)
     relay.start()
