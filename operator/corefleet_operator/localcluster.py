@@ -21,7 +21,6 @@ import logging
 import os
 import shlex
 import signal
-import socket
 import ssl
 import subprocess
 import threading
@@ -33,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from corefleet_client.local import free_ports
 from corefleet_operator.constants import GPU_RESOURCE
 
 logger = logging.getLogger(__name__)
@@ -57,11 +57,9 @@ class ControlPlaneError(RuntimeError):
     """A control-plane binary is missing, exited, or did not become ready in time."""
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1, below the ephemeral range (see `corefleet_client.local.free_ports`)."""
+    return free_ports(1)[0]
 
 
 def wait_until(check: Callable[[], bool], timeout: float, what: str, interval: float = 0.1,
