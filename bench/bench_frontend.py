@@ -1,0 +1,585 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Frontend overhead: corefleet's frontend against the stock vLLM frontend, requests/s under the same load.
+
+    flock /tmp/corefleet-heavy.lock .venv/bin/python bench/bench_frontend.py \\
+        [--duration 15] [--concurrency 32] [--rounds 4] [--max-tokens 16]
+
+Both sides are one API-server process (vLLM's `run_server`) over 2 emulated engines
+(`python -m corefleet_client.emulator --token-delay-ms 0`), so the engines cost next to nothing
+and what limits requests/s is the frontend's own work per request: HTTP, tokenizing, routing
+(`get_core_engine_for_request`), bookkeeping, output processing and detokenizing.
+
+* stock: `vllm serve MODEL --data-parallel-size 2 --data-parallel-size-local 0 --api-server-count 1
+  ...`: vLLM's DPLB client, which starts its own DP coordinator (a child process), and waits for the
+  two headless engines' handshake;
+* corefleet: `corefleet_client.local.start(engine="emulator")`: the standalone coordinator,
+  `python -m corefleet_client.frontend` (vLLM's API server over corefleet's `KubeDPLBClient`, plus
+  the admin API) and the engines.
+
+The engines run the same command line on both sides (`local.engine_argv`), the same tiny model
+(`tinymodel.write_tiny_model`) and the same vLLM flags (`VLLM_CPU_FLAGS`). `--api-server-count 1`
+makes the stock frontend one API-server process like corefleet's (vLLM otherwise starts one per DP
+rank).
+
+The load is closed-loop: a separate process (so that its CPU does not count as the frontend's,
+though it shares the cores) runs `--concurrency` asyncio workers, each sending non-streaming
+`/v1/completions` (`max_tokens`, `ignore_eos`) one after another; after `--warmup` seconds it
+counts the requests that complete within the next `--duration` seconds. The sides run one at a
+time, alternately (stock, corefleet, stock, corefleet, ... for `--rounds`), each round on a freshly
+started fleet that is stopped before the next one starts. Besides requests/s, each round samples
+CPU time per process over the measured window: the frontend's CPU milliseconds per request are
+the least noisy figure on a shared machine.
+
+Rounds matter more than duration: on a 2-core VM one fleet's requests/s is steady within its window
+but differs by up to ~15% from one freshly started frontend process to the next (either side), so
+the default is 4 rounds of 15 s per side rather than 2 of 30 s.
+
+The figure: RATIO corefleet/stock requests/s (medians over the rounds; goal >= 0.95). The exit
+status is non-zero only on errors (a fleet that does not come up, failed requests), never on a
+missed goal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from corefleet_client import local
+from corefleet_client.local import LOCALHOST, FleetOptions, LocalFleet, LocalFleetError, Ports
+from corefleet_client.tinymodel import VLLM_CPU_FLAGS, write_tiny_model
+
+REPLICAS = 2
+SERVED_NAME = "tiny-llama"
+PROMPT = "Hello, world! How are you today? The quick brown fox jumps over the lazy dog, request"
+READY_TIMEOUT = 300.0  # two emulators and a frontend importing vLLM on 2 busy cores
+STOP_GRACE = 20.0
+REQUEST_TIMEOUT = 60.0
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+SIDES = ("stock", "corefleet")
+
+
+class BenchError(RuntimeError):
+    """Something went wrong (not a missed goal): the benchmark exits non-zero."""
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---- the load generator (its own process: `bench_frontend.py --loadgen URL ...`) -------------------
+async def _load(url: str, model: str, concurrency: int, warmup: float, duration: float,
+                max_tokens: int) -> dict[str, Any]:
+    import aiohttp  # installed with vLLM
+
+    loop = asyncio.get_running_loop()
+    t_start = loop.time() + warmup
+    t_end = t_start + duration
+    latencies: list[float] = []
+    errors: list[str] = []
+    counter = 0
+    headers = {"Content-Type": "application/json"}
+
+    async def worker(session: aiohttp.ClientSession) -> None:
+        nonlocal counter
+        while (t0 := loop.time()) < t_end:
+            counter += 1
+            body = json.dumps({"model": model, "prompt": f"{PROMPT} {counter}", "max_tokens": max_tokens,
+                               "ignore_eos": True, "temperature": 0.0}).encode()
+            error = None
+            try:
+                async with session.post(url, data=body, headers=headers) as resp:
+                    raw = await resp.read()
+                    if resp.status != 200:
+                        error = f"HTTP {resp.status}: {raw[:200]!r}"
+                    else:
+                        got = json.loads(raw)["usage"]["completion_tokens"]
+                        if got != max_tokens:
+                            error = f"{got} completion tokens, expected {max_tokens}"
+            except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as e:
+                error = f"{type(e).__name__}: {e}"
+            t1 = loop.time()
+            if t_start <= t1 <= t_end:  # completed within the window (it may have started in the warm-up)
+                if error is None:
+                    latencies.append(t1 - t0)
+                else:
+                    errors.append(error)
+
+    async def marks() -> None:
+        await asyncio.sleep(max(0.0, t_start - loop.time()))
+        print("WINDOW_START", flush=True)  # the parent samples CPU times now
+        await asyncio.sleep(max(0.0, t_end - loop.time()))
+        print("WINDOW_END", flush=True)
+
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT)
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        await asyncio.gather(marks(), *(worker(session) for _ in range(concurrency)))
+    latencies.sort()
+    return {
+        "completed": len(latencies),
+        "errors": len(errors),
+        "error_samples": sorted(set(errors))[:5],
+        "seconds": duration,
+        "p50_ms": 1000 * _quantile(latencies, 0.50),
+        "p99_ms": 1000 * _quantile(latencies, 0.99),
+        "sent": counter,
+    }
+
+
+def _quantile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+def loadgen_main(args: argparse.Namespace) -> int:
+    import uvloop  # installed with vLLM: the cheapest event loop for the client too
+
+    result = uvloop.run(_load(args.loadgen, SERVED_NAME, args.concurrency, args.warmup, args.duration,
+                              args.max_tokens))
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+# ---- processes, CPU and memory -------------------------------------------------------------------
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads), or 0 if it is gone."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    rest = raw[raw.rindex(")") + 2:].split()  # rest[N - 3] is field N
+    return (int(rest[11]) + int(rest[12])) / CLK_TCK
+
+
+def rss_mib(pid: int) -> tuple[float, float]:
+    """(VmRSS, VmHWM) in MiB, or NaN if the process is gone."""
+    fields = {}
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                fields[key] = int(value.split()[0]) / 1024
+    return fields.get("VmRSS", float("nan")), fields.get("VmHWM", float("nan"))
+
+
+def children(pid: int) -> list[int]:
+    """Every descendant of `pid` (the stock frontend's DP coordinator, vLLM helper processes)."""
+    procs = local.all_procs()
+    kids: dict[int, list[int]] = {}
+    for p in procs:
+        kids.setdefault(p.ppid, []).append(p.pid)
+    out, todo = [], list(kids.get(pid, ()))
+    while todo:
+        cur = todo.pop()
+        out.append(cur)
+        todo.extend(kids.get(cur, ()))
+    return out
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds the whole machine spent busy since boot (/proc/stat: all but idle and iowait)."""
+    values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return (sum(values) - values[3] - values[4]) / CLK_TCK
+
+
+def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, b""
+    except OSError:
+        return 0, b""
+
+
+def post_completion(base: str, max_tokens: int) -> dict[str, Any]:
+    body = json.dumps({"model": SERVED_NAME, "prompt": PROMPT, "max_tokens": max_tokens,
+                       "ignore_eos": True}).encode()
+    req = urllib.request.Request(f"{base}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT) as r:
+        result: dict[str, Any] = json.loads(r.read())
+    return result
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+
+@dataclass
+class Fleet:
+    """One side's running fleet: where to send requests and which process plays which role."""
+
+    side: str
+    base: str  # http://127.0.0.1:PORT
+    frontend_pid: int
+    health_ports: tuple[int, ...]
+    roles: dict[str, list[int]] = field(default_factory=dict)  # role -> pids, sampled for CPU
+    logs: dict[str, Path] = field(default_factory=dict)
+
+
+class StockFleet:
+    """`vllm serve` (internal DP load balancing, no local engine) plus the emulated engines.
+
+    Each process runs in its own session; stopping sends SIGTERM to each process group and
+    SIGKILL to what is left after a grace period. The pids are this process's unreaped children,
+    so none can be recycled meanwhile.
+    """
+
+    def __init__(self, work: Path, model: str, flags: tuple[str, ...], token_delay_ms: int) -> None:
+        self.work = work
+        self.procs: list[Proc] = []
+        http, rpc, h0, h1 = local.free_ports(4)
+        self.ports = Ports(http=http, admin=0, rpc=rpc, coord_front_publish=0, coord_back_output=0,
+                           coord_back_publish=0, health=(h0, h1))
+        py = sys.executable
+        self.plan = [("frontend", [
+            py, "-m", "vllm.entrypoints.cli.main", "serve", model,
+            "--data-parallel-size", str(REPLICAS), "--data-parallel-size-local", "0",
+            "--data-parallel-address", LOCALHOST, "--data-parallel-rpc-port", str(rpc),
+            "--api-server-count", "1", "--host", LOCALHOST, "--port", str(http), *flags,
+        ])] + [(f"engine-{r}", local.engine_argv(py, local.ENGINE_EMULATOR, model, REPLICAS, r, self.ports, flags,
+                                                 token_delay_ms=token_delay_ms)) for r in range(REPLICAS)]
+
+    def start(self) -> None:
+        self.work.mkdir(parents=True, exist_ok=True)
+        for name, argv in self.plan:
+            log_path = self.work / f"{name}.log"
+            with log_path.open("wb") as logf:
+                p = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+            self.procs.append(Proc(name, p, log_path))
+
+    def wait_ready(self, timeout: float) -> None:
+        """The frontend's /health is 200 (vLLM serves HTTP only after every engine's handshake) and
+        each engine's /readyz is 200; fail at once with the log tail of a process that exits."""
+        deadline = time.monotonic() + timeout
+        last = "nothing checked yet"
+        while True:
+            for p in self.procs:
+                if p.popen.poll() is not None:
+                    raise BenchError(f"stock {p.name} exited with {p.popen.returncode} before the fleet was ready; "
+                                     f"last lines of {p.log}:\n{local.tail(p.log)}")
+            not_ready = [r for r, port in enumerate(self.ports.health)
+                         if http_get(f"http://{LOCALHOST}:{port}/readyz")[0] != 200]
+            if http_get(f"http://{LOCALHOST}:{self.ports.http}/health")[0] == 200 and not not_ready:
+                return
+            last = f"engines not ready: {not_ready}" if not_ready else "the frontend's /health is not 200 yet"
+            if time.monotonic() >= deadline:
+                slow = self.procs[1 + not_ready[0]] if not_ready else self.procs[0]
+                raise BenchError(f"the stock fleet was not ready within {timeout:.0f} s ({last}); last lines of "
+                                 f"{slow.log}:\n{local.tail(slow.log)}")
+            time.sleep(local.POLL_SECONDS)
+
+    def fleet(self) -> Fleet:
+        fe = self.procs[0].popen.pid
+        return Fleet(side="stock", base=f"http://{LOCALHOST}:{self.ports.http}", frontend_pid=fe,
+                     health_ports=self.ports.health,
+                     roles={"frontend": [fe], "coordinator": children(fe),
+                            **{p.name: [p.popen.pid] for p in self.procs[1:]}},
+                     logs={p.name: p.log for p in self.procs})
+
+    def stop(self) -> None:
+        def live() -> list[Proc]:
+            alive = []
+            for p in self.procs:
+                p.popen.poll()  # reap the leader, so that a finished group reads as gone
+                try:
+                    os.killpg(p.popen.pid, 0)
+                except ProcessLookupError:
+                    continue
+                alive.append(p)
+            return alive
+
+        for sig, grace in ((signal.SIGTERM, STOP_GRACE), (signal.SIGKILL, 10.0)):
+            todo = live()
+            for p in todo:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.popen.pid, sig)
+            deadline = time.monotonic() + grace
+            while todo and time.monotonic() < deadline:
+                time.sleep(0.1)
+                todo = live()
+            if not todo:
+                return
+        raise BenchError("stock fleet processes survived SIGKILL: " + ", ".join(p.name for p in live()))
+
+
+def corefleet_fleet(fleet: LocalFleet) -> Fleet:
+    rec = fleet.record
+    by_role = {p.name: p for p in rec.processes}
+    fe = by_role[local.ROLE_FRONTEND].pid
+    coord = by_role[local.ROLE_COORDINATOR].pid
+    roles = {"frontend": [fe], "frontend-children": children(fe), "coordinator": [coord, *children(coord)]}
+    roles |= {f"engine-{r}": [by_role[f"engine-{r}"].pid] for r in range(rec.replicas)}
+    return Fleet(side="corefleet", base=rec.endpoint.removesuffix("/v1"), frontend_pid=fe,
+                 health_ports=rec.ports.health, roles=roles, logs={p.name: Path(p.log) for p in rec.processes})
+
+
+@contextlib.contextmanager
+def running(side: str, work: Path, model: str, flags: tuple[str, ...], token_delay_ms: int) -> Iterator[Fleet]:
+    """A fleet of `side`, started, ready and checked with one completion; stopped on the way out."""
+    t0 = time.monotonic()
+    if side == "stock":
+        stock = StockFleet(work, model, flags, token_delay_ms)
+        try:
+            stock.start()
+            stock.wait_ready(READY_TIMEOUT)
+            fleet = stock.fleet()
+            yield _checked(fleet, t0)
+        finally:
+            stock.stop()
+        return
+    opts = FleetOptions(replicas=REPLICAS, engine=local.ENGINE_EMULATOR, model=model, vllm_flags=flags,
+                        port=local.free_ports(1)[0], state_dir=work, token_delay_ms=token_delay_ms)
+    cf: LocalFleet | None = None
+    try:
+        try:
+            cf = local.start(opts)
+            cf.wait_ready(READY_TIMEOUT)
+        except LocalFleetError as e:
+            raise BenchError(f"the corefleet fleet did not come up: {e}") from None
+        yield _checked(corefleet_fleet(cf), t0)
+    finally:
+        if cf is not None:
+            cf.stop()
+
+
+def _checked(fleet: Fleet, t0: float) -> Fleet:
+    """One completion through the frontend, so that a fleet that answers /health but not requests fails here."""
+    try:
+        result = post_completion(fleet.base, 4)
+    except (OSError, ValueError) as e:
+        raise BenchError(f"{fleet.side}: the first completion failed ({e}); frontend log tail:\n"
+                         f"{local.tail(fleet.logs['frontend'])}") from None
+    if result.get("usage", {}).get("completion_tokens") != 4:
+        raise BenchError(f"{fleet.side}: unexpected first completion: {result}")
+    log(f"{fleet.side}: fleet serving in {time.monotonic() - t0:.1f} s (frontend pid {fleet.frontend_pid}, "
+        f"first completion ok)")
+    return fleet
+
+
+def engine_requests(fleet: Fleet) -> list[int]:
+    """requests_added per rank, from each emulator's /stats."""
+    out = []
+    for port in fleet.health_ports:
+        status, body = http_get(f"http://{LOCALHOST}:{port}/stats", timeout=10)
+        out.append(int(json.loads(body)["requests_added"]) if status == 200 else -1)
+    return out
+
+
+# ---- one round -----------------------------------------------------------------------------------
+@dataclass
+class RoundResult:
+    side: str
+    round: int
+    rps: float
+    completed: int
+    errors: int
+    error_samples: list[str]
+    p50_ms: float
+    p99_ms: float
+    cpu: dict[str, float]  # role -> CPU seconds in the window
+    other_cpu: float  # CPU seconds of every other process on the machine in the window
+    rss: tuple[float, float]  # the frontend process: (VmRSS, VmHWM) MiB after the load
+    coordinator_rss: float
+    per_rank: list[int]
+
+    @property
+    def fe_ms_per_req(self) -> float:
+        return 1000 * self.cpu["frontend"] / self.completed if self.completed else float("nan")
+
+
+def run_load(fleet: Fleet, args: argparse.Namespace, rnd: int, logs: Path) -> RoundResult:
+    argv = [sys.executable, str(Path(__file__).resolve()), "--loadgen", f"{fleet.base}/v1/completions",
+            "--concurrency", str(args.concurrency), "--warmup", str(args.warmup), "--duration", str(args.duration),
+            "--max-tokens", str(args.max_tokens)]
+    before_ranks = engine_requests(fleet)
+    err_path = logs / f"loadgen-{fleet.side}-{rnd}.log"
+    result: dict[str, Any] | None = None
+    samples: dict[str, dict[str, float]] = {}
+    with err_path.open("wb") as errf:
+        lg = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=errf, stdin=subprocess.DEVNULL,
+                              start_new_session=True)
+        try:
+            roles = {**fleet.roles, "loadgen": [lg.pid]}
+
+            def sample() -> dict[str, float]:
+                s = {role: sum(cpu_seconds(pid) for pid in pids) for role, pids in roles.items()}
+                s["_machine"] = machine_busy_seconds()
+                s["_t"] = time.monotonic()
+                return s
+
+            assert lg.stdout is not None
+            for raw in lg.stdout:
+                line = raw.decode().strip()
+                if line == "WINDOW_START":
+                    samples["start"] = sample()
+                elif line == "WINDOW_END":
+                    samples["end"] = sample()
+                elif line.startswith("RESULT "):
+                    result = json.loads(line.removeprefix("RESULT "))
+            rc = lg.wait(REQUEST_TIMEOUT + 30)
+        finally:
+            if lg.poll() is None:
+                os.killpg(lg.pid, signal.SIGKILL)
+                lg.wait()
+    if rc != 0 or result is None or set(samples) != {"start", "end"}:
+        raise BenchError(f"load generator failed (exit {rc}); its stderr:\n{local.tail(err_path)}")
+    after_ranks = engine_requests(fleet)
+    start, end = samples["start"], samples["end"]
+    cpu = {role: end[role] - start[role] for role in roles}
+    other = (end["_machine"] - start["_machine"]) - sum(cpu.values())
+    fe_rss = rss_mib(fleet.frontend_pid)
+    coord_pids = fleet.roles.get("coordinator", [])
+    coord_rss = sum(rss_mib(pid)[0] for pid in coord_pids)
+    return RoundResult(
+        side=fleet.side, round=rnd, rps=result["completed"] / result["seconds"], completed=result["completed"],
+        errors=result["errors"], error_samples=result["error_samples"], p50_ms=result["p50_ms"],
+        p99_ms=result["p99_ms"], cpu=cpu, other_cpu=max(0.0, other), rss=fe_rss, coordinator_rss=coord_rss,
+        per_rank=[a - b for a, b in zip(after_ranks, before_ranks, strict=True)],
+    )
+
+
+def describe(r: RoundResult, duration: float) -> str:
+    cores = ", ".join(f"{role} {sec / duration:.2f}" for role, sec in r.cpu.items() if sec > 0.005)
+    return (f"{r.side:<10} round {r.round}: {r.rps:7.1f} req/s  ({r.completed} ok, {r.errors} errors)  "
+            f"p50 {r.p50_ms:.0f} ms  p99 {r.p99_ms:.0f} ms  frontend CPU {r.fe_ms_per_req:.2f} ms/req  "
+            f"frontend RSS {r.rss[0]:.0f} MiB (peak {r.rss[1]:.0f})  coordinator RSS {r.coordinator_rss:.0f} MiB  "
+            f"requests per rank {r.per_rank}\n"
+            f"{'':<12}CPU cores used in the window: {cores}; other processes {r.other_cpu / duration:.2f}")
+
+
+# ---- the run --------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--duration", type=float, default=15.0, help="measured seconds per round (default 15)")
+    p.add_argument("--warmup", type=float, default=5.0, help="unmeasured seconds of load before each window")
+    p.add_argument("--concurrency", type=int, default=32, help="closed-loop client workers (default 32)")
+    p.add_argument("--rounds", type=int, default=4, help="rounds per side, run alternately (default 4)")
+    p.add_argument("--max-tokens", type=int, default=16, help="max_tokens of each completion (default 16)")
+    p.add_argument("--token-delay-ms", type=int, default=0, help="the emulated engines' time per step (default 0)")
+    p.add_argument("--state-dir", help="keep the model, the fleets' logs and the load generator's here")
+    p.add_argument("--loadgen", metavar="URL", help=argparse.SUPPRESS)  # internal: run the load generator
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.loadgen:
+        return loadgen_main(args)
+    if args.duration <= 0 or args.warmup < 0 or args.concurrency < 1 or args.rounds < 1 or args.max_tokens < 1:
+        print("--duration, --concurrency, --rounds and --max-tokens must be positive", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    tmp = None if args.state_dir else tempfile.TemporaryDirectory(prefix="corefleet-bench-frontend-")
+    state = Path(tmp.name if tmp is not None else args.state_dir).absolute()
+    try:
+        return _run(args, state, started)
+    except BenchError as e:
+        print(f"bench_frontend: ERROR: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+
+
+def _run(args: argparse.Namespace, state: Path, started: float) -> int:
+    model = str(write_tiny_model(state / "models" / SERVED_NAME))
+    flags = (*VLLM_CPU_FLAGS, "--served-model-name", SERVED_NAME)
+    cores = len(os.sched_getaffinity(0))
+    log(f"{REPLICAS} emulated engines (--token-delay-ms {args.token_delay_ms}) per side on {cores} CPU cores; "
+        f"{args.rounds} round(s) per side, {args.warmup:g} s warm-up + {args.duration:g} s measured, "
+        f"{args.concurrency} workers, max_tokens {args.max_tokens}")
+    results: list[RoundResult] = []
+    for rnd in range(1, args.rounds + 1):
+        for side in SIDES:
+            work = state / f"{side}-{rnd}"
+            log(f"round {rnd}: starting the {side} fleet (load average {os.getloadavg()[0]:.2f})")
+            with running(side, work, model, flags, args.token_delay_ms) as fleet:
+                res = run_load(fleet, args, rnd, work)
+            results.append(res)
+            log(describe(res, args.duration))
+
+    by_side = {side: [r for r in results if r.side == side] for side in SIDES}
+    rps = {side: [r.rps for r in rs] for side, rs in by_side.items()}
+    med = {side: statistics.median(v) for side, v in rps.items()}
+    mean = {side: statistics.fmean(v) for side, v in rps.items()}
+    fe_ms = {side: statistics.median(r.fe_ms_per_req for r in rs) for side, rs in by_side.items()}
+    ratio = med["corefleet"] / med["stock"]
+    errors = sum(r.errors for r in results)
+
+    print()
+    print("details:")
+    print(f"  machine: {cores} CPU cores ({_cpu_model()}), "
+          f"{os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / 2**30:.0f} GiB; vLLM "
+          f"{_vllm_version()}; Python {platform.python_version()}; {datetime.now().isoformat(timespec='minutes')}")
+    print(f"  N = {REPLICAS} emulated engines (--data-parallel-size {REPLICAS}): the machine has {cores} cores, and "
+          f"each side's frontend, coordinator, engines and the load generator share them")
+    print("  one API-server process per side: the stock frontend runs with --api-server-count 1 (vLLM's default "
+          "would be one per DP rank); its DP coordinator is its child process")
+    print("  the load generator runs in its own process (asyncio + aiohttp + uvloop), competing for the same cores; "
+          "its CPU and the engines' are listed per round")
+    print(f"  sides run alternately ({', '.join(f'{r.side} {r.round}' for r in results)}), one fleet at a time, "
+          "each round on a freshly started fleet")
+    for r in results:
+        print("  " + describe(r, args.duration))
+    if errors:
+        for r in results:
+            if r.errors:
+                print(f"  {r.side} round {r.round} error samples: {r.error_samples}")
+    print()
+    print(f"corefleet frontend benchmark: {args.concurrency} closed-loop workers, /v1/completions non-streaming, "
+          f"max_tokens {args.max_tokens}, {args.duration:g} s x {args.rounds} rounds per side")
+    for side in SIDES:
+        rs = by_side[side]
+        print(f"{side:<10} requests/s per round {[round(x, 1) for x in rps[side]]}, median {med[side]:.1f}, "
+              f"mean {mean[side]:.1f}; p50 {statistics.median(r.p50_ms for r in rs):.0f} ms, "
+              f"p99 {statistics.median(r.p99_ms for r in rs):.0f} ms; frontend CPU {fe_ms[side]:.2f} ms/request; "
+              f"frontend RSS {max(r.rss[0] for r in rs):.0f} MiB (peak {max(r.rss[1] for r in rs):.0f})")
+    print(f"frontend CPU per request corefleet/stock = {fe_ms['corefleet'] / fe_ms['stock']:.2f}")
+    print(f"ratio of means: {mean['corefleet'] / mean['stock']:.2f}")
+    print(f"wall time: {time.monotonic() - started:.0f} s")
+    if errors:
+        print(f"NOTE: {errors} requests failed; the figures are not comparable")
+    print(f"RATIO corefleet/stock requests/s = {ratio:.2f} (goal >= 0.95)  "
+          f"[medians: corefleet {med['corefleet']:.1f}, stock {med['stock']:.1f} req/s]", flush=True)
+    return 1 if errors else 0
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    return platform.machine()
+
+
+def _vllm_version() -> str:
+    from importlib.metadata import version
+
+    return version("vllm")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
