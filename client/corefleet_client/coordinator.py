@@ -48,6 +48,8 @@ import zmq
 from vllm.utils.network_utils import get_tcp_uri, is_valid_ipv6_address
 from vllm.v1.engine.coordinator import DPCoordinatorProc
 
+from corefleet_client.process import exit_promptly
+
 logger = logging.getLogger(__name__)
 
 # The operator's defaults (corefleet_operator.constants.COORDINATOR_*_PORT); it always passes them.
@@ -213,4 +215,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_promptly(main())

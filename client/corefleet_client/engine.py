@@ -70,6 +70,7 @@ from vllm.v1.executor import Executor
 
 from corefleet_client.argv import split_launcher_argv
 from corefleet_client.enginehealth import EngineState, HandshakeRelay, HealthServer
+from corefleet_client.process import exit_promptly
 
 logger = logging.getLogger(__name__)
 
@@ -323,4 +324,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_promptly(main())

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 from corefleet_client.admin import read_token
 from corefleet_client.argv import split_launcher_argv
+from corefleet_client.process import exit_promptly
 
 EXIT_USAGE = 2
 logger = logging.getLogger("corefleet.frontend")
@@ -127,4 +128,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_promptly(main())
