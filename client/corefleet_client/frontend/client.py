@@ -230,6 +230,10 @@ class _FleetClientMixin:
         except BaseException:
             listeners.cleanup()
             raise
+        # Keep the listeners referenced until MPClient adopts their sockets: EngineZmqListeners closes
+        # them when it is collected, and a closed listener would make MPClient bind the port anew,
+        # resetting the connections the engines have already made.
+        self._engine_listeners = listeners
         return {
             "input_address": addresses.inputs[0],
             "output_address": addresses.outputs[0],
