@@ -265,3 +265,43 @@ def test_killed_engine_is_reported_and_its_requests_fail(fleet: Fleet) -> None:
     code, body = fleet.complete("after the loss")
     assert code == 200, body
     assert fleet.status().rank(victim).in_flight == 0
+
+
+@pytest.fixture(scope="module")
+def single_rank_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """replicas: 1 (vLLM's plain async client under corefleet's KubeMPClient), emulator engine."""
+    tmp = tmp_path_factory.mktemp("fleet-single")
+    yield from _start(tmp, "emulator", 1, _long_context_model(tmp), _flags(LONG_CONTEXT), max_tokens_long=1000,
+                      token_delay_ms=20, ready_timeout=180)
+
+
+def test_single_rank_fleet_serves_aborts_and_reports_its_dead_engine(single_rank_fleet: Fleet) -> None:
+    fleet = single_rank_fleet
+    code, body = fleet.complete("Hello")
+    assert code == 200, body
+    status = fleet.status()
+    assert (status.state, status.data_parallel_size) == (FleetState.SERVING, 1)
+    assert (status.rank(0).requests_total, status.rank(0).in_flight) == (1, 0)
+
+    cancelled = fleet.stream(fleet.max_tokens_long)
+    try:
+        assert cancelled.next_event() is not None
+        assert _in_flight_rank(fleet) == 0
+    finally:
+        cancelled.close()
+    wait_until(lambda: (r := fleet.status().rank(0)).aborts_total == 1 and r.in_flight == 0, 15, "the abort")
+
+    stream = fleet.stream(fleet.max_tokens_long)
+    try:
+        assert stream.next_event() is not None
+        assert _in_flight_rank(fleet) == 0
+        os.killpg(fleet.engine_pid(0), signal.SIGKILL)
+        wait_until(lambda: fleet.status().rank(0).state == RankState.DEAD, 10, "rank 0 reported Dead")
+        wait_until(lambda: fleet.health() == 503, 5, "/health 503")
+        events = stream.rest()
+        assert any("error" in e for e in events), events[-3:]
+    finally:
+        stream.close()
+    assert fleet.status().rank(0).failed_total == 1
+    code, body = fleet.complete("after the loss")
+    assert code >= 500, body  # no rank left: an explicit error, not a hang

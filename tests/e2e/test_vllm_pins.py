@@ -123,6 +123,9 @@ def test_dplb_internals_pinned(core_client: ModuleType) -> None:
     send = inspect.getsource(core_client.AsyncMPClient._send_input_message)
     assert "self.input_socket.send_multipart" in send
     assert "outputs_queue" in inspect.getsource(core_client.AsyncMPClient.get_output_async)
+    # KubeMPClient (replicas 1) keeps its in-flight record through the same output hook as vLLM's DPLB client.
+    output_task = inspect.getsource(core_client.AsyncMPClient._ensure_output_queue_task)
+    assert 'getattr(self.__class__, "process_engine_outputs", None)' in output_task
 
 
 def test_health_and_liveness_pinned() -> None:

@@ -253,6 +253,7 @@ class _FleetClientMixin:
         self._tracker = tracker
         if not hasattr(self, "engine_inflight"):  # vLLM's single-engine client does not count
             self.engine_inflight = Counter()
+            self.reqs_in_flight: dict[str, bytes] = {}
         self._liveness_task: asyncio.Task[None] | None = None
         tracker.serving(self)
         logger.info("All %d engine(s) joined; serving", len(self.core_engines))
@@ -393,12 +394,37 @@ class KubeDPLBClient(_FleetClientMixin, DPLBAsyncMPClient):  # type: ignore[misc
 
 
 class KubeMPClient(_FleetClientMixin, AsyncMPClient):  # type: ignore[misc]  # vLLM is not type-checked
-    """A fleet of one rank: vLLM's plain async client over an engine in another pod."""
+    """A fleet of one rank: vLLM's plain async client over an engine in another pod.
+
+    vLLM's single-engine client keeps no per-request record; this one does (like the DPLB client's
+    `reqs_in_flight`), so that a dead engine's requests can be failed and counted.
+    """
 
     async def add_request_async(self, request: Any) -> None:
+        engine: bytes = self.core_engine
+        self.reqs_in_flight[request.request_id] = engine
+        self.engine_inflight[engine] += 1
         try:
             await super().add_request_async(request)
         except zmq.ZMQError as e:
+            self.reqs_in_flight.pop(request.request_id, None)
+            self.engine_inflight[engine] -= 1
             self._rank_died(0, f"connection to the engine lost ({e.strerror})")
             raise EngineDeadError() from None
         self._tracker.requests_total[0] += 1
+
+    @staticmethod
+    async def process_engine_outputs(self: KubeMPClient, outputs: EngineCoreOutputs) -> None:
+        # Called by vLLM's output task for every output batch (as for DPLBAsyncMPClient).
+        for req_id in outputs.finished_requests or ():
+            if (engine := self.reqs_in_flight.pop(req_id, None)) is not None:
+                self.engine_inflight[engine] -= 1
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        if not request_ids or 0 in self._tracker.dead():
+            return  # a dead engine's requests were already failed
+        self._tracker.aborts_total[0] += len(request_ids)
+        try:
+            await super().abort_requests_async(request_ids)
+        except zmq.ZMQError as e:
+            self._rank_died(0, f"connection to the engine lost ({e.strerror})")
