@@ -65,6 +65,10 @@ _UNROUTABLE = sys.maxsize // 4
 LIVENESS_UTILITY = "is_sleeping"
 
 
+def _connection_lost(e: zmq.ZMQError) -> str:
+    return f"connection to the engine lost ({e.strerror})"
+
+
 @dataclass(frozen=True)
 class FleetOptions:
     """What the frontend knows about its fleet beyond vLLM's own flags (set by the entrypoint)."""
@@ -294,25 +298,24 @@ class _FleetClientMixin:
             now = loop.time()
             for rank, engine in enumerate(self.core_engines):
                 if rank in dead:
-                    for _, call_id, _ in pending.pop(rank, []):
-                        self.utility_results.pop(call_id, None)
+                    self._forget_calls(pending.pop(rank, []))
                     continue
                 calls = [c for c in pending.get(rank, []) if not c[2].done()]
+                call = None
                 if calls and now - calls[0][0] > options.liveness_timeout_s:
-                    for _, call_id, _ in calls:
-                        self.utility_results.pop(call_id, None)
-                    pending.pop(rank, None)
-                    self._rank_died(rank, f"no answer to a liveness call within {options.liveness_timeout_s:g}s")
+                    reason: str | None = f"no answer to a liveness call within {options.liveness_timeout_s:g}s"
+                else:
+                    reason, call = await self._send_liveness_call(engine)
+                if reason is None:
+                    assert call is not None
+                    pending[rank] = [*calls, (now, *call)]
                     continue
-                reason, call = await self._send_liveness_call(engine)
-                if reason is not None:
-                    for _, call_id, _ in calls:
-                        self.utility_results.pop(call_id, None)
-                    pending.pop(rank, None)
-                    self._rank_died(rank, reason)
-                    continue
-                assert call is not None
-                pending[rank] = [*calls, (now, *call)]
+                self._forget_calls(pending.pop(rank, []))
+                self._rank_died(rank, reason)
+
+    def _forget_calls(self, calls: list[tuple[float, int, asyncio.Future[Any]]]) -> None:
+        for _, call_id, _ in calls:
+            self.utility_results.pop(call_id, None)
 
     async def _send_liveness_call(self, engine: bytes) -> tuple[str | None, tuple[int, asyncio.Future[Any]] | None]:
         call_id = uuid.uuid1().int >> 64
@@ -326,7 +329,7 @@ class _FleetClientMixin:
             await self.input_socket.send_multipart((engine, *message), copy=False)
         except zmq.ZMQError as e:
             self.utility_results.pop(call_id, None)
-            return f"connection to the engine lost ({e.strerror})", None
+            return _connection_lost(e), None
         return None, (call_id, future)
 
     def _rank_died(self, rank: int, reason: str) -> None:
@@ -379,7 +382,7 @@ class KubeDPLBClient(_FleetClientMixin, DPLBAsyncMPClient):  # type: ignore[misc
                 self.engine_inflight[engine] -= 1
                 rank = int.from_bytes(engine, "little")
                 self._tracker.requests_total[rank] -= 1
-                self._rank_died(rank, f"connection to the engine lost ({e.strerror})")
+                self._rank_died(rank, _connection_lost(e))
         raise EngineDeadError()
 
     async def _abort_requests(self, request_ids: list[str], engine: bytes) -> None:
@@ -390,7 +393,7 @@ class KubeDPLBClient(_FleetClientMixin, DPLBAsyncMPClient):  # type: ignore[misc
         try:
             await super()._abort_requests(request_ids, engine)
         except zmq.ZMQError as e:  # the rank is gone, so are its requests: fail them, do not raise
-            self._rank_died(rank, f"connection to the engine lost ({e.strerror})")
+            self._rank_died(rank, _connection_lost(e))
 
 
 class KubeMPClient(_FleetClientMixin, AsyncMPClient):  # type: ignore[misc]  # vLLM is not type-checked
@@ -409,7 +412,7 @@ class KubeMPClient(_FleetClientMixin, AsyncMPClient):  # type: ignore[misc]  # v
         except zmq.ZMQError as e:
             self.reqs_in_flight.pop(request.request_id, None)
             self.engine_inflight[engine] -= 1
-            self._rank_died(0, f"connection to the engine lost ({e.strerror})")
+            self._rank_died(0, _connection_lost(e))
             raise EngineDeadError() from None
         self._tracker.requests_total[0] += 1
 
@@ -427,4 +430,4 @@ class KubeMPClient(_FleetClientMixin, AsyncMPClient):  # type: ignore[misc]  # v
         try:
             await super().abort_requests_async(request_ids)
         except zmq.ZMQError as e:
-            self._rank_died(0, f"connection to the engine lost ({e.strerror})")
+            self._rank_died(0, _connection_lost(e))
