@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from corefleet_client.local import free_ports
+from corefleet_client.local import tail as tail  # one log-tail helper; re-exported for the harness users
 from corefleet_operator.constants import GPU_RESOURCE
 
 logger = logging.getLogger(__name__)
@@ -81,13 +82,6 @@ def wait_until(check: Callable[[], bool], timeout: float, what: str, interval: f
         if time.monotonic() >= deadline:
             raise TimeoutError(f"{what}: not done after {timeout:.0f} s (last error: {last!r})")
         time.sleep(interval)
-
-
-def tail(path: Path, lines: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
 
 
 def resolve_bin_dir(bin_dir: Path | str | None = None) -> Path:

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import sys
 import threading
@@ -21,6 +20,7 @@ from types import FrameType
 
 from corefleet_client.emulator.config import parse_args
 from corefleet_client.emulator.health import HealthState, start_health_server
+from corefleet_client.process import exit_promptly
 
 logger = logging.getLogger("corefleet_client.emulator")
 
@@ -67,14 +67,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     return rc
 
 
-def _exit(rc: int) -> None:
-    """Exit without the interpreter's teardown: with torch and vLLM loaded it takes seconds (measured
-    3-8 s on 2 cores), and every socket and thread of the emulator is already closed and joined."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(rc)
-
-
 if __name__ == "__main__":
-    _exit(main())
+    exit_promptly(main())  # every socket and thread of the emulator is closed and joined by now
