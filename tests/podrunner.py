@@ -41,14 +41,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from corefleet_client import commands
 from corefleet_operator.localcluster import LocalControlPlane
 
 logger = logging.getLogger(__name__)
 
 LAUNCHER_HOST_FLAGS = {  # the launchers' own listeners bind 0.0.0.0 unless told otherwise
-    "corefleet_client.engine": "--health-host",
-    "corefleet_client.emulator": "--health-host",
-    "corefleet_client.frontend": "--admin-host",
+    commands.ENGINE_MODULE: "--health-host",
+    commands.EMULATOR_MODULE: "--health-host",
+    commands.FRONTEND_MODULE: "--admin-host",
 }
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)|\$\$")
 

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The command-line shape every fleet program shares: `[corefleet flags] -- <vLLM flags>`.
 
-The operator's pod builder writes the same separator (`corefleet_operator.builders.LAUNCHER_ARGS_END`).
+The command lines are written in one place, `corefleet_client.commands`, for the operator's pods and
+local mode alike; `commands.LAUNCHER_ARGS_END` is this module's separator.
 """
 
 from __future__ import annotations

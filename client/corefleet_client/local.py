@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Local mode: a whole fleet as processes on 127.0.0.1, no Kubernetes (`corefleet up/status/down`).
 
-The processes run the same command lines the operator's pods run (`corefleet_operator.builders`;
-tests/unit/test_cli.py checks that the flags agree), with every address 127.0.0.1 and every port
-a free one, except the frontend's HTTP port, which the user picks:
+The processes run the same command lines the operator's pods run (both are built by
+`corefleet_client.commands`), with every address 127.0.0.1 and every port a free one, except the
+frontend's HTTP port, which the user picks:
 
 * the coordinator: `python -m corefleet_client.coordinator --engine-count N ...` (vLLM's
   DPCoordinator on three fixed ports, without wave coordination for dense models);
@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from corefleet_client import commands
 from corefleet_client.admin import AdminClient, AdminError, FleetState, FleetStatus, RankState
 from corefleet_client.tinymodel import VLLM_CPU_FLAGS, write_tiny_model
 
@@ -74,10 +75,8 @@ ROLE_ENGINE = "engine"
 ENGINE_VLLM = "vllm"
 ENGINE_EMULATOR = "emulator"
 ENGINE_KINDS = (ENGINE_VLLM, ENGINE_EMULATOR)
-ENGINE_MODULES = {ENGINE_VLLM: "corefleet_client.engine", ENGINE_EMULATOR: "corefleet_client.emulator"}
-COORDINATOR_MODULE = "corefleet_client.coordinator"
-FRONTEND_MODULE = "corefleet_client.frontend"
-LAUNCHER_ARGS_END = "--"  # as corefleet_operator.builders.LAUNCHER_ARGS_END
+ENGINE_MODULES = {ENGINE_VLLM: commands.ENGINE_MODULE, ENGINE_EMULATOR: commands.EMULATOR_MODULE}
+LAUNCHER_ARGS_END = commands.LAUNCHER_ARGS_END  # where `corefleet up`'s own flags end and vLLM's begin
 
 DEFAULT_PORT = 8000
 DEFAULT_REPLICAS = 2
@@ -142,62 +141,66 @@ class FleetOptions:
 
 
 def coordinator_argv(python: str, replicas: int, ports: Ports, *, moe: bool) -> list[str]:
-    argv = [
-        python, "-m", COORDINATOR_MODULE,
-        "--engine-count", str(replicas),
-        "--host", LOCALHOST,
-        "--front-publish-port", str(ports.coord_front_publish),
-        "--back-output-port", str(ports.coord_back_output),
-        "--back-publish-port", str(ports.coord_back_publish),
+    """The coordinator's command line (`commands.coordinator_args` on 127.0.0.1); wave
+    coordination only for a MoE model."""
+    return [
+        *commands.command(commands.COORDINATOR_MODULE, python),
+        *commands.coordinator_args(
+            engine_count=replicas,
+            host=LOCALHOST,
+            front_publish_port=ports.coord_front_publish,
+            back_output_port=ports.coord_back_output,
+            back_publish_port=ports.coord_back_publish,
+            wave_coordination=moe,
+        ),
     ]
-    if not moe:
-        argv.append("--no-wave-coordination")  # vLLM coordinates request waves only for MoE
-    return argv
 
 
 def frontend_argv(python: str, model: str, replicas: int, ports: Ports, token_file: Path,
                   vllm_flags: Sequence[str], *, moe: bool = False) -> list[str]:
-    # MoE: engine rank 0 binds the DP master address the frontend advertises; here it is loopback too.
-    engine0 = ["--engine0-address", LOCALHOST] if moe else []
+    """The frontend's command line (`commands.frontend_args`), every listener on 127.0.0.1.
+
+    MoE: engine rank 0 binds the DP master address the frontend advertises; here it is loopback too.
+    """
     return [
-        python, "-m", FRONTEND_MODULE,
-        "--admin-host", LOCALHOST,
-        "--admin-port", str(ports.admin),
-        "--admin-token-file", str(token_file),
-        "--coordinator-address", LOCALHOST,
-        "--coordinator-front-publish-port", str(ports.coord_front_publish),
-        "--coordinator-back-output-port", str(ports.coord_back_output),
-        "--coordinator-back-publish-port", str(ports.coord_back_publish),
-        *engine0,
-        LAUNCHER_ARGS_END,
-        model,
-        "--host", LOCALHOST,
-        "--port", str(ports.http),
-        "--data-parallel-size", str(replicas),
-        "--data-parallel-size-local", "0",
-        "--data-parallel-address", LOCALHOST,
-        "--data-parallel-rpc-port", str(ports.rpc),
-        *vllm_flags,
+        *commands.command(commands.FRONTEND_MODULE, python),
+        *commands.frontend_args(
+            model=model,
+            dp_size=replicas,
+            host=LOCALHOST,
+            port=ports.http,
+            dp_address=LOCALHOST,
+            rpc_port=ports.rpc,
+            admin_host=LOCALHOST,
+            admin_port=ports.admin,
+            admin_token_file=str(token_file),
+            coordinator_address=LOCALHOST,
+            coordinator_front_publish_port=ports.coord_front_publish,
+            coordinator_back_output_port=ports.coord_back_output,
+            coordinator_back_publish_port=ports.coord_back_publish,
+            engine0_address=LOCALHOST if moe else None,
+            vllm_flags=vllm_flags,
+        ),
     ]
 
 
 def engine_argv(python: str, engine: str, model: str, replicas: int, rank: int, ports: Ports,
                 vllm_flags: Sequence[str], *, token_delay_ms: int | None = None) -> list[str]:
-    launcher = ["--health-host", LOCALHOST, "--health-port", str(ports.health[rank])]
-    if engine == ENGINE_EMULATOR and token_delay_ms is not None:
-        launcher += ["--token-delay-ms", str(token_delay_ms)]
+    """Rank `rank`'s command line (`commands.engine_args` on 127.0.0.1): the vLLM engine launcher
+    or the emulator (`engine`); `token_delay_ms` applies to the emulator only."""
     return [
-        python, "-m", ENGINE_MODULES[engine],
-        *launcher,
-        LAUNCHER_ARGS_END,
-        model,
-        "--headless",
-        "--data-parallel-size", str(replicas),
-        "--data-parallel-size-local", "1",
-        "--data-parallel-start-rank", str(rank),
-        "--data-parallel-address", LOCALHOST,
-        "--data-parallel-rpc-port", str(ports.rpc),
-        *vllm_flags,
+        *commands.command(ENGINE_MODULES[engine], python),
+        *commands.engine_args(
+            model=model,
+            dp_size=replicas,
+            rank=rank,
+            dp_address=LOCALHOST,
+            rpc_port=ports.rpc,
+            health_host=LOCALHOST,
+            health_port=ports.health[rank],
+            token_delay_ms=token_delay_ms if engine == ENGINE_EMULATOR else None,
+            vllm_flags=vllm_flags,
+        ),
     ]
 
 

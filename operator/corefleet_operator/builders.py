@@ -30,6 +30,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from corefleet_client import commands
 from corefleet_operator import constants
 from corefleet_operator.models import JSON, EngineCoreSetSpec, FleetRef, to_json
 
@@ -58,11 +59,8 @@ COORDINATOR_PORTS: tuple[tuple[str, int], ...] = (
     (PORT_COORD_BACK_PUBLISH, constants.COORDINATOR_BACK_PUBLISH_PORT),
 )
 
-ENGINE_COMMAND = ("python", "-m", "corefleet_client.engine")
-COORDINATOR_COMMAND = ("python", "-m", "corefleet_client.coordinator")
-FRONTEND_COMMAND = ("python", "-m", "corefleet_client.frontend")
-# Separates a corefleet launcher's own flags from the vLLM command line it passes on.
-LAUNCHER_ARGS_END = "--"
+# The containers' commands and arguments come from corefleet_client.commands (local mode runs the same).
+ALL_INTERFACES = "0.0.0.0"  # a pod's listeners bind its own IP, whatever it is
 
 
 # ---- the fleet-wide configuration hash ----------------------------------------------------------
@@ -116,21 +114,21 @@ def engine_pod(
     tp = spec.engine.tensorParallelSize
     name = constants.engine_name(fleet.name, rank)
 
-    args = [
-        "--health-port", str(constants.ENGINE_HEALTH_PORT),
-        LAUNCHER_ARGS_END,
-        spec.model,
-        "--headless",
-        "--data-parallel-size", str(dp_size),
-        "--data-parallel-size-local", "1",
-        "--data-parallel-start-rank", str(rank),
-        "--data-parallel-address", frontend_address,
-        "--data-parallel-rpc-port", str(constants.DP_RPC_PORT),
-        "--tensor-parallel-size", str(tp),
-        "--load-format", spec.engine.loadFormat,
-        *_expert_parallel_flags(spec, dp_size),
-        *spec.engine.args,
-    ]
+    # The launcher's health listener binds 0.0.0.0 by default: no --health-host.
+    args = commands.engine_args(
+        model=spec.model,
+        dp_size=dp_size,
+        rank=rank,
+        dp_address=frontend_address,
+        rpc_port=constants.DP_RPC_PORT,
+        health_port=constants.ENGINE_HEALTH_PORT,
+        vllm_flags=[
+            "--tensor-parallel-size", str(tp),
+            "--load-format", spec.engine.loadFormat,
+            *_expert_parallel_flags(spec, dp_size),
+            *spec.engine.args,
+        ],
+    )
     env = _downward_env()
     if scale_up:
         env.append({"name": constants.ENV_SCALE_UP_LAUNCH, "value": "1"})
@@ -143,7 +141,7 @@ def engine_pod(
     container: JSON = {
         "name": ENGINE_CONTAINER,
         "image": spec.image,
-        "command": list(ENGINE_COMMAND),
+        "command": commands.command(commands.ENGINE_MODULE),
         "args": args,
         "env": env,
         "ports": [_container_port(PORT_HEALTH, constants.ENGINE_HEALTH_PORT)],
@@ -163,21 +161,18 @@ def coordinator_pod(fleet: FleetRef, *, dp_size: int, fleet_generation: int = 0)
     """vLLM's DPCoordinator, run standalone on the three fixed ports the frontend and engines use."""
     _check_size(dp_size)
     spec = fleet.spec
-    args = [
-        "--engine-count", str(dp_size),
-        "--host", "0.0.0.0",
-        "--front-publish-port", str(constants.COORDINATOR_FRONT_PUBLISH_PORT),
-        "--back-output-port", str(constants.COORDINATOR_BACK_OUTPUT_PORT),
-        "--back-publish-port", str(constants.COORDINATOR_BACK_PUBLISH_PORT),
-    ]
-    if not spec.expertParallel:
-        # vLLM coordinates request waves only for MoE (launch_core_engines passes
-        # enable_wave_coordination=model_config.is_moe); dense engines reject START_DP_WAVE.
-        args.append("--no-wave-coordination")
+    args = commands.coordinator_args(
+        engine_count=dp_size,
+        host=ALL_INTERFACES,
+        front_publish_port=constants.COORDINATOR_FRONT_PUBLISH_PORT,
+        back_output_port=constants.COORDINATOR_BACK_OUTPUT_PORT,
+        back_publish_port=constants.COORDINATOR_BACK_PUBLISH_PORT,
+        wave_coordination=spec.expertParallel,  # vLLM coordinates request waves only for MoE
+    )
     container: JSON = {
         "name": COORDINATOR_CONTAINER,
         "image": spec.image,
-        "command": list(COORDINATOR_COMMAND),
+        "command": commands.command(commands.COORDINATOR_MODULE),
         "args": args,
         "env": _downward_env(),
         "ports": [_container_port(name, port) for name, port in COORDINATOR_PORTS],
@@ -203,30 +198,31 @@ def frontend_pod(fleet: FleetRef, *, dp_size: int, coordinator_address: str, fle
     _check_size(dp_size)
     spec = fleet.spec
     token_file = f"{constants.ADMIN_TOKEN_DIR}/{constants.ADMIN_TOKEN_KEY}"
-    args = [
-        "--admin-port", str(constants.FRONTEND_ADMIN_PORT),
-        "--admin-token-file", token_file,
-        "--coordinator-address", coordinator_address,
-        "--coordinator-front-publish-port", str(constants.COORDINATOR_FRONT_PUBLISH_PORT),
-        "--coordinator-back-output-port", str(constants.COORDINATOR_BACK_OUTPUT_PORT),
-        "--coordinator-back-publish-port", str(constants.COORDINATOR_BACK_PUBLISH_PORT),
-        *_engine0_flags(fleet),
-        LAUNCHER_ARGS_END,
-        spec.model,
-        "--host", "0.0.0.0",
-        "--port", str(spec.frontend.port),
-        "--data-parallel-size", str(dp_size),
-        "--data-parallel-size-local", "0",
-        "--data-parallel-address", f"$({constants.ENV_POD_IP})",  # expanded by the kubelet
-        "--data-parallel-rpc-port", str(constants.DP_RPC_PORT),
-        "--tensor-parallel-size", str(spec.engine.tensorParallelSize),
-        *_expert_parallel_flags(spec, dp_size),
-        *spec.engine.args,
-    ]
+    # The launcher's admin listener binds 0.0.0.0 by default: no --admin-host.
+    args = commands.frontend_args(
+        model=spec.model,
+        dp_size=dp_size,
+        host=ALL_INTERFACES,
+        port=spec.frontend.port,
+        dp_address=f"$({constants.ENV_POD_IP})",  # expanded by the kubelet
+        rpc_port=constants.DP_RPC_PORT,
+        admin_port=constants.FRONTEND_ADMIN_PORT,
+        admin_token_file=token_file,
+        coordinator_address=coordinator_address,
+        coordinator_front_publish_port=constants.COORDINATOR_FRONT_PUBLISH_PORT,
+        coordinator_back_output_port=constants.COORDINATOR_BACK_OUTPUT_PORT,
+        coordinator_back_publish_port=constants.COORDINATOR_BACK_PUBLISH_PORT,
+        engine0_address=_engine0_address(fleet),
+        vllm_flags=[
+            "--tensor-parallel-size", str(spec.engine.tensorParallelSize),
+            *_expert_parallel_flags(spec, dp_size),
+            *spec.engine.args,
+        ],
+    )
     container: JSON = {
         "name": FRONTEND_CONTAINER,
         "image": spec.image,
-        "command": list(FRONTEND_COMMAND),
+        "command": commands.command(commands.FRONTEND_MODULE),
         "args": args,
         # The engines' extra env (HF_TOKEN, VLLM_* switches) matters to the frontend's config too.
         "env": [*_downward_env(), *_plain(spec.engine.env)],
@@ -482,7 +478,7 @@ def _downward_env() -> list[JSON]:
     ]
 
 
-def _engine0_flags(fleet: FleetRef) -> list[str]:
+def _engine0_address(fleet: FleetRef) -> str | None:
     """MoE: the address the frontend advertises to the engines as the DP master (engine rank 0's pod).
 
     vLLM's INIT names the frontend itself, assuming engine 0 runs beside it; engine 0 binds its DP
@@ -490,9 +486,8 @@ def _engine0_flags(fleet: FleetRef) -> list[str]:
     IP everywhere, inside its own pod too (hostname + subdomain).
     """
     if not fleet.spec.expertParallel:
-        return []
-    engine0 = constants.pod_dns(fleet.name, constants.engine_name(fleet.name, 0), fleet.namespace)
-    return ["--engine0-address", engine0]
+        return None
+    return constants.pod_dns(fleet.name, constants.engine_name(fleet.name, 0), fleet.namespace)
 
 
 def _expert_parallel_flags(spec: EngineCoreSetSpec, dp_size: int) -> list[str]:

@@ -26,42 +26,16 @@ Pure module: no kopf, no Kubernetes client, no I/O.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from corefleet_operator import builders, constants
 from corefleet_operator.models import EngineCoreSetStatus, FleetPhase, FleetRef, SpecError
+from corefleet_operator.observe import Observed, PodObs
 from corefleet_operator.status import POD_TERMINAL, Decision, compute_status, invalid_spec_status
 
 # Children the spec may switch off: deleted when observed but no longer desired (kind -> apiVersion).
 OPTIONAL_KINDS = {"NetworkPolicy": "networking.k8s.io/v1"}
-
-
-@dataclass(frozen=True)
-class PodObs:
-    """What the planner needs to know of one fleet pod (a compact copy of the watched object)."""
-
-    name: str
-    uid: str
-    role: str
-    rank: int | None = None
-    phase: str = "Pending"
-    ready: bool = False
-    terminating: bool = False
-    spec_hash: str = ""
-    fleet_generation: int = 0
-    node: str = ""
-    ip: str = ""
-    message: str = ""  # why it failed, or why it is not scheduled
-
-
-@dataclass(frozen=True)
-class Observed:
-    generation: int  # the EngineCoreSet's metadata.generation
-    status: EngineCoreSetStatus
-    pods: tuple[PodObs, ...] = ()
-    objects: Mapping[tuple[str, str], Mapping[str, Any]] = field(default_factory=dict)  # (kind, name) -> body
-    admin_token: str = ""
 
 
 @dataclass(frozen=True)

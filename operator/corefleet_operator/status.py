@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from corefleet_operator import constants
 from corefleet_operator.models import (
@@ -26,9 +26,7 @@ from corefleet_operator.models import (
     SpecError,
     to_json,
 )
-
-if TYPE_CHECKING:
-    from corefleet_operator.planner import PodObs
+from corefleet_operator.observe import PodObs
 
 AVAILABLE = "Available"
 PROGRESSING = "Progressing"

@@ -20,16 +20,17 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from corefleet_client import local
+from corefleet_client import commands, local
 from corefleet_client.admin import FLEET_PATH, FleetState, FleetStatus, RankState, RankStatus, authorized
 from corefleet_client.tinymodel import VLLM_CPU_FLAGS
-from corefleet_operator import __version__, builders
+from corefleet_operator import __version__, builders, constants
 from corefleet_operator.cli import build_parser, main
 from factories import make_ecs
 from procs import read_lines_until
@@ -134,7 +135,7 @@ def test_status_and_down_without_a_fleet(tmp_path: Path, capsys: pytest.CaptureF
     assert f"no fleet recorded in {tmp_path}" in out
 
 
-# ---- command lines: the operator's pod contracts, on 127.0.0.1 ------------------------------------
+# ---- command lines: local mode's, and the one builder it shares with the pods ---------------------
 PORTS = local.Ports(http=8000, admin=1001, rpc=1002, coord_front_publish=1003, coord_back_output=1004,
                     coord_back_publish=1005, health=(1010, 1011))
 
@@ -164,36 +165,84 @@ def test_command_lines() -> None:
     assert emulator[9:] == local.engine_argv(py, "vllm", "/m", 2, 0, PORTS, [])[7:]
 
 
-def _flags(args: list[str]) -> tuple[set[str], set[str]]:
-    """Flag names before and after the launcher's `--`."""
-    cut = args.index("--")
-    return {a for a in args[:cut] if a.startswith("--")}, {a for a in args[cut + 1:] if a.startswith("--")}
-
-
 @pytest.mark.parametrize("moe", [False, True])
-def test_command_lines_match_the_operators_pods(moe: bool) -> None:
-    """Local mode runs the pods' commands: same modules, same flags, plus only the bind-address flags
-    a pod does not need (it binds its own IP) and minus what the pod builder takes from the spec."""
-    fleet = make_ecs("a").expert_parallel(moe).obj()
-    spec_only = {"--tensor-parallel-size", "--load-format", "--enable-expert-parallel", "--enable-elastic-ep",
-                 "--enable-eplb", "--elastic-ep-max-dp-size"}
+def test_pods_and_local_mode_build_their_command_lines_with_commands(moe: bool) -> None:
+    """One source for the fleet's command lines: the operator's pods and local mode both run
+    `python -m MODULE *commands.<role>_args(...)`, each with its own addresses and ports."""
+    fleet = make_ecs("a").replicas(2).tp(2).expert_parallel(moe).arg("--max-model-len", "256").obj()
+    spec = fleet.spec
+    tp = ["--tensor-parallel-size", "2"]
+    ep = ["--enable-expert-parallel", "--enable-elastic-ep", "--enable-eplb", "--elastic-ep-max-dp-size", "2"]
+    ep = ep if moe else []
+    user = ["--max-model-len", "256"]
     coord = builders.coordinator_pod(fleet, dp_size=2)["spec"]["containers"][0]
     front = builders.frontend_pod(fleet, dp_size=2, coordinator_address="c")["spec"]["containers"][0]
     engine = builders.engine_pod(fleet, 1, dp_size=2, frontend_address="f")["spec"]["containers"][0]
-    py = "python"
+    engine0 = constants.pod_dns("a", constants.engine_name("a", 0), "ns") if moe else None
 
-    expected = local.coordinator_argv(py, 2, dataclasses.replace(
-        PORTS, coord_front_publish=29551, coord_back_output=29552, coord_back_publish=29553), moe=moe)
-    expected[expected.index("--host") + 1] = "0.0.0.0"
-    assert coord["command"] + coord["args"] == expected
-    local_front = local.frontend_argv(py, "/m", 2, PORTS, Path("/t"), [], moe=moe)
-    assert front["command"] == local_front[:3]
-    launcher, vllm = _flags(front["args"])
-    assert (launcher | {"--admin-host"}, vllm - spec_only) == _flags(local_front[3:])
-    local_engine = local.engine_argv(py, "vllm", "/m", 2, 1, PORTS, [])
-    assert engine["command"] == local_engine[:3]
-    launcher, vllm = _flags(engine["args"])
-    assert (launcher | {"--health-host"}, vllm - spec_only) == _flags(local_engine[3:])
+    # The pods: `python` from the image, listeners on 0.0.0.0 (no --health-host/--admin-host), fixed ports.
+    assert coord["command"] == ["python", "-m", commands.COORDINATOR_MODULE]
+    assert coord["args"] == commands.coordinator_args(
+        engine_count=2, host="0.0.0.0", front_publish_port=constants.COORDINATOR_FRONT_PUBLISH_PORT,
+        back_output_port=constants.COORDINATOR_BACK_OUTPUT_PORT,
+        back_publish_port=constants.COORDINATOR_BACK_PUBLISH_PORT, wave_coordination=moe)
+    assert front["command"] == ["python", "-m", commands.FRONTEND_MODULE]
+    assert front["args"] == commands.frontend_args(
+        model=spec.model, dp_size=2, host="0.0.0.0", port=spec.frontend.port, dp_address="$(POD_IP)",
+        rpc_port=constants.DP_RPC_PORT, admin_port=constants.FRONTEND_ADMIN_PORT,
+        admin_token_file=f"{constants.ADMIN_TOKEN_DIR}/{constants.ADMIN_TOKEN_KEY}", coordinator_address="c",
+        coordinator_front_publish_port=constants.COORDINATOR_FRONT_PUBLISH_PORT,
+        coordinator_back_output_port=constants.COORDINATOR_BACK_OUTPUT_PORT,
+        coordinator_back_publish_port=constants.COORDINATOR_BACK_PUBLISH_PORT, engine0_address=engine0,
+        vllm_flags=[*tp, *ep, *user])
+    assert engine["command"] == ["python", "-m", commands.ENGINE_MODULE]
+    assert engine["args"] == commands.engine_args(
+        model=spec.model, dp_size=2, rank=1, dp_address="f", rpc_port=constants.DP_RPC_PORT,
+        health_port=constants.ENGINE_HEALTH_PORT, vllm_flags=[*tp, "--load-format", "auto", *ep, *user])
+
+    # Local mode: this interpreter, every listener on 127.0.0.1, free ports.
+    py = "/venv/bin/python"
+    assert local.coordinator_argv(py, 2, PORTS, moe=moe) == [
+        py, "-m", commands.COORDINATOR_MODULE, *commands.coordinator_args(
+            engine_count=2, host="127.0.0.1", front_publish_port=1003, back_output_port=1004, back_publish_port=1005,
+            wave_coordination=moe)]
+    assert local.frontend_argv(py, "/m", 2, PORTS, Path("/t"), ["--enforce-eager"], moe=moe) == [
+        py, "-m", commands.FRONTEND_MODULE, *commands.frontend_args(
+            model="/m", dp_size=2, host="127.0.0.1", port=8000, dp_address="127.0.0.1", rpc_port=1002,
+            admin_host="127.0.0.1", admin_port=1001, admin_token_file="/t", coordinator_address="127.0.0.1",
+            coordinator_front_publish_port=1003, coordinator_back_output_port=1004, coordinator_back_publish_port=1005,
+            engine0_address="127.0.0.1" if moe else None, vllm_flags=["--enforce-eager"])]
+    for kind, module, delay in (("vllm", commands.ENGINE_MODULE, None), ("emulator", commands.EMULATOR_MODULE, 7)):
+        assert local.engine_argv(py, kind, "/m", 2, 1, PORTS, ["--enforce-eager"], token_delay_ms=7) == [
+            py, "-m", module, *commands.engine_args(
+                model="/m", dp_size=2, rank=1, dp_address="127.0.0.1", rpc_port=1002, health_host="127.0.0.1",
+                health_port=1011, token_delay_ms=delay, vllm_flags=["--enforce-eager"])]
+
+
+def test_both_callers_go_through_commands(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not merely equal output: the pod builders and local mode call the same functions."""
+    calls: list[tuple[str, str | None]] = []
+
+    def spy(name: str, host_key: str) -> Callable[..., list[str]]:
+        def fake(**kwargs: Any) -> list[str]:
+            calls.append((name, kwargs.get(host_key)))
+            return [f"<{name}>"]
+        return fake
+
+    monkeypatch.setattr(commands, "coordinator_args", spy("coordinator", "host"))
+    monkeypatch.setattr(commands, "frontend_args", spy("frontend", "admin_host"))
+    monkeypatch.setattr(commands, "engine_args", spy("engine", "health_host"))
+    fleet = make_ecs("a").obj()
+    pods = [builders.coordinator_pod(fleet, dp_size=1),
+            builders.frontend_pod(fleet, dp_size=1, coordinator_address="c"),
+            builders.engine_pod(fleet, 0, dp_size=1, frontend_address="f")]
+    assert [p["spec"]["containers"][0]["args"] for p in pods] == [["<coordinator>"], ["<frontend>"], ["<engine>"]]
+    assert calls == [("coordinator", "0.0.0.0"), ("frontend", None), ("engine", None)]
+    calls.clear()
+    assert local.coordinator_argv("py", 2, PORTS, moe=False)[3:] == ["<coordinator>"]
+    assert local.frontend_argv("py", "/m", 2, PORTS, Path("/t"), [])[3:] == ["<frontend>"]
+    assert local.engine_argv("py", "vllm", "/m", 2, 0, PORTS, [])[3:] == ["<engine>"]
+    assert calls == [("coordinator", "127.0.0.1"), ("frontend", "127.0.0.1"), ("engine", "127.0.0.1")]
 
 
 def test_moe_is_read_from_the_model_config(tmp_path: Path) -> None:

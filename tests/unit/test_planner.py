@@ -17,7 +17,8 @@ import pytest
 
 from corefleet_operator import builders, constants
 from corefleet_operator.models import EngineCoreSetSpec, EngineCoreSetStatus, FleetRef, SpecError
-from corefleet_operator.planner import Apply, Delete, Observed, Plan, PodObs, is_subset, plan, plan_invalid
+from corefleet_operator.observe import Observed, PodObs
+from corefleet_operator.planner import Apply, Delete, Plan, is_subset, plan, plan_invalid
 from factories import make_ecs
 
 NOW = "2026-11-29T12:00:00Z"

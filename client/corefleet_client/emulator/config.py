@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from corefleet_client.argv import split_launcher_argv
+
 logger = logging.getLogger(__name__)
 
-ARGS_END = "--"
 
 DEFAULT_TOKEN_DELAY_MS = 10.0
 DEFAULT_VOCAB_SIZE = 32000
@@ -145,12 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def split_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    """(emulator args, vLLM args), split at the first `--`."""
-    argv = list(argv)
-    if ARGS_END in argv:
-        i = argv.index(ARGS_END)
-        return argv[:i], argv[i + 1:]
-    return argv, []
+    """(emulator args, vLLM args), split at the first `--` (as every launcher does)."""
+    return split_launcher_argv(argv)
 
 
 def read_model_config(model: str | None) -> dict[str, Any]:

@@ -12,7 +12,6 @@ create/update handlers, so kopf keeps no progress or diff-base of its own on our
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import copy
 import datetime
@@ -26,8 +25,9 @@ import kopf
 
 from corefleet_operator import constants, metrics
 from corefleet_operator.kube import Kube, KubeError
-from corefleet_operator.models import EngineCoreSetSpec, EngineCoreSetStatus, FleetPhase, FleetRef, SpecError
-from corefleet_operator.planner import Apply, Delete, Observed, Plan, PodObs, plan, plan_invalid
+from corefleet_operator.models import EngineCoreSetSpec, FleetPhase, FleetRef, SpecError
+from corefleet_operator.observe import Observed, PodObs, observe, pod_obs
+from corefleet_operator.planner import Apply, Delete, Plan, plan, plan_invalid
 from corefleet_operator.status import status_patch
 
 logger = logging.getLogger(__name__)
@@ -44,49 +44,7 @@ def now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-# ---- observation: compact copies of the children, kept by kopf's indexes ----------------------
-def pod_obs(name: str, meta: Mapping[str, Any], spec: Mapping[str, Any], status: Mapping[str, Any]) -> PodObs:
-    """The planner's view of one pod (a kopf index value: small, immutable)."""
-    labels = meta.get("labels") or {}
-    annotations = meta.get("annotations") or {}
-    conditions = {c.get("type"): c for c in status.get("conditions") or []}
-    ready = (conditions.get("Ready") or {}).get("status") == "True"
-    message = ""
-    phase = status.get("phase") or "Pending"
-    if phase in ("Failed", "Succeeded"):
-        for cs in status.get("containerStatuses") or []:
-            term = (cs.get("state") or {}).get("terminated")
-            if term:
-                message = f"container {cs.get('name')} exited with {term.get('exitCode')}"
-                if term.get("reason"):
-                    message += f" ({term['reason']})"
-                break
-        message = message or status.get("message") or status.get("reason") or ""
-    elif not spec.get("nodeName"):
-        scheduled = conditions.get("PodScheduled") or {}
-        if scheduled.get("status") == "False":
-            message = scheduled.get("message") or scheduled.get("reason") or ""
-    rank = labels.get(constants.LABEL_RANK)
-    try:
-        generation = int(annotations.get(constants.ANNOTATION_GENERATION, "0"))
-    except ValueError:
-        generation = 0
-    return PodObs(
-        name=name,
-        uid=str(meta.get("uid", "")),
-        role=str(labels.get(constants.LABEL_ROLE, "")),
-        rank=int(rank) if rank is not None and str(rank).isdigit() else None,
-        phase=phase,
-        ready=ready,
-        terminating=bool(meta.get("deletionTimestamp")),
-        spec_hash=str(annotations.get(constants.ANNOTATION_SPEC_HASH, "")),
-        fleet_generation=generation,
-        node=str(spec.get("nodeName") or ""),
-        ip=str(status.get("podIP") or ""),
-        message=message,
-    )
-
-
+# ---- observation: kopf's indexes keep compact copies of the children (observe.pod_obs) --------
 def _wake(memo: Any, key: tuple[str, str]) -> None:
     event = memo.wakeups.get(key) if hasattr(memo, "wakeups") else None
     if event is not None:
@@ -155,26 +113,6 @@ class QuietWakeups(logging.Filter):
 
 
 # ---- the reconcile path -----------------------------------------------------------------------
-def admin_token(objects: Mapping[tuple[str, str], Mapping[str, Any]], fleet: str, fallback: str) -> str:
-    secret = objects.get(("Secret", constants.admin_secret_name(fleet)))
-    encoded = ((secret or {}).get("data") or {}).get(constants.ADMIN_TOKEN_KEY)
-    if encoded:
-        return base64.b64decode(encoded).decode()
-    return fallback
-
-
-def observe(body: Mapping[str, Any], stored_status: Mapping[str, Any] | None, pods: Iterable[PodObs],
-            objects: Iterable[tuple[str, str, dict[str, Any]]], token: str) -> Observed:
-    by_key = {(kind, name): obj for kind, name, obj in objects}
-    return Observed(
-        generation=int(body["metadata"].get("generation") or 0),
-        status=EngineCoreSetStatus.parse(stored_status),
-        pods=tuple(sorted(pods, key=lambda p: p.name)),
-        objects=by_key,
-        admin_token=admin_token(by_key, str(body["metadata"]["name"]), token),
-    )
-
-
 def make_plan(body: Mapping[str, Any], observed: Observed) -> Plan:
     meta = body["metadata"]
     try:

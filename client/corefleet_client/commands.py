@@ -1,0 +1,163 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The fleet's command lines, built in one place for the operator's pods and for local mode.
+
+Every fleet process is `python -m MODULE ARGS`. The functions here return ARGS (everything after
+`python -m MODULE`) as pure functions of the values the caller decides: the operator's pod
+builders (`corefleet_operator.builders`) pass `0.0.0.0`, `$(POD_IP)`, pod DNS names and fixed
+ports; local mode (`corefleet_client.local`) passes 127.0.0.1 and free ports. The launchers'
+own flags come first, then `--`, then vLLM's (`corefleet_client.argv.split_launcher_argv`):
+
+* the coordinator: `--engine-count N --host H --front-publish-port ... [--no-wave-coordination]`
+  (it takes no vLLM flags);
+* the frontend: `[--admin-host H] --admin-port P --admin-token-file F --coordinator-address A
+  --coordinator-*-port ... [--engine0-address E] -- MODEL --host H --port P --data-parallel-* ...
+  <vLLM flags>`;
+* an engine (or the emulator): `[--health-host H] --health-port P [--token-delay-ms D] -- MODEL
+  --headless --data-parallel-* ... <vLLM flags>`.
+
+A launcher binds its own listener (health, admin) to 0.0.0.0 unless told a host, so a pod leaves
+those flags out. Flags that only one caller derives (tensor parallelism, load format, expert
+parallelism, the user's engine args; local mode's CPU flags) are the caller's `vllm_flags`,
+which always come last.
+
+Standard library only: the operator imports this module, and it never imports vLLM, torch or
+ZeroMQ (import contract in pyproject.toml).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from corefleet_client.argv import ARGS_END
+
+ENGINE_MODULE = "corefleet_client.engine"
+EMULATOR_MODULE = "corefleet_client.emulator"
+COORDINATOR_MODULE = "corefleet_client.coordinator"
+FRONTEND_MODULE = "corefleet_client.frontend"
+# Separates a corefleet launcher's own flags from the vLLM command line it passes on (the
+# launchers split there: corefleet_client.argv).
+LAUNCHER_ARGS_END = ARGS_END
+DEFAULT_PYTHON = "python"  # a pod's interpreter, found on the image's PATH
+
+
+def command(module: str, python: str = DEFAULT_PYTHON) -> list[str]:
+    """`[python, "-m", module]`: what precedes a fleet process's arguments."""
+    return [python, "-m", module]
+
+
+def coordinator_args(
+    *,
+    engine_count: int,
+    host: str,
+    front_publish_port: int,
+    back_output_port: int,
+    back_publish_port: int,
+    wave_coordination: bool,
+) -> list[str]:
+    """Arguments of vLLM's DPCoordinator run standalone (`corefleet_client.coordinator`).
+
+    It listens on `host` at three fixed ports the frontend and the engines connect to. Without
+    `wave_coordination` it gets `--no-wave-coordination`: vLLM coordinates request waves only for
+    MoE (launch_core_engines passes enable_wave_coordination=model_config.is_moe), and dense
+    engines reject START_DP_WAVE.
+    """
+    args = [
+        "--engine-count", str(engine_count),
+        "--host", host,
+        "--front-publish-port", str(front_publish_port),
+        "--back-output-port", str(back_output_port),
+        "--back-publish-port", str(back_publish_port),
+    ]
+    if not wave_coordination:
+        args.append("--no-wave-coordination")
+    return args
+
+
+def frontend_args(
+    *,
+    model: str,
+    dp_size: int,
+    host: str,
+    port: int,
+    dp_address: str,
+    rpc_port: int,
+    admin_port: int,
+    admin_token_file: str,
+    coordinator_address: str,
+    coordinator_front_publish_port: int,
+    coordinator_back_output_port: int,
+    coordinator_back_publish_port: int,
+    admin_host: str | None = None,
+    engine0_address: str | None = None,
+    vllm_flags: Sequence[str] = (),
+) -> list[str]:
+    """Arguments of the frontend (`corefleet_client.frontend`): vLLM's API server with corefleet's
+    DPLB client, the engines' handshake ROUTER and the admin API.
+
+    The OpenAI API listens on `host:port`; the admin API on `admin_host` (the launcher's default,
+    0.0.0.0, when None) at `admin_port`, with the bearer token read from `admin_token_file`. The
+    frontend runs no engine itself (`--data-parallel-size-local 0`) and is the DP master at
+    `dp_address:rpc_port`. `engine0_address` (MoE) is the address it advertises to the engines as
+    the DP master: engine rank 0's, which binds its DP group port there.
+    """
+    launcher = [] if admin_host is None else ["--admin-host", admin_host]
+    launcher += [
+        "--admin-port", str(admin_port),
+        "--admin-token-file", admin_token_file,
+        "--coordinator-address", coordinator_address,
+        "--coordinator-front-publish-port", str(coordinator_front_publish_port),
+        "--coordinator-back-output-port", str(coordinator_back_output_port),
+        "--coordinator-back-publish-port", str(coordinator_back_publish_port),
+    ]
+    if engine0_address is not None:
+        launcher += ["--engine0-address", engine0_address]
+    return [
+        *launcher,
+        LAUNCHER_ARGS_END,
+        model,
+        "--host", host,
+        "--port", str(port),
+        "--data-parallel-size", str(dp_size),
+        "--data-parallel-size-local", "0",
+        "--data-parallel-address", dp_address,
+        "--data-parallel-rpc-port", str(rpc_port),
+        *vllm_flags,
+    ]
+
+
+def engine_args(
+    *,
+    model: str,
+    dp_size: int,
+    rank: int,
+    dp_address: str,
+    rpc_port: int,
+    health_port: int,
+    health_host: str | None = None,
+    token_delay_ms: int | None = None,
+    vllm_flags: Sequence[str] = (),
+) -> list[str]:
+    """Arguments of data-parallel rank `rank`'s engine launcher: `corefleet_client.engine` (a
+    headless vLLM engine core) or `corefleet_client.emulator` (its wire-level test double).
+
+    The engine handshakes with the DP master (the frontend) at `dp_address:rpc_port`. The
+    launcher answers /livez and /readyz on `health_host` (the launcher's default, 0.0.0.0, when
+    None) at `health_port`. `token_delay_ms` is the emulator's per-token delay (the vLLM engine
+    launcher has no such flag).
+    """
+    launcher = [] if health_host is None else ["--health-host", health_host]
+    launcher += ["--health-port", str(health_port)]
+    if token_delay_ms is not None:
+        launcher += ["--token-delay-ms", str(token_delay_ms)]
+    return [
+        *launcher,
+        LAUNCHER_ARGS_END,
+        model,
+        "--headless",
+        "--data-parallel-size", str(dp_size),
+        "--data-parallel-size-local", "1",
+        "--data-parallel-start-rank", str(rank),
+        "--data-parallel-address", dp_address,
+        "--data-parallel-rpc-port", str(rpc_port),
+        *vllm_flags,
+    ]

@@ -1,0 +1,116 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What the operator observes of a fleet, as plain immutable values, and the pure code that makes them.
+
+The kopf handlers (`corefleet_operator.handlers.fleet`) keep compact copies of a fleet's children
+in kopf indexes: one `PodObs` per pod (`pod_obs`) and the other children's bodies. Before each
+reconcile, `observe` gathers them with the EngineCoreSet's generation, its stored status and the
+admin token into one `Observed`, which the planner (`corefleet_operator.planner`) and the status
+(`corefleet_operator.status`) read.
+
+Pure module: no kopf, no Kubernetes client, no I/O.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from corefleet_operator import constants
+from corefleet_operator.models import EngineCoreSetStatus
+
+
+@dataclass(frozen=True)
+class PodObs:
+    """What the planner needs to know of one fleet pod (a compact copy of the watched object)."""
+
+    name: str
+    uid: str
+    role: str
+    rank: int | None = None
+    phase: str = "Pending"
+    ready: bool = False
+    terminating: bool = False
+    spec_hash: str = ""
+    fleet_generation: int = 0
+    node: str = ""
+    ip: str = ""
+    message: str = ""  # why it failed, or why it is not scheduled
+
+
+@dataclass(frozen=True)
+class Observed:
+    """Everything one reconcile of a fleet sees."""
+
+    generation: int  # the EngineCoreSet's metadata.generation
+    status: EngineCoreSetStatus
+    pods: tuple[PodObs, ...] = ()
+    objects: Mapping[tuple[str, str], Mapping[str, Any]] = field(default_factory=dict)  # (kind, name) -> body
+    admin_token: str = ""
+
+
+def pod_obs(name: str, meta: Mapping[str, Any], spec: Mapping[str, Any], status: Mapping[str, Any]) -> PodObs:
+    """The planner's view of one pod (a kopf index value: small, immutable)."""
+    labels = meta.get("labels") or {}
+    annotations = meta.get("annotations") or {}
+    conditions = {c.get("type"): c for c in status.get("conditions") or []}
+    ready = (conditions.get("Ready") or {}).get("status") == "True"
+    message = ""
+    phase = status.get("phase") or "Pending"
+    if phase in ("Failed", "Succeeded"):
+        for cs in status.get("containerStatuses") or []:
+            term = (cs.get("state") or {}).get("terminated")
+            if term:
+                message = f"container {cs.get('name')} exited with {term.get('exitCode')}"
+                if term.get("reason"):
+                    message += f" ({term['reason']})"
+                break
+        message = message or status.get("message") or status.get("reason") or ""
+    elif not spec.get("nodeName"):
+        scheduled = conditions.get("PodScheduled") or {}
+        if scheduled.get("status") == "False":
+            message = scheduled.get("message") or scheduled.get("reason") or ""
+    rank = labels.get(constants.LABEL_RANK)
+    try:
+        generation = int(annotations.get(constants.ANNOTATION_GENERATION, "0"))
+    except ValueError:
+        generation = 0
+    return PodObs(
+        name=name,
+        uid=str(meta.get("uid", "")),
+        role=str(labels.get(constants.LABEL_ROLE, "")),
+        rank=int(rank) if rank is not None and str(rank).isdigit() else None,
+        phase=phase,
+        ready=ready,
+        terminating=bool(meta.get("deletionTimestamp")),
+        spec_hash=str(annotations.get(constants.ANNOTATION_SPEC_HASH, "")),
+        fleet_generation=generation,
+        node=str(spec.get("nodeName") or ""),
+        ip=str(status.get("podIP") or ""),
+        message=message,
+    )
+
+
+def admin_token(objects: Mapping[tuple[str, str], Mapping[str, Any]], fleet: str, fallback: str) -> str:
+    """The admin API's token from the fleet's observed admin Secret, else `fallback`."""
+    secret = objects.get(("Secret", constants.admin_secret_name(fleet)))
+    encoded = ((secret or {}).get("data") or {}).get(constants.ADMIN_TOKEN_KEY)
+    if encoded:
+        return base64.b64decode(encoded).decode()
+    return fallback
+
+
+def observe(body: Mapping[str, Any], stored_status: Mapping[str, Any] | None, pods: Iterable[PodObs],
+            objects: Iterable[tuple[str, str, dict[str, Any]]], token: str) -> Observed:
+    """One reconcile's view of a fleet: the EngineCoreSet `body` with its `stored_status`, its pods
+    (sorted by name), its other children as (kind, name, body), and the admin token (`token` until
+    the Secret is observed)."""
+    by_key = {(kind, name): obj for kind, name, obj in objects}
+    return Observed(
+        generation=int(body["metadata"].get("generation") or 0),
+        status=EngineCoreSetStatus.parse(stored_status),
+        pods=tuple(sorted(pods, key=lambda p: p.name)),
+        objects=by_key,
+        admin_token=admin_token(by_key, str(body["metadata"]["name"]), token),
+    )
