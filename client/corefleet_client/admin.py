@@ -1,15 +1,25 @@
 # SPDX-License-Identifier: Apache-2.0
 """The frontend's admin API contract: paths, authentication and the request/response types.
 
-The frontend serves it (`corefleet_client.frontend`); the operator and `corefleet status` call
+The frontend serves it (`corefleet_client.frontend`); the operator and the `corefleet` command call
 it. This module uses only the standard library, so the operator can import it without vLLM,
 torch or ZeroMQ (import-linter checks that the operator never imports those).
 
 Every request carries `Authorization: Bearer <token>`; the token is the admin Secret's value,
 mounted as a file in the frontend pod. A request without it, or with another token, gets 401.
 
-    GET /v1/fleet   -> FleetStatus (JSON)
-    GET /healthz    -> 200 once the admin server runs (no token: for probes)
+    GET  /v1/fleet                    -> FleetStatus: the ranks, their states and counters, the resize in flight
+    POST /v1/resizes                  ResizeRequest -> ResizeOperation
+                                      202: started; 200: the same id and target exist already (idempotent);
+                                      409: another resize runs, or the id names another target;
+                                      400: bad request; 503: the fleet cannot resize now (starting, a rank dead)
+    GET  /v1/resizes                  -> {"operations": [ResizeOperation, ...]} (newest first, the last few)
+    GET  /v1/resizes/<id>             -> ResizeOperation, or 404
+    POST /v1/resizes/<id>/cancel      {"reason": "..."} -> ResizeOperation (Failed), or 409 once it committed
+    GET  /healthz                     -> 200 once the admin server runs (no token: for probes)
+
+A resize is an operation with an id, carried out by the frontend in the background: the POST
+returns at once and the caller polls the operation. At most one runs at a time.
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ import enum
 import hmac
 import json
 import os
+import re
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -27,6 +38,7 @@ from typing import Any
 
 API_PREFIX = "/v1"
 FLEET_PATH = f"{API_PREFIX}/fleet"
+RESIZES_PATH = f"{API_PREFIX}/resizes"
 HEALTH_PATH = "/healthz"
 
 AUTH_HEADER = "Authorization"
@@ -35,10 +47,17 @@ BEARER = "Bearer "
 ENV_ADMIN_TOKEN = "COREFLEET_ADMIN_TOKEN"
 ENV_ADMIN_TOKEN_FILE = "COREFLEET_ADMIN_TOKEN_FILE"
 
+# A resize id: what the operator writes into status.operation.id (also a path segment).
+RESIZE_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+MAX_REQUEST_BYTES = 64 * 1024
+
 
 class RankState(enum.StrEnum):
     JOINING = "Joining"  # expected, has not completed the handshake
     SERVING = "Serving"  # handshake done, takes requests
+    DRAINING = "Draining"  # leaving in a scale-down: takes no new requests, finishes its in-flight ones
+    RETIRED = "Retired"  # left the fleet through a resize: its pod may be deleted
+    FAILED = "Failed"  # was to join in a scale-up and did not: its pod may be deleted
     DEAD = "Dead"  # its process went away or stopped answering; takes no requests
 
 
@@ -46,6 +65,19 @@ class FleetState(enum.StrEnum):
     STARTING = "Starting"  # waiting for engines to join
     SERVING = "Serving"  # every rank serving
     DEGRADED = "Degraded"  # at least one rank dead: /health is 503, the fleet must be recreated
+
+
+class ResizePhase(enum.StrEnum):
+    PENDING = "Pending"  # accepted, not started yet
+    PREPARING = "Preparing"  # scale-up: the new ranks handshake and load their model
+    DRAINING = "Draining"  # scale-down: the leaving ranks get no new requests and finish their in-flight ones
+    COMMITTING = "Committing"  # the membership changes (routing, stats, coordinator)
+    COMPLETED = "Completed"  # the fleet serves at the new size
+    FAILED = "Failed"  # the fleet is where it was (fleet_intact) or must be recreated (not fleet_intact)
+
+    @property
+    def terminal(self) -> bool:
+        return self in (ResizePhase.COMPLETED, ResizePhase.FAILED)
 
 
 @dataclass(frozen=True)
@@ -59,18 +91,116 @@ class RankStatus:
     in_flight: int = 0  # this frontend's unfinished requests on the rank
     requests_total: int = 0  # requests routed to the rank since the frontend started
     aborts_total: int = 0  # aborts routed to the rank
-    failed_total: int = 0  # requests ended with an error because the rank died
+    failed_total: int = 0  # requests ended with an error because the rank died or was retired with them
     message: str = ""
+
+
+@dataclass(frozen=True)
+class ResizeRank:
+    """One rank a resize adds or removes, and where it is."""
+
+    rank: int
+    state: RankState
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class ResizeRequest:
+    id: str
+    replicas: int
+    drain_timeout_s: float = 120.0  # a leaving rank's in-flight requests get this long, then fail
+    join_timeout_s: float = 1800.0  # a new rank gets this long to load its model and handshake
+
+    def validate(self) -> str | None:
+        """Why the request is malformed, or None."""
+        if not RESIZE_ID_PATTERN.match(self.id):
+            return f"id {self.id!r} must match {RESIZE_ID_PATTERN.pattern}"
+        if self.replicas < 1:
+            return (f"replicas must be at least 1, not {self.replicas} (a fleet of 0 ranks has no frontend: "
+                    "the operator stops it by deleting its pods)")
+        if not 0 <= self.drain_timeout_s <= 86400:
+            return f"drain_timeout_s must be in 0..86400, not {self.drain_timeout_s}"
+        if not 0 < self.join_timeout_s <= 86400:
+            return f"join_timeout_s must be in (0, 86400], not {self.join_timeout_s}"
+        return None
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Any) -> ResizeRequest:
+        if not isinstance(data, dict):
+            raise ValueError("a resize request is a JSON object")
+        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown field(s) {sorted(unknown)}")
+        if not isinstance(data.get("id"), str):
+            raise ValueError("id must be a string")
+        replicas = data.get("replicas")
+        if isinstance(replicas, bool) or not isinstance(replicas, int):
+            raise ValueError("replicas must be an integer")
+        timeouts = {}
+        for name in ("drain_timeout_s", "join_timeout_s"):
+            if name in data:
+                v = data[name]
+                if isinstance(v, bool) or not isinstance(v, int | float):
+                    raise ValueError(f"{name} must be a number")
+                timeouts[name] = float(v)
+        return cls(id=data["id"], replicas=replicas, **timeouts)
+
+
+@dataclass(frozen=True)
+class ResizeOperation:
+    id: str
+    from_replicas: int
+    to_replicas: int
+    phase: ResizePhase
+    ranks: tuple[ResizeRank, ...] = ()  # the ranks it adds or removes
+    started_at: float = 0.0  # seconds since the epoch
+    finished_at: float | None = None
+    drain_timeout_s: float = 0.0
+    join_timeout_s: float = 0.0
+    message: str = ""  # what it is doing now, or how it ended
+    error: str = ""  # why it failed
+    fleet_intact: bool = True  # after a failure: the fleet still serves at from_replicas (else recreate it)
+
+    @property
+    def scale_up(self) -> bool:
+        return self.to_replicas > self.from_replicas
+
+    def rank(self, rank: int) -> ResizeRank:
+        for r in self.ranks:
+            if r.rank == rank:
+                return r
+        raise KeyError(rank)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ResizeOperation:
+        ranks = tuple(ResizeRank(rank=int(r["rank"]), state=RankState(r["state"]), message=r.get("message", ""))
+                      for r in data.get("ranks", ()))
+        finished = data.get("finished_at")
+        return cls(
+            id=data["id"], from_replicas=int(data["from_replicas"]), to_replicas=int(data["to_replicas"]),
+            phase=ResizePhase(data["phase"]), ranks=ranks, started_at=float(data.get("started_at", 0.0)),
+            finished_at=None if finished is None else float(finished),
+            drain_timeout_s=float(data.get("drain_timeout_s", 0.0)),
+            join_timeout_s=float(data.get("join_timeout_s", 0.0)), message=data.get("message", ""),
+            error=data.get("error", ""), fleet_intact=bool(data.get("fleet_intact", True)),
+        )
 
 
 @dataclass(frozen=True)
 class FleetStatus:
     state: FleetState
     model: str
-    data_parallel_size: int
+    data_parallel_size: int  # the committed size: the ranks requests are routed to once no resize runs
     vllm_version: str
     ranks: tuple[RankStatus, ...] = field(default_factory=tuple)
     message: str = ""
+    resize: ResizeOperation | None = None  # the resize in flight, else the last one
 
     def rank(self, rank: int) -> RankStatus:
         for r in self.ranks:
@@ -84,6 +214,7 @@ class FleetStatus:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> FleetStatus:
         ranks = tuple(RankStatus(**{**r, "state": RankState(r["state"])}) for r in data.get("ranks", ()))
+        resize = data.get("resize")
         return cls(
             state=FleetState(data["state"]),
             model=data["model"],
@@ -91,6 +222,7 @@ class FleetStatus:
             vllm_version=data["vllm_version"],
             ranks=ranks,
             message=data.get("message", ""),
+            resize=None if resize is None else ResizeOperation.from_json(resize),
         )
 
 
@@ -119,6 +251,7 @@ class AdminError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(f"admin API answered {status}: {message}")
         self.status = status
+        self.body = message
 
 
 class AdminClient:
@@ -129,14 +262,43 @@ class AdminClient:
         self.token = token
         self.timeout = timeout
 
-    def _get(self, path: str) -> dict[str, Any]:
-        req = urllib.request.Request(self.base_url + path, headers={AUTH_HEADER: BEARER + self.token})
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
+        headers = {AUTH_HEADER: BEARER + self.token}
+        data = None
+        if body is not None:
+            data = json.dumps(body).encode()
+            headers["Content-Type"] = "application/json"
+        req = urllib.request.Request(self.base_url + path, data=data, headers=headers, method=method)
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                data: dict[str, Any] = json.loads(resp.read())
-                return data
+                answer: dict[str, Any] = json.loads(resp.read())
+                return int(resp.status), answer
         except urllib.error.HTTPError as e:
             raise AdminError(e.code, e.read().decode(errors="replace")) from None
 
+    def _get(self, path: str) -> dict[str, Any]:
+        return self._call("GET", path)[1]
+
     def fleet(self) -> FleetStatus:
         return FleetStatus.from_json(self._get(FLEET_PATH))
+
+    def start_resize(self, request: ResizeRequest) -> tuple[bool, ResizeOperation]:
+        """Start a resize; (True if this call started it, the operation). Raises AdminError (409, ...)."""
+        status, body = self._call("POST", RESIZES_PATH, request.to_json())
+        return status == 202, ResizeOperation.from_json(body)
+
+    def resize(self, resize_id: str) -> ResizeOperation | None:
+        """The operation with that id, or None if the frontend has none."""
+        try:
+            return ResizeOperation.from_json(self._get(f"{RESIZES_PATH}/{resize_id}"))
+        except AdminError as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def resizes(self) -> list[ResizeOperation]:
+        return [ResizeOperation.from_json(o) for o in self._get(RESIZES_PATH).get("operations", ())]
+
+    def cancel_resize(self, resize_id: str, reason: str) -> ResizeOperation:
+        return ResizeOperation.from_json(self._call("POST", f"{RESIZES_PATH}/{resize_id}/cancel",
+                                                    {"reason": reason})[1])

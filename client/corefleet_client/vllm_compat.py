@@ -22,9 +22,10 @@ The changes:
 1. `use_client_class` replaces `EngineCoreClient.make_async_mp_client`
    (vllm/v1/engine/core_client.py). AsyncLLM builds its engine-core client only through this
    static factory and takes no class parameter, so the frontend cannot otherwise get corefleet's
-   DPLB subclass. The replacement returns corefleet's classes exactly where vLLM would return
-   `DPLBAsyncMPClient` (DP > 1, internal load balancing) or `AsyncMPClient` (DP = 1), and defers
-   to vLLM otherwise (external load balancing).
+   DPLB subclass. The replacement returns corefleet's class wherever vLLM would build an internal
+   load-balancing client, `DPLBAsyncMPClient` (DP > 1) or `AsyncMPClient` (DP = 1): a fleet of one
+   rank uses the same DPLB client, so that it can grow (change 4), and defers to vLLM otherwise
+   (external load balancing).
 2. `advertised_parallel_config` replaces the `data_parallel_master_ip` that
    `wait_for_engine_startup` (vllm/v1/engine/utils.py) sends in INIT for MoE fleets
    (`coordinated_dp`). vLLM sends the frontend's own address, because it assumes engine rank 0 runs
@@ -40,36 +41,52 @@ The changes:
    requests routed to a killed rank hung (docs/vllm-on-cpu.md). The wrapper also raises
    `EngineDeadError` (which `/health` turns into 503) while the client reports a dead rank, without
    marking the whole client dead, so requests on the surviving ranks finish.
+4. `init_dplb_client` replaces `DPLBAsyncMPClient.__init__`: the same statements without its
+   `assert len(self.core_engines) > 1`. vLLM's DP client is the only one that can change its
+   membership (its stats task and the coordinator follow `SCALE_ELASTIC_EP`), and the assertion
+   would keep a fleet of one rank from ever growing, or a fleet from shrinking to one.
+5. `install_async_llm_hook` wraps `AsyncLLM.__init__`: once vLLM has built the AsyncLLM, its
+   engine-core client gets it (`attach_async_llm`). The client needs two things only AsyncLLM has:
+   its stat loggers, which must follow the fleet's ranks (`frontend.stats`), and its output
+   processor, through which a request is ended with an explicit error (change 6).
+6. `fail_requests` ends requests the client cannot finish (their rank died, or a resize retired
+   their rank at the end of its drain timeout) with an error that names why. vLLM's only way for a
+   client to end a request is `FinishReason.ERROR`, which the API turns into a bare "Internal
+   server error"; this puts a `GracefulHTTPError` (the status and message reach the HTTP client,
+   also as the error event of a stream) into the request's output queue, then drops the request
+   from the output processor as `AsyncLLM.abort` does (`OutputProcessor.abort_requests`).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
+from collections import Counter
+from collections.abc import Iterable
+from http import HTTPStatus
 from typing import Any
 
 from vllm.config import ParallelConfig
+from vllm.exceptions import GracefulHTTPError
 from vllm.v1.engine.async_llm import AsyncLLM
-from vllm.v1.engine.core_client import EngineCoreClient
+from vllm.v1.engine.core_client import DPAsyncMPClient, EngineCoreClient
 
 _ORIGINAL_FACTORY = EngineCoreClient.make_async_mp_client
 _ORIGINAL_CHECK_HEALTH = AsyncLLM.check_health
+_ORIGINAL_ASYNC_LLM_INIT = AsyncLLM.__init__
 
 
-def use_client_class(dp_client: type, single_client: type) -> None:
-    """Make AsyncLLM build corefleet's clients (change 1).
-
-    `dp_client` wherever vLLM would build a DPLBAsyncMPClient (DP > 1, internal load balancing),
-    `single_client` where it would build a plain AsyncMPClient (DP = 1); vLLM's own choice otherwise.
-    """
+def use_client_class(dp_client: type) -> None:
+    """Make AsyncLLM build corefleet's client for every internal load-balancing fleet (change 1)."""
 
     def make_async_mp_client(vllm_config: Any, executor_class: Any, log_stats: bool,
                              client_addresses: dict[str, Any] | None = None, client_count: int = 1,
                              client_index: int = 0, renderer: Any = None) -> Any:
         pc = vllm_config.parallel_config
         if not pc.data_parallel_external_lb:
-            client_class = dp_client if pc.data_parallel_size > 1 else single_client
-            return client_class(vllm_config, executor_class, log_stats, client_addresses, client_count,
-                                client_index, renderer=renderer)
+            return dp_client(vllm_config, executor_class, log_stats, client_addresses, client_count,
+                             client_index, renderer=renderer)
         return _ORIGINAL_FACTORY(vllm_config, executor_class, log_stats, client_addresses, client_count,
                                  client_index, renderer=renderer)
 
@@ -107,3 +124,67 @@ def install_fleet_health_check() -> None:
             check_fleet()
 
     AsyncLLM.check_health = check_health
+
+
+def init_dplb_client(client: Any, vllm_config: Any, executor_class: Any, log_stats: bool,
+                     client_addresses: dict[str, Any] | None, client_count: int, client_index: int,
+                     renderer: Any) -> None:
+    """`DPLBAsyncMPClient.__init__` without its "more than one engine" assertion (change 4)."""
+    client.client_count = client_count
+    # To route aborts to the correct engine.
+    client.reqs_in_flight = {}
+    # Exact per-engine count of this client's unfinished requests.
+    client.engine_inflight = Counter()
+    DPAsyncMPClient.__init__(client, vllm_config, executor_class, log_stats, client_addresses, client_count,
+                             client_index, renderer)
+    client._prepared_elastic_ep = None
+    client.eng_start_index = (len(client.core_engines) * client.client_index) // client_count
+
+
+def install_async_llm_hook() -> None:
+    """Hand every AsyncLLM to its engine-core client once built (change 5).
+
+    The client opts in with `attach_async_llm(async_llm, stat_logger_options)`, where the options are
+    the keyword arguments AsyncLLM built its `StatLoggerManager` with, besides the engine indexes.
+    """
+
+    signature = inspect.signature(_ORIGINAL_ASYNC_LLM_INIT)
+
+    @functools.wraps(_ORIGINAL_ASYNC_LLM_INIT)
+    def __init__(self: AsyncLLM, *args: Any, **kwargs: Any) -> None:
+        _ORIGINAL_ASYNC_LLM_INIT(self, *args, **kwargs)
+        attach = getattr(self.engine_core, "attach_async_llm", None)
+        if attach is not None:
+            bound = signature.bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            given = bound.arguments
+            attach(self, {
+                "vllm_config": given["vllm_config"],
+                "custom_stat_loggers": given["stat_loggers"],
+                "enable_default_loggers": given["log_stats"],
+                "aggregate_engine_logging": given["aggregate_engine_logging"],
+                "client_count": given["client_count"],
+            })
+
+    AsyncLLM.__init__ = __init__
+
+
+def set_stat_loggers(async_llm: AsyncLLM, loggers: Any) -> None:
+    """Make AsyncLLM record into `loggers` (also in an output handler that already runs)."""
+    async_llm.logger_manager = loggers
+    ref = getattr(async_llm, "_logger_ref", None)
+    if ref is not None:
+        ref[0] = loggers
+
+
+def fail_requests(async_llm: AsyncLLM, request_ids: Iterable[str], message: str,
+                  status: HTTPStatus = HTTPStatus.SERVICE_UNAVAILABLE) -> list[str]:
+    """End these requests (internal ids) with an HTTP error naming why (change 6); the ids it ended."""
+    output_processor = async_llm.output_processor
+    ids = list(request_ids)
+    for request_id in ids:
+        state = output_processor.request_states.get(request_id)
+        if state is not None and state.queue is not None:
+            state.queue.put(GracefulHTTPError(message, status))
+    ended: list[str] = output_processor.abort_requests(ids, internal=True)
+    return ended

@@ -7,6 +7,7 @@ these tests run (not at collection).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 from types import ModuleType
@@ -123,9 +124,125 @@ def test_dplb_internals_pinned(core_client: ModuleType) -> None:
     send = inspect.getsource(core_client.AsyncMPClient._send_input_message)
     assert "self.input_socket.send_multipart" in send
     assert "outputs_queue" in inspect.getsource(core_client.AsyncMPClient.get_output_async)
-    # KubeMPClient (replicas 1) keeps its in-flight record through the same output hook as vLLM's DPLB client.
     output_task = inspect.getsource(core_client.AsyncMPClient._ensure_output_queue_task)
     assert 'getattr(self.__class__, "process_engine_outputs", None)' in output_task
+
+
+def test_dplb_init_is_what_init_dplb_client_repeats(core_client: ModuleType) -> None:
+    """vllm_compat change 4 runs DPLBAsyncMPClient.__init__'s statements without its size assertion."""
+    import ast
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(core_client.DPLBAsyncMPClient.__init__)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    assigned = [t.attr for stmt in body if isinstance(stmt, ast.Assign | ast.AnnAssign)
+                for t in (stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target])
+                if isinstance(t, ast.Attribute)]
+    assert assigned == ["client_count", "reqs_in_flight", "engine_inflight", "_prepared_elastic_ep",
+                        "eng_start_index"]
+    asserts = [ast.unparse(stmt.test) for stmt in body if isinstance(stmt, ast.Assert)]
+    assert asserts == ["len(self.core_engines) > 1"]
+    calls = [ast.unparse(stmt.value.func) for stmt in body
+             if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call)]
+    assert calls == ["super().__init__"]
+    assert core_client.DPLBAsyncMPClient.__mro__[1] is core_client.DPAsyncMPClient
+    # The size-1 fleet also needs DP's stats task; it only asserts there are ranks.
+    stats_task = inspect.getsource(core_client.DPAsyncMPClient._ensure_stats_update_task)
+    assert "assert len(self.engine_ranks_managed) > 0" in stats_task
+
+
+def test_membership_change_pinned(core_client: ModuleType) -> None:
+    """What a dense resize changes in the client (docs/vllm-protocol.md §10.1)."""
+    stats_task = inspect.getsource(core_client.DPAsyncMPClient._ensure_stats_update_task)
+    for line in ('decoded[0] == "SCALE_ELASTIC_EP"', "assert dp_size == new_engine_count",
+                 "self.engine_ranks_managed = list(", "self.lb_engines = self.lb_engines +",
+                 "self.lb_engines = self.lb_engines[:new_engine_count]", "await socket.send(scale_msg)",
+                 "ranks = self.engine_ranks_managed", "self.lb_engines = sliced_counts"):
+        assert line in stats_task, line
+    route = inspect.getsource(core_client.DPLBAsyncMPClient.get_core_engine_for_request)
+    assert "range(num_engines)" in route
+    assert "self.core_engines[idx]" in route
+    assert "request.data_parallel_rank" in route
+    init = inspect.getsource(core_client.MPClient.__init__)
+    assert "router_handover=enable_input_socket_handover" in init
+    assert "self._apply_ready_response(payload)" in init
+    ready = inspect.getsource(core_client.MPClient._apply_ready_response)
+    assert "EngineCoreReadyResponse" in ready
+    assert "num_gpu_blocks += response.num_gpu_blocks" in ready
+    engine = importlib.import_module("vllm.v1.engine")
+    fields = {f.name for f in dataclasses.fields(engine.EngineCoreReadyResponse)}
+    assert {"vllm_version", "tensor_parallel_size", "num_gpu_blocks"} <= set(fields)
+    utility = inspect.getsource(core_client._process_utility_output)
+    assert "future = utility_results.pop(output.call_id)" in utility
+    assert "except asyncio.InvalidStateError" in utility  # a cancelled liveness future is ignored
+
+
+def test_handshake_can_be_aborted_through_a_watched_process(engine_utils: ModuleType) -> None:
+    """frontend.client.HandshakeAbort stops vLLM's handshake loop as a "watched frontend process"."""
+    assert "watched_frontend_processes" in engine_utils.CoreEngineLaunch.__dataclass_fields__
+    startup = inspect.getsource(engine_utils.wait_for_engine_startup)
+    for line in ("proc.sentinel if isinstance(proc.sentinel, int) else proc.sentinel.fileno()",
+                 "poller.register(fd, zmq.POLLIN)", "proc.exitcode is not None",
+                 "Frontend process failed during engine core initialization"):
+        assert line in startup, line
+    assert "coordinated_dp" in startup
+    assert "parallel_config_hash" in startup
+
+
+def test_coordinator_follows_the_fleet_size() -> None:
+    coordinator = importlib.import_module("vllm.v1.engine.coordinator")
+    src = inspect.getsource(coordinator.DPCoordinatorProc.process_input_socket)
+    for line in ('decoded[0] == "SCALE_ELASTIC_EP"', "self.engines.append(EngineState())",
+                 "self.engines = self.engines[:new_engine_count]", 'publish_back.send(b"READY")',
+                 "if eng_index >= len(self.engines):"):
+        assert line in src, line
+    network = importlib.import_module("vllm.utils.network_utils")
+    assert "zmq.XPUB_VERBOSE" in inspect.getsource(network.make_zmq_socket)  # late subscribers are seen
+    assert "router_handover" in _params(network.zmq_socket_ctx)
+
+
+def test_stat_loggers_and_request_errors_pinned() -> None:
+    """vllm_compat changes 5 and 6, and frontend.stats."""
+    async_llm = importlib.import_module("vllm.v1.engine.async_llm")
+    params = _params(async_llm.AsyncLLM.__init__)
+    for name in ("vllm_config", "executor_class", "log_stats", "stat_loggers", "aggregate_engine_logging",
+                 "client_count"):
+        assert name in params, name
+    init = inspect.getsource(async_llm.AsyncLLM.__init__)
+    assert "self.logger_manager = StatLoggerManager(" in init
+    handler = inspect.getsource(async_llm.AsyncLLM._run_output_handler)
+    assert "self._logger_ref = [self.logger_manager]" in handler
+    assert "logger_ref[0].record(" in handler
+    loggers = importlib.import_module("vllm.v1.metrics.loggers")
+    assert _params(loggers.StatLoggerManager.__init__) == [
+        "self", "vllm_config", "engine_idxs", "custom_stat_loggers", "enable_default_loggers",
+        "aggregate_engine_logging", "client_count"]
+    assert "unregister_vllm_metrics()" in inspect.getsource(loggers.PrometheusStatLogger.__init__)
+    assert "self.per_engine_labelvalues[engine_idx]" in inspect.getsource(loggers.PrometheusStatLogger.record)
+    exceptions = importlib.import_module("vllm.exceptions")
+    assert _params(exceptions.GracefulHTTPError.__init__) == ["self", "message", "http_status"]
+    generate = inspect.getsource(async_llm.AsyncLLM.generate)
+    assert "except (VLLMClientError, GracefulHTTPError)" in generate
+    output = importlib.import_module("vllm.v1.engine.output_processor")
+    assert _params(output.OutputProcessor.abort_requests) == ["self", "request_ids", "internal"]
+    put = inspect.getsource(output.RequestOutputCollector.put)
+    assert "if self.output is None or isinstance(output, Exception):" in put  # an error is never overwritten
+    errors = importlib.import_module("vllm.entrypoints.serve.exception_handling.error_response")
+    assert "isinstance(exc, GracefulHTTPError)" in inspect.getsource(errors.create_error_response)
+
+
+def test_amx_permission_is_why_the_plugin_exists() -> None:
+    """corefleet_client.vllm_plugin: vLLM's CPU attention uses AMX without asking Linux for it."""
+    cpu_attn = importlib.import_module("vllm.v1.attention.backends.cpu_attn")
+    src = inspect.getsource(cpu_attn._get_attn_isa)
+    assert 'return "amx"' in src
+    assert "_init_amx" not in src
+    plugins = importlib.import_module("vllm.plugins")
+    assert plugins.DEFAULT_PLUGINS_GROUP == "vllm.general_plugins"
+    from importlib.metadata import entry_points
+
+    assert "corefleet_client.vllm_plugin:register" in {
+        e.value for e in entry_points(group="vllm.general_plugins")}
 
 
 def test_health_and_liveness_pinned() -> None:

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The admin API contract (corefleet_client.admin) and its server (frontend.adminserver), without vLLM."""
+"""The admin API contract (corefleet_client.admin), its server (frontend.adminserver) and the frontend's
+fleet registry behind it (frontend.fleet: ranks, counters, resize operations), without vLLM."""
 
 from __future__ import annotations
 
@@ -12,7 +13,18 @@ from pathlib import Path
 import pytest
 
 from corefleet_client import admin
-from corefleet_client.admin import AdminClient, AdminError, FleetState, FleetStatus, RankState, RankStatus
+from corefleet_client.admin import (
+    AdminClient,
+    AdminError,
+    FleetState,
+    FleetStatus,
+    RankState,
+    RankStatus,
+    ResizeOperation,
+    ResizePhase,
+    ResizeRank,
+    ResizeRequest,
+)
 from corefleet_client.frontend import __main__ as frontend_main
 from corefleet_client.frontend.adminserver import AdminServer
 
@@ -24,12 +36,34 @@ STATUS = FleetStatus(
            RankStatus(rank=1, identity="0100", state=RankState.DEAD, failed_total=2,
                       message="connection to the engine lost (Host unreachable)")),
     message="rank 1: connection to the engine lost (Host unreachable)",
+    resize=ResizeOperation(id="r1", from_replicas=2, to_replicas=3, phase=ResizePhase.FAILED,
+                           ranks=(ResizeRank(2, RankState.FAILED, "did not join"),), started_at=1.5, finished_at=9.0,
+                           drain_timeout_s=10, join_timeout_s=30, error="did not join", message="failed"),
 )
+
+
+class Static:
+    """A backend that only answers the fleet snapshot."""
+
+    def snapshot(self) -> FleetStatus:
+        return STATUS
+
+    def start_resize(self, request: ResizeRequest) -> tuple[bool, ResizeOperation]:
+        raise AssertionError("not called")
+
+    def resize(self, resize_id: str) -> ResizeOperation | None:
+        return None
+
+    def resizes(self) -> list[ResizeOperation]:
+        return []
+
+    def cancel_resize(self, resize_id: str, reason: str) -> ResizeOperation:
+        raise AssertionError("not called")
 
 
 @pytest.fixture
 def server() -> Iterator[AdminServer]:
-    srv = AdminServer("127.0.0.1", 0, TOKEN, lambda: STATUS)
+    srv = AdminServer("127.0.0.1", 0, TOKEN, Static())
     srv.start()
     try:
         yield srv

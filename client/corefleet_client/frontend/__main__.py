@@ -66,13 +66,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # vLLM is imported only now: `--help` and argument errors stay fast.
     import uvloop
+    import vllm
     from vllm.entrypoints.launchers.api_server.entry import run_server
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     from corefleet_client import vllm_compat
     from corefleet_client.frontend.adminserver import AdminServer
-    from corefleet_client.frontend.client import FleetOptions, FleetTracker, KubeDPLBClient, KubeMPClient
+    from corefleet_client.frontend.client import FleetOptions, KubeDPLBClient
+    from corefleet_client.frontend.fleet import Fleet
 
     vparser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
     args = vparser.parse_args(vllm_argv)
@@ -104,15 +106,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         liveness_timeout_s=opts.liveness_timeout,
     )
     served = args.served_model_name[0] if args.served_model_name else args.model
-    tracker = FleetTracker(model=served, data_parallel_size=args.data_parallel_size)
-    for cls in (KubeDPLBClient, KubeMPClient):
-        cls.options = options
-        cls.tracker = tracker
-    vllm_compat.use_client_class(KubeDPLBClient, KubeMPClient)
+    fleet = Fleet(model=served, data_parallel_size=args.data_parallel_size, vllm_version=vllm.__version__)
+    KubeDPLBClient.options = options
+    KubeDPLBClient.fleet = fleet
+    vllm_compat.use_client_class(KubeDPLBClient)
     vllm_compat.install_fleet_health_check()
+    vllm_compat.install_async_llm_hook()
 
     try:
-        admin = AdminServer(opts.admin_host, opts.admin_port, token, tracker.snapshot)
+        admin = AdminServer(opts.admin_host, opts.admin_port, token, fleet)
     except OSError as e:
         where = f"{opts.admin_host}:{opts.admin_port}"
         sys.stderr.write(f"corefleet frontend: cannot serve the admin API on {where}: {e}\n")

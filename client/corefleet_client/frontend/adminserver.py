@@ -2,8 +2,10 @@
 """The admin API server: a small HTTP server in its own thread.
 
 It runs apart from vLLM's event loop on purpose: the loop is blocked while the engines handshake
-(vLLM's `wait_for_engine_startup` is synchronous), and that is exactly when the operator wants to
-see which ranks have joined. It only reads the `FleetTracker`.
+at startup (vLLM's `wait_for_engine_startup` is synchronous), and that is exactly when the operator
+wants to see which ranks have joined. It reads and writes only through an `AdminBackend` (the
+frontend's `Fleet`), which is thread-safe and hands resizes to the event loop itself; no handler
+waits for a resize to finish.
 """
 
 from __future__ import annotations
@@ -11,19 +13,57 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Protocol
 
-from corefleet_client.admin import AUTH_HEADER, FLEET_PATH, HEALTH_PATH, FleetStatus, authorized
+from corefleet_client.admin import (
+    AUTH_HEADER,
+    FLEET_PATH,
+    HEALTH_PATH,
+    MAX_REQUEST_BYTES,
+    RESIZES_PATH,
+    FleetStatus,
+    ResizeOperation,
+    ResizeRequest,
+    authorized,
+)
 
-logger = logging.getLogger("corefleet.frontend.admin")
+logger = logging.getLogger(__name__)
+
+
+class ResizeRefused(Exception):
+    """A resize request the fleet will not carry out: the HTTP status, why, and the operation in the way."""
+
+    def __init__(self, status: HTTPStatus, message: str, operation: ResizeOperation | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.operation = operation
+
+
+class AdminBackend(Protocol):
+    """What the admin API serves; every method is called from the server's threads."""
+
+    def snapshot(self) -> FleetStatus: ...
+
+    def start_resize(self, request: ResizeRequest) -> tuple[bool, ResizeOperation]:
+        """(True if started now, the operation); raises ResizeRefused."""
+        ...
+
+    def resize(self, resize_id: str) -> ResizeOperation | None: ...
+
+    def resizes(self) -> list[ResizeOperation]: ...
+
+    def cancel_resize(self, resize_id: str, reason: str) -> ResizeOperation:
+        """The operation, failed by the cancel; raises ResizeRefused (404, or 409 once it committed)."""
+        ...
 
 
 class AdminServer:
-    def __init__(self, host: str, port: int, token: str, snapshot: Callable[[], FleetStatus]) -> None:
+    def __init__(self, host: str, port: int, token: str, backend: AdminBackend) -> None:
         self.token = token
-        self.snapshot = snapshot
+        self.backend = backend
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -42,18 +82,76 @@ class AdminServer:
                 self.end_headers()
                 self.wfile.write(data)
 
+            def _error(self, status: HTTPStatus, message: str, operation: ResizeOperation | None = None) -> None:
+                body: dict[str, Any] = {"error": message}
+                if operation is not None:
+                    body["operation"] = operation.to_json()
+                self._send(status, body)
+
+            def _authorized(self) -> bool:
+                if authorized(self.headers.get(AUTH_HEADER), server.token):
+                    return True
+                self._send(HTTPStatus.UNAUTHORIZED, {"error": "missing or wrong bearer token"})
+                return False
+
+            def _body(self) -> Any:
+                length = int(self.headers.get("Content-Length") or 0)
+                if length > MAX_REQUEST_BYTES:
+                    raise ValueError(f"request body over {MAX_REQUEST_BYTES} bytes")
+                raw = self.rfile.read(length) if length else b""
+                try:
+                    return json.loads(raw or b"{}")
+                except ValueError as e:
+                    raise ValueError(f"request body is not JSON: {e}") from None
+
             def do_GET(self) -> None:
-                path = self.path.split("?", 1)[0]
+                path = self.path.split("?", 1)[0].rstrip("/") or "/"
                 if path == HEALTH_PATH:
                     self._send(HTTPStatus.OK, {"status": "ok"})
                     return
-                if not authorized(self.headers.get(AUTH_HEADER), server.token):
-                    self._send(HTTPStatus.UNAUTHORIZED, {"error": "missing or wrong bearer token"})
+                if not self._authorized():
                     return
                 if path == FLEET_PATH:
-                    self._send(HTTPStatus.OK, server.snapshot().to_json())
+                    self._send(HTTPStatus.OK, server.backend.snapshot().to_json())
+                elif path == RESIZES_PATH:
+                    self._send(HTTPStatus.OK, {"operations": [o.to_json() for o in server.backend.resizes()]})
+                elif path.startswith(RESIZES_PATH + "/") and path.count("/") == RESIZES_PATH.count("/") + 1:
+                    resize_id = path[len(RESIZES_PATH) + 1:]
+                    op = server.backend.resize(resize_id)
+                    if op is None:
+                        self._error(HTTPStatus.NOT_FOUND, f"no resize {resize_id!r}")
+                    else:
+                        self._send(HTTPStatus.OK, op.to_json())
+                else:
+                    self._error(HTTPStatus.NOT_FOUND, f"no such path {path}")
+
+            def do_POST(self) -> None:
+                path = self.path.split("?", 1)[0].rstrip("/")
+                if not self._authorized():
                     return
-                self._send(HTTPStatus.NOT_FOUND, {"error": f"no such path {path}"})
+                try:
+                    body = self._body()
+                    if path == RESIZES_PATH:
+                        request = ResizeRequest.from_json(body)
+                        problem = request.validate()
+                        if problem is not None:
+                            raise ValueError(problem)
+                        started, op = server.backend.start_resize(request)
+                        self._send(HTTPStatus.ACCEPTED if started else HTTPStatus.OK, op.to_json())
+                        return
+                    prefix, suffix = RESIZES_PATH + "/", "/cancel"
+                    if path.startswith(prefix) and path.endswith(suffix):
+                        reason = body.get("reason") if isinstance(body, dict) else None
+                        if not isinstance(reason, str) or not reason:
+                            raise ValueError("a cancel needs a non-empty 'reason'")
+                        op = server.backend.cancel_resize(path[len(prefix):-len(suffix)], reason)
+                        self._send(HTTPStatus.OK, op.to_json())
+                        return
+                    self._error(HTTPStatus.NOT_FOUND, f"no such path {path}")
+                except ValueError as e:
+                    self._error(HTTPStatus.BAD_REQUEST, str(e))
+                except ResizeRefused as e:
+                    self._error(e.status, e.message, e.operation)
 
         self._httpd = ThreadingHTTPServer((host, port), Handler)
         self._httpd.daemon_threads = True

@@ -22,47 +22,94 @@ handling are vLLM's. What corefleet adds:
   in ROUTER_MANDATORY mode, so a send to a rank whose connection is gone fails at once
   (EHOSTUNREACH) instead of being dropped, and a watcher sends every rank a cheap utility call
   (`is_sleeping`) every `liveness_interval_s`: a failed send or no answer within
-  `liveness_timeout_s` marks the rank Dead. Its in-flight requests then end with
-  FinishReason.ERROR (the API answers 500, or an error event in a stream), new requests avoid it,
-  a request whose send fails is routed again to a live rank, and `/health` is 503 (the operator
-  recreates the fleet: a rank cannot rejoin).
-* Per-rank bookkeeping for the admin API (`FleetTracker`): state, requests, aborts and failures.
+  `liveness_timeout_s` marks the rank Dead. Its in-flight requests then end with an explicit error
+  (HTTP 503, or an error event in a stream), new requests avoid it, a request whose send fails is
+  routed again to a live rank, and `/health` is 503 (the operator recreates the fleet: a rank
+  cannot rejoin).
+* Resizes of a dense fleet in place, as operations with an id (`Fleet.start_resize`, the admin
+  API). Dense ranks are independent engines, so a resize is a change of this client's membership
+  (docs/vllm-protocol.md §10.1), run as numbered phases on vLLM's event loop:
+
+  Scale-up N -> M (`_scale_up`):
+    1. Preparing: the handshake ROUTER is opened again, for exactly ranks N..M-1, and vLLM's own
+       `wait_for_engine_startup` answers their HELLO with INIT and waits for READY, in a thread,
+       bounded by the join timeout (a cancel or the deadline aborts it through a watched fd).
+    2. Each new rank's ready response is read from the requests ROUTER (it arrives before READY).
+    3. Committing: the stat loggers are rebuilt for M ranks (before any request can reach a new
+       rank: vLLM's Prometheus logger raises on an unknown engine index), the identities join
+       `core_engines`, the size is set and `SCALE_ELASTIC_EP(M)` goes to the stats task, which
+       extends `lb_engines` and tells the coordinator. Only then does the router see the new ranks.
+    A rank that does not join in time fails the operation; the ranks that did join are retired
+    again (nothing was ever routed to them) and the fleet serves on at N.
+
+  Scale-down M -> N (`_scale_down`), only the highest ranks leave:
+    1. Draining: ranks N..M-1 get no new request at once (the router sees them fully loaded; a
+       request pinned to one gets a 503 naming the resize), and their in-flight requests finish,
+       for at most the drain timeout; what is left then ends with a 503 naming the resize, and
+       the engine is told to abort it. A leaving rank that dies meanwhile ends its requests with
+       an error and leaves all the same (no Dead alarm, no /health 503).
+    2. Committing: `core_engines`, `lb_engines` and `engine_ranks_managed` are cut together
+       (`len(lb_engines) <= len(core_engines)` must hold at every moment, or the router raises),
+       the size is set, the stat loggers are rebuilt for N ranks (the leaving ranks' series go),
+       and `SCALE_ELASTIC_EP(N)` shrinks the stats task's and the coordinator's view.
+    3. The leaving ranks are forgotten by the liveness watcher and reported Retired: their pods
+       may now be deleted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import logging
-import sys
-import threading
+import os
+import time
 import uuid
-from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any, ClassVar
 
-import vllm
+import msgspec
 import zmq
 from vllm.utils.network_utils import get_tcp_uri, zmq_socket_ctx
-from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequestType, FinishReason
-from vllm.v1.engine.core_client import AsyncMPClient, DPLBAsyncMPClient
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreReadyResponse, EngineCoreRequestType
+from vllm.v1.engine import FinishReason as VllmFinishReason
+from vllm.v1.engine.core_client import DPLBAsyncMPClient
 from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.engine.utils import (
     CoreEngine,
     CoreEngineLaunch,
     CoreEngineState,
+    EngineZmqAddresses,
     bind_engine_zmq_listeners,
     wait_for_engine_startup,
 )
 
 from corefleet_client import vllm_compat
-from corefleet_client.admin import FleetState, FleetStatus, RankState, RankStatus
+from corefleet_client.admin import RankState, ResizeOperation, ResizePhase
+from corefleet_client.frontend.fleet import Fleet, RankRecord, describe, identity
+from corefleet_client.frontend.stats import FleetStatLoggers
 
 logger = logging.getLogger("corefleet.frontend")
 
 # A score no live rank reaches: vLLM's router picks the lowest (waiting, running) load.
-_UNROUTABLE = sys.maxsize // 4
+_UNROUTABLE = 1 << 60
 # The utility the liveness watcher calls: answered between engine steps, no side effects.
 LIVENESS_UTILITY = "is_sleeping"
+# How long the stats task may take to apply a SCALE_ELASTIC_EP (it runs on this event loop).
+ANNOUNCE_TIMEOUT_S = 10.0
+# How long a new rank's ready response may lag behind its READY (sent before it, on another socket).
+READY_RESPONSE_TIMEOUT_S = 30.0
+# How long to retry binding the handshake port (a ROUTER closed moments ago may still hold it).
+HANDSHAKE_BIND_TIMEOUT_S = 10.0
+DRAIN_POLL_S = 0.05
+
+_HANDSHAKE_PROGRESS = {
+    CoreEngineState.NEW: "waiting for the engine's HELLO",
+    CoreEngineState.CONNECTED: "engine initialising (INIT sent)",
+    CoreEngineState.READY: "engine READY; waiting for the other ranks",
+}
 
 
 def _connection_lost(e: zmq.ZMQError) -> str:
@@ -94,97 +141,60 @@ class FleetOptions:
         return str(get_tcp_uri(self.coordinator_address, self.coordinator_back_publish_port))
 
 
-class FleetTracker:
-    """Per-rank state for the admin API, readable from the admin server's thread.
+class ResizeFailed(Exception):
+    def __init__(self, message: str, *, fleet_intact: bool = True) -> None:
+        super().__init__(message)
+        self.fleet_intact = fleet_intact
 
-    States change under a lock; the per-request counters are plain ints bumped on the event loop
-    (reading an int from another thread is atomic under the GIL).
+
+class HandshakeAbort:
+    """Stops a running `wait_for_engine_startup` from another thread.
+
+    vLLM's handshake loop polls the handshake socket and the sentinels of "watched frontend
+    processes" (`CoreEngineLaunch.watched_frontend_processes`) and raises as soon as one of those
+    becomes readable. This object is such a watched process: its sentinel is the read end of a pipe,
+    and `fire()` makes it readable (vLLM then raises RuntimeError naming `name`).
     """
 
-    def __init__(self, model: str, data_parallel_size: int) -> None:
-        self.model = model
-        self.size = data_parallel_size
-        self._lock = threading.Lock()
-        self._handshake: list[CoreEngine] = []
-        self._dead: dict[int, str] = {}
-        self._client: _FleetClientMixin | None = None
-        self.requests_total = [0] * data_parallel_size
-        self.aborts_total = [0] * data_parallel_size
-        self.failed_total = [0] * data_parallel_size
+    def __init__(self, resize_id: str) -> None:
+        self.name = f"corefleet resize {resize_id}"
+        self.reason = ""
+        self._read, self._write = os.pipe()
+        self.sentinel = self._read
 
-    def handshaking(self, engines: list[CoreEngine]) -> None:
-        with self._lock:
-            self._handshake = engines
+    @property
+    def exitcode(self) -> int | None:
+        return 1 if self.reason else None
 
-    def serving(self, client: _FleetClientMixin) -> None:
-        with self._lock:
-            self._client = client
+    def fire(self, reason: str) -> None:
+        if not self.reason:
+            self.reason = reason
+            with contextlib.suppress(OSError):
+                os.write(self._write, b"x")
 
-    def mark_dead(self, rank: int, reason: str) -> bool:
-        with self._lock:
-            if rank in self._dead:
-                return False
-            self._dead[rank] = reason
-            return True
-
-    def dead(self) -> dict[int, str]:
-        with self._lock:
-            return dict(self._dead)
-
-    def snapshot(self) -> FleetStatus:
-        with self._lock:
-            client, handshake, dead = self._client, list(self._handshake), dict(self._dead)
-        ranks = []
-        for rank in range(self.size):
-            identity = rank.to_bytes(2, "little")
-            waiting = running = in_flight = 0
-            kv = 0.0
-            if rank in dead:
-                state, message = RankState.DEAD, dead[rank]
-            elif client is not None:
-                state, message = RankState.SERVING, ""
-            else:
-                eng = next((e for e in handshake if e.identity == identity), None)
-                progress = eng.state if eng is not None else CoreEngineState.NEW
-                state = RankState.JOINING
-                message = {
-                    CoreEngineState.NEW: "waiting for the engine's HELLO",
-                    CoreEngineState.CONNECTED: "engine initialising (INIT sent)",
-                    CoreEngineState.READY: "engine READY; waiting for the other ranks",
-                }[progress]
-            if client is not None:
-                counts = client.lb_counts(rank)
-                waiting, running, kv = int(counts[0]), int(counts[1]), float(counts[2])
-                in_flight = client.engine_inflight[identity]
-            ranks.append(RankStatus(
-                rank=rank, identity=identity.hex(), state=state, waiting=waiting, running=running,
-                kv_cache_usage=kv, in_flight=in_flight, requests_total=self.requests_total[rank],
-                aborts_total=self.aborts_total[rank], failed_total=self.failed_total[rank], message=message,
-            ))
-        if dead:
-            fleet_state = FleetState.DEGRADED
-            message = "; ".join(f"rank {r}: {why}" for r, why in sorted(dead.items()))
-        elif client is not None:
-            fleet_state, message = FleetState.SERVING, ""
-        else:
-            fleet_state, message = FleetState.STARTING, "engines joining"
-        return FleetStatus(state=fleet_state, model=self.model, data_parallel_size=self.size,
-                           vllm_version=vllm.__version__, ranks=tuple(ranks), message=message)
+    def close(self) -> None:
+        for fd in (self._read, self._write):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
-class _FleetClientMixin:
-    """The launch step, liveness and bookkeeping shared by the DP and the single-rank client."""
+class KubeDPLBClient(DPLBAsyncMPClient):  # type: ignore[misc]  # vLLM is not type-checked
+    """vLLM's DPLB client over engines in other pods, for fleets of any size (see the module docstring)."""
 
     options: ClassVar[FleetOptions | None] = None
-    tracker: ClassVar[FleetTracker | None] = None
+    fleet: ClassVar[Fleet | None] = None
 
     # Provided by vLLM's client classes.
     vllm_config: Any
     core_engines: list[bytes]
+    lb_engines: list[list[int | float]]
+    engine_ranks_managed: list[int]
     engine_inflight: Any
+    reqs_in_flight: dict[str, bytes]
     utility_results: dict[int, Any]
     outputs_queue: asyncio.Queue[Any]
     input_socket: Any
+    first_req_send_socket: Any
     encoder: Any
     client_index: int
 
@@ -193,22 +203,48 @@ class _FleetClientMixin:
                  renderer: Any = None) -> None:
         if client_addresses:
             raise ValueError("corefleet's frontend is one API server that binds its own engine sockets")
-        client_addresses = self._fleet_client_addresses(vllm_config)
-        super().__init__(vllm_config, executor_class, log_stats, client_addresses,  # type: ignore[call-arg]
-                         client_count, client_index, renderer=renderer)
+        options, fleet = type(self).options, type(self).fleet
+        if options is None or fleet is None:
+            raise RuntimeError("corefleet's client needs FleetOptions and a Fleet (set by the entrypoint)")
+        self._fleet_options: FleetOptions = options
+        self._fleet: Fleet = fleet
+        addresses = self._fleet_client_addresses(vllm_config)
+        vllm_compat.init_dplb_client(self, vllm_config, executor_class, log_stats, addresses, client_count,
+                                     client_index, renderer)
         self._fleet_started()
 
     def shutdown(self, timeout: float | None = None) -> None:
-        task = getattr(self, "_liveness_task", None)
-        if task is not None and not task.done():
-            task.cancel()
-        super().shutdown(timeout)  # type: ignore[misc]
+        for task in (getattr(self, "_liveness_task", None), *getattr(self, "_resize_tasks", ())):
+            if task is not None and not task.done():
+                task.cancel()
+        abort = getattr(self, "_handshake_abort", None)
+        if abort is not None:
+            abort.fire("the frontend is shutting down")
+        super().shutdown(timeout)
+
+    # ---- startup -------------------------------------------------------------------------------
+    def _handshake(self, vllm_config: Any, handshake_socket: Any, engines: list[CoreEngine],
+                   abort: HandshakeAbort | None = None) -> None:
+        """vLLM's HELLO -> INIT -> READY exchange with `engines` on a bound handshake ROUTER."""
+        pc = vllm_config.parallel_config
+        options = self._fleet_options
+        coordinated_dp = pc.data_parallel_size > 1 and vllm_config.model_config.is_moe
+        progress = {e.index: e for e in engines}
+        self._fleet.set_join_progress(lambda: {r: _HANDSHAKE_PROGRESS[e.state] for r, e in progress.items()})
+        try:
+            wait_for_engine_startup(
+                handshake_socket, engines,
+                vllm_compat.advertised_parallel_config(pc, options.engine0_address),
+                coordinated_dp, vllm_config.cache_config,
+                CoreEngineLaunch(engine_manager=None, coordinator=None, addresses=self._engine_addresses,
+                                 tensor_queue=None, watched_frontend_processes=[abort] if abort else []),
+            )
+        finally:
+            self._fleet.set_join_progress(None)
 
     def _fleet_client_addresses(self, vllm_config: Any) -> dict[str, Any]:
         """Bind the engine sockets and handshake every rank; the `client_addresses` for MPClient."""
-        options, tracker = type(self).options, type(self).tracker
-        if options is None or tracker is None:
-            raise RuntimeError("corefleet's client needs FleetOptions and a FleetTracker (set by the entrypoint)")
+        options = self._fleet_options
         pc = vllm_config.parallel_config
         if pc.data_parallel_size_local != 0:
             raise ValueError("corefleet's frontend starts no engine: --data-parallel-size-local must be 0")
@@ -218,19 +254,13 @@ class _FleetClientMixin:
             addresses.coordinator_input = options.back_publish
             addresses.coordinator_output = options.back_output
             addresses.frontend_stats_publish_address = options.front_publish
-            engines = [CoreEngine(index=rank, local=False) for rank in range(pc.data_parallel_size)]
-            tracker.handshaking(engines)
-            coordinated_dp = pc.data_parallel_size > 1 and vllm_config.model_config.is_moe
+            self._engine_addresses: EngineZmqAddresses = addresses
+            engines = [_core_engine(rank) for rank in range(pc.data_parallel_size)]
             handshake_address = get_tcp_uri(pc.data_parallel_master_ip, pc.data_parallel_rpc_port)
             logger.info("Waiting for %d engine(s) to handshake on %s; coordinator at %s",
                         len(engines), handshake_address, options.coordinator_address)
             with zmq_socket_ctx(handshake_address, zmq.ROUTER, bind=True) as handshake_socket:
-                wait_for_engine_startup(
-                    handshake_socket, engines,
-                    vllm_compat.advertised_parallel_config(pc, options.engine0_address),
-                    coordinated_dp, vllm_config.cache_config,
-                    CoreEngineLaunch(engine_manager=None, coordinator=None, addresses=addresses, tensor_queue=None),
-                )
+                self._handshake(vllm_config, handshake_socket, engines)
         except BaseException:
             listeners.cleanup()
             raise
@@ -247,128 +277,67 @@ class _FleetClientMixin:
         }
 
     def _fleet_started(self) -> None:
-        options, tracker = type(self).options, type(self).tracker
-        assert options is not None
-        assert tracker is not None
         # A send to an identity the ROUTER has no connection for raises EHOSTUNREACH instead of
         # being dropped silently: that is how a request to a dead rank fails fast.
         self.input_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._fleet_options = options
-        self._tracker = tracker
-        if not hasattr(self, "engine_inflight"):  # vLLM's single-engine client does not count
-            self.engine_inflight = Counter()
-            self.reqs_in_flight: dict[str, bytes] = {}
+        # A rank that rejoins (same identity) after it was retired takes over a stale connection.
+        self.input_socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self._records: dict[int, RankRecord] = {}
+        self._unroutable: dict[int, str] = {}  # rank -> why no request is routed to it
+        self._lost: dict[int, str] = {}  # leaving ranks that died while draining -> why
+        self._resize_tasks: set[asyncio.Task[None]] = set()
+        self._cancels: dict[str, str] = {}
+        self._handshake_abort: HandshakeAbort | None = None
+        self._async_llm: Any = None
+        self._stat_loggers: FleetStatLoggers | None = None
         self._liveness_task: asyncio.Task[None] | None = None
-        tracker.serving(self)
+        self._loop = asyncio.get_running_loop()
+        self._fleet.serving(self, self)
+        for rank in range(len(self.core_engines)):
+            self._records[rank] = self._fleet.record(rank)
         logger.info("All %d engine(s) joined; serving", len(self.core_engines))
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return
         self._liveness_task = asyncio.create_task(self._watch_engines(), name="corefleet-engine-liveness")
 
-    # -- bookkeeping read by the admin server ------------------------------------------------
+    def attach_async_llm(self, async_llm: Any, stat_logger_options: dict[str, Any]) -> None:
+        """Called once AsyncLLM is built (vllm_compat change 5)."""
+        self._async_llm = async_llm
+        if async_llm.logger_manager is not None:
+            self._stat_loggers = FleetStatLoggers(async_llm.logger_manager, len(self.core_engines),
+                                                  stat_logger_options)
+            vllm_compat.set_stat_loggers(async_llm, self._stat_loggers)
 
-    def lb_counts(self, rank: int) -> list[int | float]:
-        counts = getattr(self, "lb_engines", None)
-        if counts is None or rank >= len(counts):
-            return [0, 0, 0.0]
-        return list(counts[rank])
+    # ---- what the admin API reads (from its own threads) ----------------------------------------
+    def lb_counts(self, rank: int) -> tuple[int, int, float]:
+        counts = self.lb_engines
+        if rank >= len(counts):
+            return 0, 0, 0.0
+        waiting, running, kv = counts[rank]
+        if waiting >= _UNROUTABLE:
+            return 0, 0, 0.0
+        return int(waiting), int(running), float(kv)
 
-    # -- liveness ----------------------------------------------------------------------------
+    def in_flight(self, rank: int) -> int:
+        return int(self.engine_inflight[identity(rank)])
 
-    def check_fleet_health(self) -> None:
-        """Called by `/health` (vllm_compat change 3): 503 while a rank is dead."""
-        if self._tracker.dead():
-            raise EngineDeadError()
-
-    async def _watch_engines(self) -> None:
-        """Every interval, send each live rank a liveness call; never wait on one rank's answer.
-
-        A send that fails means the connection is gone (detected within one interval); the oldest
-        unanswered call of a rank growing older than the timeout means a hung engine. Answers
-        resolve futures in vLLM's `utility_results`, like any utility call.
-        """
-        options = self._fleet_options
-        loop = asyncio.get_running_loop()
-        pending: dict[int, list[tuple[float, int, asyncio.Future[Any]]]] = {}
-        while True:
-            await asyncio.sleep(options.liveness_interval_s)
-            dead = self._tracker.dead()
-            now = loop.time()
-            for rank, engine in enumerate(self.core_engines):
-                if rank in dead:
-                    self._forget_calls(pending.pop(rank, []))
-                    continue
-                calls = [c for c in pending.get(rank, []) if not c[2].done()]
-                call = None
-                if calls and now - calls[0][0] > options.liveness_timeout_s:
-                    reason: str | None = f"no answer to a liveness call within {options.liveness_timeout_s:g}s"
-                else:
-                    reason, call = await self._send_liveness_call(engine)
-                if reason is None:
-                    assert call is not None
-                    pending[rank] = [*calls, (now, *call)]
-                    continue
-                self._forget_calls(pending.pop(rank, []))
-                self._rank_died(rank, reason)
-
-    def _forget_calls(self, calls: list[tuple[float, int, asyncio.Future[Any]]]) -> None:
-        for _, call_id, _ in calls:
-            self.utility_results.pop(call_id, None)
-
-    async def _send_liveness_call(self, engine: bytes) -> tuple[str | None, tuple[int, asyncio.Future[Any]] | None]:
-        call_id = uuid.uuid1().int >> 64
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        # An error answer is still an answer (the engine is alive): keep it from being logged as unretrieved.
-        future.add_done_callback(lambda f: f.cancelled() or f.exception())
-        self.utility_results[call_id] = future
-        message = (EngineCoreRequestType.UTILITY.value,
-                   *self.encoder.encode((self.client_index, call_id, LIVENESS_UTILITY, ())))
-        try:
-            await self.input_socket.send_multipart((engine, *message), copy=False)
-        except zmq.ZMQError as e:
-            self.utility_results.pop(call_id, None)
-            return _connection_lost(e), None
-        return None, (call_id, future)
-
-    def _rank_died(self, rank: int, reason: str) -> None:
-        if not self._tracker.mark_dead(rank, reason):
-            return
-        engine = rank.to_bytes(2, "little")
-        reqs = getattr(self, "reqs_in_flight", None)
-        lost = [rid for rid, eng in reqs.items() if eng == engine] if reqs else []
-        for rid in lost:
-            reqs.pop(rid, None)  # type: ignore[union-attr]
-            self.engine_inflight[engine] -= 1
-        self._tracker.failed_total[rank] += len(lost)
-        logger.error("Engine rank %d is dead (%s); failing its %d in-flight request(s); /health is 503",
-                     rank, reason, len(lost))
-        if lost:
-            self.outputs_queue.put_nowait(EngineCoreOutputs(
-                engine_index=rank,
-                outputs=[EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason=FinishReason.ERROR)
-                         for rid in lost],
-            ))
-
-
-class KubeDPLBClient(_FleetClientMixin, DPLBAsyncMPClient):  # type: ignore[misc]  # vLLM is not type-checked
-    """vLLM's DPLB client over engines in other pods (DP > 1)."""
-
+    # ---- routing -------------------------------------------------------------------------------
     def get_core_engine_for_request(self, request: Any) -> bytes:
-        dead = self._tracker.dead()
-        if dead:
-            # vLLM's router picks the least loaded rank: make dead ranks look fully loaded.
-            for rank in dead:
+        if self._unroutable:
+            # vLLM's router picks the least loaded rank: make dead and leaving ranks look fully loaded.
+            for rank in self._unroutable:
                 if rank < len(self.lb_engines):
                     self.lb_engines[rank] = [_UNROUTABLE, _UNROUTABLE, 0.0]
         known = request.request_id in self.reqs_in_flight
         engine: bytes = super().get_core_engine_for_request(request)
         if not known:
-            self._tracker.requests_total[int.from_bytes(engine, "little")] += 1
+            self._records[int.from_bytes(engine, "little")].requests_total += 1
         return engine
 
     async def add_request_async(self, request: Any) -> None:
+        pinned = request.data_parallel_rank
+        if pinned is not None and pinned in self._unroutable and request.request_id not in self.reqs_in_flight:
+            self._fail_requests([request.request_id], f"data_parallel_rank {pinned} takes no requests: "
+                                f"{self._unroutable[pinned]}")
+            return
         # A rank whose connection is gone refuses the send (ROUTER_MANDATORY): mark it dead and
         # route the request again; no engine has seen it yet.
         for _ in range(len(self.core_engines)):
@@ -381,53 +350,385 @@ class KubeDPLBClient(_FleetClientMixin, DPLBAsyncMPClient):  # type: ignore[misc
                     raise
                 self.engine_inflight[engine] -= 1
                 rank = int.from_bytes(engine, "little")
-                self._tracker.requests_total[rank] -= 1
+                self._records[rank].requests_total -= 1
                 self._rank_died(rank, _connection_lost(e))
+                if pinned is not None:
+                    break
         raise EngineDeadError()
 
     async def _abort_requests(self, request_ids: list[str], engine: bytes) -> None:
         rank = int.from_bytes(engine, "little")
-        if rank in self._tracker.dead():
+        record = self._records.get(rank)
+        if record is None or record.state == RankState.DEAD:
             return  # its requests were already failed
-        self._tracker.aborts_total[rank] += len(request_ids)
+        record.aborts_total += len(request_ids)
         try:
             await super()._abort_requests(request_ids, engine)
         except zmq.ZMQError as e:  # the rank is gone, so are its requests: fail them, do not raise
             self._rank_died(rank, _connection_lost(e))
 
+    def _requests_on(self, rank: int) -> list[str]:
+        engine = identity(rank)
+        return [rid for rid, eng in self.reqs_in_flight.items() if eng == engine]
 
-class KubeMPClient(_FleetClientMixin, AsyncMPClient):  # type: ignore[misc]  # vLLM is not type-checked
-    """A fleet of one rank: vLLM's plain async client over an engine in another pod.
-
-    vLLM's single-engine client keeps no per-request record; this one does (like the DPLB client's
-    `reqs_in_flight`), so that a dead engine's requests can be failed and counted.
-    """
-
-    async def add_request_async(self, request: Any) -> None:
-        engine: bytes = self.core_engine
-        self.reqs_in_flight[request.request_id] = engine
-        self.engine_inflight[engine] += 1
-        try:
-            await super().add_request_async(request)
-        except zmq.ZMQError as e:
-            self.reqs_in_flight.pop(request.request_id, None)
-            self.engine_inflight[engine] -= 1
-            self._rank_died(0, _connection_lost(e))
-            raise EngineDeadError() from None
-        self._tracker.requests_total[0] += 1
-
-    @staticmethod
-    async def process_engine_outputs(self: KubeMPClient, outputs: EngineCoreOutputs) -> None:
-        # Called by vLLM's output task for every output batch (as for DPLBAsyncMPClient).
-        for req_id in outputs.finished_requests or ():
-            if (engine := self.reqs_in_flight.pop(req_id, None)) is not None:
+    def _fail_requests(self, request_ids: Iterable[str], message: str, rank: int | None = None) -> None:
+        """End requests with an explicit error: forget them here, and in AsyncLLM with the message."""
+        ids = list(request_ids)
+        if not ids:
+            return
+        for rid in ids:
+            engine = self.reqs_in_flight.pop(rid, None)
+            if engine is not None:
                 self.engine_inflight[engine] -= 1
+        if rank is not None and rank in self._records:
+            self._records[rank].failed_total += len(ids)
+        if self._async_llm is not None:
+            vllm_compat.fail_requests(self._async_llm, ids, message, HTTPStatus.SERVICE_UNAVAILABLE)
+        else:  # no AsyncLLM (tests driving the client alone): vLLM's own error finish
+            self.outputs_queue.put_nowait(EngineCoreOutputs(
+                engine_index=rank or 0,
+                outputs=[EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason=VllmFinishReason.ERROR)
+                         for rid in ids]))
 
-    async def abort_requests_async(self, request_ids: list[str]) -> None:
-        if not request_ids or 0 in self._tracker.dead():
-            return  # a dead engine's requests were already failed
-        self._tracker.aborts_total[0] += len(request_ids)
+    # ---- liveness ------------------------------------------------------------------------------
+    def check_fleet_health(self) -> None:
+        """Called by `/health` (vllm_compat change 3): 503 while a rank is dead."""
+        if any(r.state == RankState.DEAD for r in self._records.values()):
+            raise EngineDeadError()
+
+    async def _watch_engines(self) -> None:
+        """Every interval, send each live rank a liveness call; never wait on one rank's answer.
+
+        A send that fails means the connection is gone (detected within one interval); the oldest
+        unanswered call of a rank growing older than the timeout means a hung engine. Answers
+        resolve futures in vLLM's `utility_results`, like any utility call.
+        """
+        options = self._fleet_options
+        loop = asyncio.get_running_loop()
+        pending: dict[int, list[tuple[float, asyncio.Future[Any]]]] = {}
+        while True:
+            await asyncio.sleep(options.liveness_interval_s)
+            now = loop.time()
+            members = dict(enumerate(self.core_engines))
+            for rank in [r for r in pending if r not in members]:
+                del pending[rank]  # retired: its answers, if any come, resolve futures nobody awaits
+            for rank, engine in members.items():
+                record = self._records.get(rank)
+                if record is None or record.state == RankState.DEAD or rank in self._lost:
+                    pending.pop(rank, None)
+                    continue
+                calls = [c for c in pending.get(rank, []) if not c[1].done()]
+                future = None
+                if calls and now - calls[0][0] > options.liveness_timeout_s:
+                    reason: str | None = f"no answer to a liveness call within {options.liveness_timeout_s:g}s"
+                else:
+                    reason, future = await self._send_liveness_call(engine)
+                if reason is None:
+                    assert future is not None
+                    pending[rank] = [*calls, (now, future)]
+                    continue
+                for _, f in pending.pop(rank, []):
+                    f.cancel()  # an answer that still comes finds a cancelled future: vLLM ignores it
+                self._rank_died(rank, reason)
+
+    async def _send_liveness_call(self, engine: bytes) -> tuple[str | None, asyncio.Future[Any] | None]:
+        call_id = uuid.uuid1().int >> 64
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        # An error answer is still an answer (the engine is alive): keep it from being logged as unretrieved.
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self.utility_results[call_id] = future
+        message = (EngineCoreRequestType.UTILITY.value,
+                   *self.encoder.encode((self.client_index, call_id, LIVENESS_UTILITY, ())))
         try:
-            await super().abort_requests_async(request_ids)
+            await self.input_socket.send_multipart((engine, *message), copy=False)
         except zmq.ZMQError as e:
-            self._rank_died(0, _connection_lost(e))
+            self.utility_results.pop(call_id, None)
+            return _connection_lost(e), None
+        return None, future
+
+    def _rank_died(self, rank: int, reason: str) -> None:
+        record = self._records.get(rank)
+        if record is None or record.state == RankState.DEAD or rank in self._lost:
+            return
+        lost = self._requests_on(rank)
+        if record.state == RankState.DRAINING:
+            # Leaving anyway: its requests fail, the resize goes on, the fleet is not degraded.
+            op = self._fleet.current_resize()
+            what = f"resize {op.id}" if op is not None else "a resize"
+            self._lost[rank] = reason
+            self._fleet.set_rank(rank, RankState.DRAINING, f"died while draining for {what}: {reason}")
+            logger.error("Engine rank %d died while draining (%s); failing its %d in-flight request(s)",
+                         rank, reason, len(lost))
+            self._fail_requests(lost, f"rank {rank} died while it was being retired by {what}: {reason}", rank)
+            return
+        self._fleet.set_rank(rank, RankState.DEAD, reason)
+        self._unroutable[rank] = f"rank {rank} is dead: {reason}"
+        logger.error("Engine rank %d is dead (%s); failing its %d in-flight request(s); /health is 503",
+                     rank, reason, len(lost))
+        self._fail_requests(lost, f"rank {rank} of the fleet died: {reason}", rank)
+
+    # ---- resizes: entry points (any thread) -----------------------------------------------------
+    def run_resize(self, resize_id: str) -> None:
+        self._loop.call_soon_threadsafe(self._start_resize_task, resize_id)
+
+    def cancel_resize(self, resize_id: str, reason: str) -> None:
+        self._loop.call_soon_threadsafe(self._cancel, resize_id, reason)
+
+    def _start_resize_task(self, resize_id: str) -> None:
+        task = asyncio.create_task(self._resize(resize_id), name=f"corefleet-resize-{resize_id}")
+        self._resize_tasks.add(task)
+        task.add_done_callback(self._resize_tasks.discard)
+
+    def _cancel(self, resize_id: str, reason: str) -> None:
+        self._cancels.setdefault(resize_id, reason)
+        abort = self._handshake_abort
+        if abort is not None and abort.name.endswith(f" {resize_id}"):
+            abort.fire(f"cancelled: {reason}")
+
+    def _check_cancel(self, op: ResizeOperation) -> None:
+        reason = self._cancels.get(op.id)
+        if reason is not None:
+            raise ResizeFailed(f"cancelled: {reason}")
+
+    async def _resize(self, resize_id: str) -> None:
+        op = self._fleet.resize(resize_id)
+        assert op is not None
+        try:
+            if op.scale_up:
+                await self._scale_up(op)
+            else:
+                await self._scale_down(op)
+        except ResizeFailed as e:
+            self._fleet.finish_resize(op.id, error=str(e), fleet_intact=e.fleet_intact)
+        except asyncio.CancelledError:
+            self._fleet.finish_resize(op.id, error="the frontend is shutting down", fleet_intact=False)
+            raise
+        except Exception as e:
+            logger.exception("Resize %s failed unexpectedly", op.id)
+            self._fleet.finish_resize(op.id, error=f"unexpected error: {type(e).__name__}: {e}", fleet_intact=False)
+        finally:
+            self._cancels.pop(op.id, None)
+
+    # ---- scale-up ------------------------------------------------------------------------------
+    async def _scale_up(self, op: ResizeOperation) -> None:
+        frm, to = op.from_replicas, op.to_replicas
+        new = list(range(frm, to))
+        pc = self.vllm_config.parallel_config
+        address = get_tcp_uri(pc.data_parallel_master_ip, pc.data_parallel_rpc_port)
+        joined: set[int] = set()
+        try:
+            # 1. The handshake, in a thread (vLLM's loop blocks), bounded by the join timeout.
+            self._fleet.update_resize(op.id, phase=ResizePhase.PREPARING,
+                                      message=f"waiting for {describe(new)} to handshake on {address}")
+            self._check_cancel(op)
+            self._discard_stale_ready_responses()
+            engines = [_core_engine(rank) for rank in new]
+            await self._run_handshake(op, engines, address)
+            joined.update(new)
+            for rank in new:
+                self._fleet.set_rank(rank, RankState.JOINING, "engine READY; reading its ready response")
+            # 2. Their ready responses, sent on the requests socket before READY.
+            await self._read_ready_responses(new)
+            self._check_cancel(op)
+        except ResizeFailed as e:
+            for rank in new:
+                if rank in joined:
+                    self._fleet.set_rank(rank, RankState.RETIRED, f"joined, then retired again: {e}")
+                else:
+                    self._fleet.set_rank(rank, RankState.FAILED, f"did not join: {e}")
+                self._fleet.forget_rank(rank)
+            raise
+        # 3. Commit: loggers first, then routing, then the stats task and the coordinator.
+        self._fleet.update_resize(op.id, phase=ResizePhase.COMMITTING, message=f"adding {describe(new)}")
+        if self._stat_loggers is not None:
+            self._stat_loggers.resize(to)
+        for rank in new:
+            self._records[rank] = self._fleet.record(rank)
+            self._fleet.set_rank(rank, RankState.SERVING)
+        self.core_engines.extend(identity(rank) for rank in new)
+        pc.data_parallel_size = to
+        await self._announce_size(to)
+        self._fleet.commit_size(to)
+        self._fleet.finish_resize(op.id)
+
+    async def _run_handshake(self, op: ResizeOperation, engines: list[CoreEngine], address: str) -> None:
+        abort = self._handshake_abort = HandshakeAbort(op.id)
+        loop = asyncio.get_running_loop()
+        handshake = loop.run_in_executor(None, self._handshake_new_ranks, engines, address, abort)
+        try:
+            done, _ = await asyncio.wait({handshake}, timeout=op.join_timeout_s)
+            if not done:
+                waiting = [e.index for e in engines if e.state != CoreEngineState.READY]
+                abort.fire(f"{describe(waiting)} did not join within the join timeout of {op.join_timeout_s:g}s")
+            try:
+                await handshake
+            except (RuntimeError, zmq.ZMQError, OSError) as e:
+                raise ResizeFailed(abort.reason or f"handshake failed: {e}") from None
+        except asyncio.CancelledError:
+            abort.fire("the frontend is shutting down")
+            raise
+        finally:
+            if not handshake.done():
+                with contextlib.suppress(BaseException):
+                    await asyncio.wait_for(asyncio.shield(handshake), 5)
+            self._handshake_abort = None
+            abort.close()
+
+    def _handshake_new_ranks(self, engines: list[CoreEngine], address: str, abort: HandshakeAbort) -> None:
+        """The thread: bind the handshake ROUTER again and run vLLM's handshake on it.
+
+        The ROUTER closed at the end of the last handshake may still hold the port for a moment:
+        binding is retried for `HANDSHAKE_BIND_TIMEOUT_S`. With handover, an engine that reconnects
+        with a rank's identity replaces a stale connection of that identity (a pod being deleted).
+        """
+        deadline = time.monotonic() + HANDSHAKE_BIND_TIMEOUT_S
+        while True:
+            bound = False
+            try:
+                with zmq_socket_ctx(address, zmq.ROUTER, bind=True, router_handover=True) as handshake_socket:
+                    bound = True
+                    self._handshake(self.vllm_config, handshake_socket, engines, abort)
+                return
+            except zmq.ZMQError as e:
+                if bound or e.errno != errno.EADDRINUSE or time.monotonic() > deadline or abort.reason:
+                    raise
+            time.sleep(0.1)
+
+    def _discard_stale_ready_responses(self) -> None:
+        """Drop what ranks of an earlier, failed scale-up left on the requests socket (their ready responses)."""
+        while True:
+            future = self.input_socket.recv_multipart(flags=zmq.NOBLOCK)
+            if future.exception() is not None:  # zmq.Again: nothing left
+                return
+            frames = future.result()
+            logger.info("Discarding a stale message from engine %d on the requests socket",
+                        int.from_bytes(frames[0], "little"))
+
+    async def _read_ready_responses(self, ranks: list[int]) -> None:
+        waiting = {identity(rank): rank for rank in ranks}
+        deadline = time.monotonic() + READY_RESPONSE_TIMEOUT_S
+        while waiting:
+            left = deadline - time.monotonic()
+            try:
+                frames = await asyncio.wait_for(self.input_socket.recv_multipart(), max(left, 0.001))
+            except TimeoutError:
+                raise ResizeFailed(f"no ready response from {describe(waiting.values())} within "
+                                   f"{READY_RESPONSE_TIMEOUT_S:g}s of its READY") from None
+            engine, payload = frames[0], frames[-1]
+            rank = waiting.pop(engine, None)
+            if rank is None:
+                logger.info("Ignoring a message from engine %d on the requests socket",
+                            int.from_bytes(engine, "little"))
+                continue
+            if payload:
+                response = msgspec.msgpack.decode(payload, type=EngineCoreReadyResponse)
+                ours = self.vllm_config.parallel_config
+                if response.vllm_version.split("+")[0] != _vllm_version().split("+")[0]:
+                    raise ResizeFailed(f"rank {rank} runs vLLM {response.vllm_version}, the fleet "
+                                       f"{_vllm_version()}: every rank must run the same version")
+                if response.tensor_parallel_size != ours.tensor_parallel_size:
+                    raise ResizeFailed(f"rank {rank} has tensor parallel size {response.tensor_parallel_size}, "
+                                       f"the fleet {ours.tensor_parallel_size}")
+            self._apply_ready_response(payload)
+
+    # ---- scale-down ----------------------------------------------------------------------------
+    async def _scale_down(self, op: ResizeOperation) -> None:
+        frm, to = op.from_replicas, op.to_replicas
+        leaving = list(range(to, frm))
+        # 1. Drain: no new requests, the in-flight ones finish (or fail at the deadline).
+        self._fleet.update_resize(op.id, phase=ResizePhase.DRAINING,
+                                  message=f"{describe(leaving)} finish their in-flight requests "
+                                          f"(at most {op.drain_timeout_s:g}s)")
+        for rank in leaving:
+            self._unroutable[rank] = f"rank {rank} is being retired by resize {op.id} ({frm} -> {to})"
+            self._fleet.set_rank(rank, RankState.DRAINING, f"{len(self._requests_on(rank))} request(s) in flight")
+        try:
+            await self._drain(op, leaving)
+        except ResizeFailed:
+            for rank in leaving:  # cancelled: they serve on
+                self._unroutable.pop(rank, None)
+                self._fleet.set_rank(rank, RankState.SERVING)
+            raise
+        # 2. Commit: cut the lists together, without an await in between.
+        self._fleet.update_resize(op.id, phase=ResizePhase.COMMITTING, message=f"removing {describe(leaving)}")
+        pc = self.vllm_config.parallel_config
+        self.core_engines = self.core_engines[:to]
+        self.lb_engines = self.lb_engines[:to]
+        self.engine_ranks_managed = marker = list(range(to))
+        cache_config = self.vllm_config.cache_config
+        if cache_config.num_gpu_blocks:  # the sum over the ranks (MPClient._apply_ready_response)
+            cache_config.num_gpu_blocks = cache_config.num_gpu_blocks // frm * to
+        pc.data_parallel_size = to
+        if self._stat_loggers is not None:
+            self._stat_loggers.resize(to)
+        await self._announce_size(to, replaced=marker)
+        # 3. Forget them; the operator may delete their pods.
+        for rank in leaving:
+            died = self._lost.pop(rank, None)
+            self._unroutable.pop(rank, None)
+            self._records.pop(rank, None)
+            self.engine_inflight.pop(identity(rank), None)
+            self._fleet.set_rank(rank, RankState.RETIRED, f"retired by resize {op.id}"
+                                 + (f" (it died while draining: {died})" if died else ""))
+            self._fleet.forget_rank(rank)
+        self._fleet.commit_size(to)
+        self._fleet.finish_resize(op.id)
+
+    async def _drain(self, op: ResizeOperation, leaving: list[int]) -> None:
+        deadline = time.monotonic() + op.drain_timeout_s
+        shown: dict[int, int] = {}
+        while True:
+            self._check_cancel(op)
+            busy = {rank: self.engine_inflight[identity(rank)] for rank in leaving}
+            busy = {rank: n for rank, n in busy.items() if n > 0}
+            for rank in leaving:
+                if shown.get(rank) != busy.get(rank, 0) and rank not in self._lost:
+                    shown[rank] = busy.get(rank, 0)
+                    self._fleet.set_rank(rank, RankState.DRAINING, f"{shown[rank]} request(s) in flight")
+            if not busy:
+                return
+            if time.monotonic() >= deadline:
+                for rank in busy:
+                    ids = self._requests_on(rank)
+                    logger.warning("Resize %s: rank %d still has %d request(s) after the %gs drain timeout; "
+                                   "ending them", op.id, rank, len(ids), op.drain_timeout_s)
+                    self._fail_requests(ids, f"rank {rank} was retired by resize {op.id} ({op.from_replicas} -> "
+                                             f"{op.to_replicas}) before this request finished: its drain timeout "
+                                             f"of {op.drain_timeout_s:g}s passed; retry the request", rank)
+                    with contextlib.suppress(zmq.ZMQError):
+                        await super()._abort_requests(ids, identity(rank))
+                return
+            await asyncio.sleep(DRAIN_POLL_S)
+
+    # ---- both ----------------------------------------------------------------------------------
+    async def _announce_size(self, size: int, replaced: list[int] | None = None) -> None:
+        """`SCALE_ELASTIC_EP(size)` to vLLM's stats task (which tells the coordinator), and wait until it applied it.
+
+        The stats task asserts the configured size equals the message's when it reads it, so the
+        next resize may only change the size after that: wait until it has set `engine_ranks_managed`
+        (a new list object, `replaced` being the one set here for a shrink).
+        """
+        self._ensure_stats_update_task()
+        await self.first_req_send_socket.send(msgspec.msgpack.encode(("SCALE_ELASTIC_EP", size)))
+        deadline = time.monotonic() + ANNOUNCE_TIMEOUT_S
+        while True:
+            ranks = self.engine_ranks_managed
+            applied = ranks is not replaced if replaced is not None else len(ranks) == size
+            if applied:
+                return
+            if time.monotonic() > deadline:
+                raise ResizeFailed(f"vLLM's stats task did not apply the new size {size} within "
+                                   f"{ANNOUNCE_TIMEOUT_S:g}s", fleet_intact=False)
+            await asyncio.sleep(0.01)
+
+
+def _core_engine(rank: int) -> CoreEngine:
+    engine = CoreEngine(index=rank, local=False)
+    engine.index = rank  # vLLM keeps only the identity
+    return engine
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return str(vllm.__version__)

@@ -1,0 +1,313 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The frontend's view of its fleet: ranks, per-rank counters and resize operations, thread-safe.
+
+Two threads use it. vLLM's event loop (corefleet's client, `frontend.client`) changes rank states,
+bumps counters and carries out resizes; the admin server's threads read snapshots and start or
+cancel resizes. Every state change happens under one lock; the per-request counters are plain
+ints bumped on the event loop (an int read from another thread is atomic under the GIL).
+
+A resize is an operation with an id (`admin.ResizeOperation`). `start_resize` checks the request
+against what runs (idempotent for the same id and target, 409 for anything else while one runs),
+records it as Pending and hands its id to the event loop (`ResizeRunner`); from then on only the
+event loop moves it on (`update_resize`, `finish_resize`), and every transition is logged.
+
+Standard library only: it is tested without vLLM.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Protocol
+
+from corefleet_client.admin import (
+    FleetState,
+    FleetStatus,
+    RankState,
+    RankStatus,
+    ResizeOperation,
+    ResizePhase,
+    ResizeRank,
+    ResizeRequest,
+)
+from corefleet_client.frontend.adminserver import ResizeRefused
+
+logger = logging.getLogger("corefleet.frontend")
+
+HISTORY = 32  # finished operations kept for GET /v1/resizes
+
+
+def identity(rank: int) -> bytes:
+    """The ZMQ identity vLLM gives DP rank `rank`'s engine."""
+    return rank.to_bytes(2, "little")
+
+
+class LoadView(Protocol):
+    """What the fleet reads of the client's routing state for a rank."""
+
+    def lb_counts(self, rank: int) -> tuple[int, int, float]: ...
+
+    def in_flight(self, rank: int) -> int: ...
+
+
+class ResizeRunner(Protocol):
+    """The event-loop side of resizes (the client): both are called from any thread."""
+
+    def run_resize(self, resize_id: str) -> None: ...
+
+    def cancel_resize(self, resize_id: str, reason: str) -> None: ...
+
+
+@dataclass
+class RankRecord:
+    """One rank of the fleet (a member, or one joining or leaving in a resize)."""
+
+    rank: int
+    state: RankState
+    message: str = ""
+    requests_total: int = 0
+    aborts_total: int = 0
+    failed_total: int = 0
+
+
+class Fleet:
+    """Ranks, counters and resize operations of one frontend (see the module docstring)."""
+
+    def __init__(self, model: str, data_parallel_size: int, vllm_version: str = "") -> None:
+        self.model = model
+        self.vllm_version = vllm_version
+        self._lock = threading.Lock()
+        self._size = data_parallel_size  # the committed size
+        self._ranks: dict[int, RankRecord] = {
+            r: RankRecord(r, RankState.JOINING, "waiting for the engine's HELLO") for r in range(data_parallel_size)
+        }
+        self._view: LoadView | None = None
+        self._runner: ResizeRunner | None = None
+        self._join_progress: Callable[[], dict[int, str]] | None = None
+        self._ops: collections.OrderedDict[str, ResizeOperation] = collections.OrderedDict()
+        self._current: str | None = None
+
+    # ---- ranks ---------------------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        with self._lock:
+            return self._size
+
+    def record(self, rank: int) -> RankRecord:
+        """The rank's record (its counters are bumped in place by the event loop)."""
+        with self._lock:
+            return self._ranks[rank]
+
+    def set_rank(self, rank: int, state: RankState, message: str = "") -> None:
+        """A rank's state changed: in the fleet's view and in the running resize's, logged once."""
+        with self._lock:
+            rec = self._ranks.get(rank)
+            if rec is None:
+                rec = self._ranks[rank] = RankRecord(rank, state, message)
+                changed = True
+            else:
+                changed = (rec.state, rec.message) != (state, message)
+                rec.state, rec.message = state, message
+            op = self._ops.get(self._current) if self._current else None
+            if op is not None and any(r.rank == rank for r in op.ranks):
+                ranks = tuple(ResizeRank(rank, state, message) if r.rank == rank else r for r in op.ranks)
+                self._ops[op.id] = dataclasses.replace(op, ranks=ranks)
+        if changed:
+            logger.info("Rank %d: %s%s", rank, state, f" ({message})" if message else "")
+
+    def set_join_progress(self, progress: Callable[[], dict[int, str]] | None) -> None:
+        """While ranks handshake: a function giving each joining rank's handshake step (read by snapshots).
+
+        The handshake runs where nothing can report each step (vLLM's loop blocks at startup), so
+        the admin API asks the handshake's own state when it is asked.
+        """
+        with self._lock:
+            self._join_progress = progress
+
+    def forget_rank(self, rank: int) -> None:
+        """A retired or never-joined rank leaves the fleet's view (the operation keeps its last state)."""
+        with self._lock:
+            self._ranks.pop(rank, None)
+
+    def ranks_in(self, *states: RankState) -> list[int]:
+        with self._lock:
+            return sorted(r.rank for r in self._ranks.values() if r.state in states)
+
+    def serving(self, view: LoadView, runner: ResizeRunner) -> None:
+        """Every initial rank joined: requests flow, resizes may start."""
+        with self._lock:
+            self._view, self._runner = view, runner
+        for rank in range(self.size):
+            self.set_rank(rank, RankState.SERVING)
+
+    def commit_size(self, size: int) -> None:
+        with self._lock:
+            self._size = size
+
+    # ---- resizes -------------------------------------------------------------------------------
+    def start_resize(self, request: ResizeRequest) -> tuple[bool, ResizeOperation]:
+        """Record a resize and hand it to the event loop; (started now, the operation). Raises ResizeRefused."""
+        with self._lock:
+            existing = self._ops.get(request.id)
+            if existing is not None:
+                if existing.to_replicas == request.replicas:
+                    return False, existing
+                raise ResizeRefused(HTTPStatus.CONFLICT,
+                                    f"resize {request.id!r} exists with target {existing.to_replicas}, "
+                                    f"not {request.replicas}", existing)
+            current = self._ops.get(self._current) if self._current else None
+            if current is not None and not current.phase.terminal:
+                raise ResizeRefused(HTTPStatus.CONFLICT,
+                                    f"resize {current.id!r} ({current.from_replicas} -> {current.to_replicas}) "
+                                    f"is {current.phase}; one resize runs at a time", current)
+            if self._runner is None:
+                raise ResizeRefused(HTTPStatus.SERVICE_UNAVAILABLE, "the fleet is still starting: its ranks are "
+                                    "joining")
+            dead = sorted(r.rank for r in self._ranks.values() if r.state == RankState.DEAD)
+            if dead:
+                raise ResizeRefused(HTTPStatus.SERVICE_UNAVAILABLE,
+                                    f"rank(s) {dead} are dead: the fleet must be recreated before it can resize")
+            frm, to = self._size, request.replicas
+            now = time.time()
+            if to == frm:
+                op = ResizeOperation(id=request.id, from_replicas=frm, to_replicas=to, phase=ResizePhase.COMPLETED,
+                                     started_at=now, finished_at=now, drain_timeout_s=request.drain_timeout_s,
+                                     join_timeout_s=request.join_timeout_s,
+                                     message=f"the fleet already has {to} rank(s)")
+                self._remember(op)
+                logger.info("Resize %s: %d -> %d: nothing to do", op.id, frm, to)
+                return True, op
+            if to > frm:
+                ranks = tuple(ResizeRank(r, RankState.JOINING, "waiting for the engine's HELLO")
+                              for r in range(frm, to))
+            else:
+                ranks = tuple(ResizeRank(r, RankState.SERVING) for r in range(to, frm))
+            op = ResizeOperation(id=request.id, from_replicas=frm, to_replicas=to, phase=ResizePhase.PENDING,
+                                 ranks=ranks, started_at=now, drain_timeout_s=request.drain_timeout_s,
+                                 join_timeout_s=request.join_timeout_s, message="accepted")
+            self._remember(op)
+            self._current = op.id
+            runner = self._runner
+        logger.info("Resize %s: %d -> %d accepted (drain timeout %gs, join timeout %gs)", op.id, frm, to,
+                    request.drain_timeout_s, request.join_timeout_s)
+        runner.run_resize(op.id)
+        return True, op
+
+    def _remember(self, op: ResizeOperation) -> None:
+        self._ops[op.id] = op
+        while len(self._ops) > HISTORY:
+            oldest = next(iter(self._ops))
+            if oldest == self._current:
+                break
+            del self._ops[oldest]
+
+    def resize(self, resize_id: str) -> ResizeOperation | None:
+        with self._lock:
+            return self._ops.get(resize_id)
+
+    def resizes(self) -> list[ResizeOperation]:
+        with self._lock:
+            return list(reversed(self._ops.values()))
+
+    def current_resize(self) -> ResizeOperation | None:
+        """The resize in flight, or None."""
+        with self._lock:
+            op = self._ops.get(self._current) if self._current else None
+            return op if op is not None and not op.phase.terminal else None
+
+    def update_resize(self, resize_id: str, *, phase: ResizePhase | None = None, message: str | None = None) -> None:
+        """Move a running resize on (event loop only); a phase change is logged."""
+        with self._lock:
+            op = self._ops[resize_id]
+            changes: dict[str, object] = {}
+            if phase is not None and phase != op.phase:
+                changes["phase"] = phase
+            if message is not None:
+                changes["message"] = message
+            self._ops[resize_id] = dataclasses.replace(op, **changes)  # type: ignore[arg-type]
+        if "phase" in changes:
+            logger.info("Resize %s: %s%s", resize_id, phase, f": {message}" if message else "")
+        elif message:
+            logger.info("Resize %s: %s", resize_id, message)
+
+    def finish_resize(self, resize_id: str, *, error: str = "", fleet_intact: bool = True, message: str = "") -> None:
+        """The resize ended: Completed without an error, else Failed."""
+        with self._lock:
+            op = self._ops[resize_id]
+            phase = ResizePhase.FAILED if error else ResizePhase.COMPLETED
+            self._ops[resize_id] = op = dataclasses.replace(
+                op, phase=phase, error=error, fleet_intact=fleet_intact, finished_at=time.time(),
+                message=message or (f"failed: {error}" if error else f"the fleet serves at {op.to_replicas} rank(s)"))
+        took = (op.finished_at or 0.0) - op.started_at
+        if error:
+            logger.error("Resize %s: %d -> %d failed after %.1fs (%s): %s", resize_id, op.from_replicas,
+                         op.to_replicas, took, "fleet intact" if fleet_intact else "the fleet must be recreated",
+                         error)
+        else:
+            logger.info("Resize %s: %d -> %d completed in %.1fs", resize_id, op.from_replicas, op.to_replicas, took)
+
+    def cancel_resize(self, resize_id: str, reason: str) -> ResizeOperation:
+        with self._lock:
+            op = self._ops.get(resize_id)
+            if op is None:
+                raise ResizeRefused(HTTPStatus.NOT_FOUND, f"no resize {resize_id!r}")
+            if op.phase == ResizePhase.FAILED:
+                return op
+            if op.phase in (ResizePhase.COMMITTING, ResizePhase.COMPLETED):
+                raise ResizeRefused(HTTPStatus.CONFLICT, f"resize {resize_id!r} is {op.phase}: too late to cancel", op)
+            runner = self._runner
+        assert runner is not None  # an operation exists only once the fleet serves
+        logger.warning("Resize %s: cancel requested: %s", resize_id, reason)
+        runner.cancel_resize(resize_id, reason)
+        return op
+
+    # ---- the admin API's view ------------------------------------------------------------------
+    def snapshot(self) -> FleetStatus:
+        with self._lock:
+            view, size, progress = self._view, self._size, self._join_progress
+            records = [dataclasses.replace(r) for r in sorted(self._ranks.values(), key=lambda r: r.rank)]
+            ops = list(self._ops.values())
+            current = self._ops.get(self._current) if self._current else None
+        steps = progress() if progress is not None else {}
+        ranks = []
+        for rec in records:
+            if rec.state == RankState.JOINING and rec.rank in steps:
+                rec.message = steps[rec.rank]
+            waiting = running = in_flight = 0
+            kv = 0.0
+            if view is not None and rec.state not in (RankState.JOINING, RankState.RETIRED, RankState.FAILED):
+                waiting, running, kv = view.lb_counts(rec.rank)
+                in_flight = view.in_flight(rec.rank)
+            ranks.append(RankStatus(
+                rank=rec.rank, identity=identity(rec.rank).hex(), state=rec.state, waiting=int(waiting),
+                running=int(running), kv_cache_usage=float(kv), in_flight=in_flight,
+                requests_total=rec.requests_total, aborts_total=rec.aborts_total, failed_total=rec.failed_total,
+                message=rec.message,
+            ))
+        dead = [r for r in ranks if r.state == RankState.DEAD]
+        if dead:
+            state = FleetState.DEGRADED
+            message = "; ".join(f"rank {r.rank}: {r.message}" for r in dead)
+        elif view is not None:
+            state, message = FleetState.SERVING, ""
+        else:
+            state, message = FleetState.STARTING, "engines joining"
+        resize = current if current is not None else (ops[-1] if ops else None)
+        return FleetStatus(state=state, model=self.model, data_parallel_size=size, vllm_version=self.vllm_version,
+                           ranks=tuple(ranks), message=message, resize=resize)
+
+    def dead(self) -> dict[int, str]:
+        with self._lock:
+            return {r.rank: r.message for r in self._ranks.values() if r.state == RankState.DEAD}
+
+
+def describe(ranks: Iterable[int]) -> str:
+    ranks = sorted(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
