@@ -64,23 +64,24 @@ ALL_INTERFACES = "0.0.0.0"  # a pod's listeners bind its own IP, whatever it is
 
 
 # ---- the fleet-wide configuration hash ----------------------------------------------------------
-def fleet_config_hash(spec: EngineCoreSetSpec, dp_size: int) -> str:
+def fleet_config_hash(spec: EngineCoreSetSpec) -> str:
     """16 hex digits of sha256 over everything every rank of a fleet must agree on.
 
     A pod whose annotation differs from the hash of the current spec was built for another
-    configuration and cannot join this fleet. The data-parallel size is part of it, so for now a
-    replicas change restarts the fleet. So is everything else that shapes a fleet pod (pods cannot
+    configuration and cannot join this fleet. The data-parallel size is not part of it: `replicas`
+    resizes the fleet in place, and a pod added by a resize carries the size it joined at in its
+    arguments while the others keep theirs. Everything else that shapes a fleet pod is (pods cannot
     be changed in place, and a frontend or coordinator cannot be replaced under running engines):
-    their resources and the startup-probe budget (`readyTimeoutSeconds`). The drain timeout, the
-    frontend Service type and the NetworkPolicy switch are not: they change no fleet process.
+    their resources and the startup-probe budget (`readyTimeoutSeconds`); for MoE fleets also the
+    elastic-EP maximum (`--elastic-ep-max-dp-size`, on every rank). The drain timeout, the frontend
+    Service type and the NetworkPolicy switch are not: they change no fleet process.
     """
     payload = {
         "model": spec.model,
         "image": spec.image,
         "engine": to_json(spec.engine),
         "expertParallel": spec.expertParallel,
-        "maxReplicas": spec.max_replicas,
-        "dpSize": dp_size,
+        "maxReplicas": spec.max_replicas if spec.expertParallel else None,
         "scheduling": to_json(spec.scheduling),
         "frontendPort": spec.frontend.port,
         "frontendResources": to_json(spec.frontend.resources),
@@ -442,7 +443,7 @@ def _pod(
     labels: Mapping[str, str] | None = None,
 ) -> JSON:
     annotations = {
-        constants.ANNOTATION_SPEC_HASH: fleet_config_hash(fleet.spec, dp_size),
+        constants.ANNOTATION_SPEC_HASH: fleet_config_hash(fleet.spec),
         constants.ANNOTATION_GENERATION: str(fleet_generation),
     }
     spec: JSON = {

@@ -257,7 +257,8 @@ def _reserved_flag(args: tuple[str, ...]) -> str | None:
 RankPhase = Literal["Pending", "Joining", "Serving", "Draining", "Retired", "Failed"]
 FleetPhase = Literal["Pending", "Starting", "Running", "Restarting", "Scaling", "Recovering", "Stopped", "Degraded",
                      "Failed"]
-OperationPhase = Literal["Preparing", "Committing", "Draining", "Completed", "Failed"]
+OperationPhase = Literal["Pending", "Preparing", "Draining", "Committing", "Completed", "Failed"]
+OPERATION_DONE: tuple[OperationPhase, ...] = ("Completed", "Failed")
 
 
 @dataclass(frozen=True)
@@ -283,24 +284,38 @@ class RankStatus:
 
 @dataclass(frozen=True)
 class OperationStatus:
-    id: str = field(metadata=meta("Identifier of the resize."))
+    id: str = field(metadata=meta("Identifier of the resize (the frontend's operation id)."))
     fromReplicas: int = field(metadata=meta("Committed size before.", minimum=0))
     toReplicas: int = field(metadata=meta("Target size.", minimum=0))
-    phase: OperationPhase = field(metadata=meta("Phase of the resize."))
+    phase: OperationPhase = field(metadata=meta(
+        "Phase of the resize: Pending (asked of the frontend), Preparing (new ranks join), Draining "
+        "(leaving ranks finish their requests), Committing, then Completed or Failed."))
     startedAt: str | None = field(default=None, metadata=meta("When it started.", format="date-time"))
-    message: str = field(default="", metadata=meta("Details or the failure reason."))
+    finishedAt: str | None = field(default=None, metadata=meta("When it completed or failed.", format="date-time"))
+    message: str = field(default="", metadata=meta("What it is doing, or why it failed."))
+    fleetGeneration: int = field(default=0, metadata=meta("The incarnation of the fleet it resized.", minimum=0))
+
+    @property
+    def done(self) -> bool:
+        return self.phase in OPERATION_DONE
+
+    @property
+    def scale_up(self) -> bool:
+        return self.toReplicas > self.fromReplicas
 
 
 @dataclass(frozen=True)
 class EngineCoreSetStatus:
     observedGeneration: int = field(default=0, metadata=meta("Generation last reconciled.", minimum=0))
-    replicas: int = field(default=0, metadata=meta("Committed data-parallel size.", minimum=0))
+    replicas: int = field(default=0, metadata=meta(
+        "Committed data-parallel size: the ranks the fleet serves with once no resize runs.", minimum=0))
     readyReplicas: int = field(default=0, metadata=meta("Ranks serving.", minimum=0))
     selector: str = field(default="", metadata=meta("Label selector of the engine pods (scale subresource)."))
     phase: FleetPhase = field(default="Pending", metadata=meta("Summary of the fleet's state."))
     conditions: tuple[Condition, ...] = field(default=(), metadata=meta("Latest observations."))
     ranks: tuple[RankStatus, ...] = field(default=(), metadata=meta("Per-rank state."))
-    operation: OperationStatus | None = field(default=None, metadata=meta("The resize in flight, if any."))
+    operation: OperationStatus | None = field(default=None, metadata=meta(
+        "The resize in flight, else the last one (with its outcome)."))
     recoveries: int = field(default=0, metadata=meta(
         "How many times the fleet was recreated after losing a rank.", minimum=0))
     fleetGeneration: int = field(default=0, metadata=meta(

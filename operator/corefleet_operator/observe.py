@@ -40,6 +40,28 @@ class PodObs:
 
 
 @dataclass(frozen=True)
+class ResizeObs:
+    """A resize as the frontend reports it (its admin API's ResizeOperation, reduced to what the planner reads)."""
+
+    id: str
+    phase: str  # Pending, Preparing, Draining, Committing, Completed, Failed
+    ranks: Mapping[int, tuple[str, str]] = field(default_factory=dict)  # rank -> (state, message)
+    message: str = ""
+    error: str = ""
+    fleet_intact: bool = True  # after a failure: the fleet still serves at the size before
+
+
+@dataclass(frozen=True)
+class FrontendObs:
+    """What the frontend's admin API said this reconcile about the resize in status.operation."""
+
+    reachable: bool
+    error: str = ""  # why it could not be asked
+    resize: ResizeObs | None = None  # None while reachable: the frontend knows no resize of that id
+    refused: str = ""  # the frontend knows none because it refused to start it: why
+
+
+@dataclass(frozen=True)
 class Observed:
     """Everything one reconcile of a fleet sees."""
 
@@ -48,6 +70,7 @@ class Observed:
     pods: tuple[PodObs, ...] = ()
     objects: Mapping[tuple[str, str], Mapping[str, Any]] = field(default_factory=dict)  # (kind, name) -> body
     admin_token: str = ""
+    frontend: FrontendObs | None = None  # asked only while a resize is in flight
 
 
 def pod_obs(name: str, meta: Mapping[str, Any], spec: Mapping[str, Any], status: Mapping[str, Any]) -> PodObs:
@@ -105,7 +128,7 @@ def observe(body: Mapping[str, Any], stored_status: Mapping[str, Any] | None, po
             objects: Iterable[tuple[str, str, dict[str, Any]]], token: str) -> Observed:
     """One reconcile's view of a fleet: the EngineCoreSet `body` with its `stored_status`, its pods
     (sorted by name), its other children as (kind, name, body), and the admin token (`token` until
-    the Secret is observed)."""
+    the Secret is observed). The frontend's answer is added by `with_frontend`."""
     by_key = {(kind, name): obj for kind, name, obj in objects}
     return Observed(
         generation=int(body["metadata"].get("generation") or 0),
@@ -113,4 +136,32 @@ def observe(body: Mapping[str, Any], stored_status: Mapping[str, Any] | None, po
         pods=tuple(sorted(pods, key=lambda p: p.name)),
         objects=by_key,
         admin_token=admin_token(by_key, str(body["metadata"]["name"]), token),
+    )
+
+
+def resize_in_flight(observed: Observed) -> str | None:
+    """The id of the resize the stored status says is running (the frontend is asked about it), or None."""
+    op = observed.status.operation
+    return op.id if op is not None and not op.done else None
+
+
+def frontend_pod(observed: Observed, fleet: str) -> PodObs | None:
+    """The current incarnation's frontend pod, if it has an address (where its admin API is reached)."""
+    name = constants.frontend_name(fleet)
+    for p in observed.pods:
+        if (p.name == name and not p.terminating and p.ip and p.phase == "Running"
+                and p.fleet_generation == observed.status.fleetGeneration):
+            return p
+    return None
+
+
+def resize_obs(operation: Mapping[str, Any]) -> ResizeObs:
+    """The planner's view of an admin API ResizeOperation (as JSON)."""
+    return ResizeObs(
+        id=str(operation["id"]),
+        phase=str(operation["phase"]),
+        ranks={int(r["rank"]): (str(r["state"]), str(r.get("message", ""))) for r in operation.get("ranks", ())},
+        message=str(operation.get("message", "")),
+        error=str(operation.get("error", "")),
+        fleet_intact=bool(operation.get("fleet_intact", True)),
     )

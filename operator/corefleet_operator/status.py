@@ -10,6 +10,7 @@ Pure module: no kopf, no Kubernetes client, no I/O.
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -21,6 +22,7 @@ from corefleet_operator.models import (
     EngineCoreSetStatus,
     FleetPhase,
     FleetRef,
+    OperationStatus,
     RankPhase,
     RankStatus,
     SpecError,
@@ -30,6 +32,7 @@ from corefleet_operator.observe import PodObs
 
 AVAILABLE = "Available"
 PROGRESSING = "Progressing"
+SCALING = "Scaling"
 DEGRADED = "Degraded"
 POD_TERMINAL = ("Failed", "Succeeded")  # pod phases after its containers exited
 
@@ -42,6 +45,11 @@ class Decision:
     fleet_generation: int
     recoveries: int
     replicas: int  # the committed data-parallel size
+    ranks: tuple[RankStatus, ...] = ()
+    operation: OperationStatus | None = None  # the resize in flight, else the last one
+    new_incarnation: bool = False  # the fleet is recreated now (its readiness deadline starts again)
+    desired: int = 0  # spec.replicas
+    retry_in: float | None = None  # a failed resize to `desired` is tried again in this many seconds
 
 
 def set_condition(conditions: Sequence[Condition], new: Condition) -> tuple[Condition, ...]:
@@ -82,21 +90,26 @@ def endpoint(fleet: FleetRef) -> str:
             f"{fleet.spec.frontend.port}/v1")
 
 
+def _seconds(start: str, end: str) -> float:
+    fmt = "%Y-%m-%dT%H:%M:%SZ"
+    try:
+        return (datetime.datetime.strptime(end, fmt) - datetime.datetime.strptime(start, fmt)).total_seconds()
+    except ValueError:
+        return 0.0
+
+
 def compute_status(fleet: FleetRef, generation: int, old: EngineCoreSetStatus, pods: Iterable[PodObs],
                    decision: Decision, now: str) -> EngineCoreSetStatus:
     """The whole status for the pods that belong to the fleet's current incarnation."""
-    n = fleet.spec.replicas
+    n = decision.replicas
     by_name = {p.name: p for p in pods if p.fleet_generation == decision.fleet_generation}
-    ranks = []
-    for r in range(n):
-        name = constants.engine_name(fleet.name, r)
-        pod = by_name.get(name)
-        ranks.append(RankStatus(rank=r, pod=name, phase=rank_phase(pod),
-                                message=(pod.message if pod is not None else "")))
-    ready = sum(1 for rk in ranks if rk.phase == "Serving")
+    ranks = decision.ranks
+    ready = sum(1 for rk in ranks if rk.phase == "Serving" and rk.rank < n)
     frontend = by_name.get(constants.frontend_name(fleet.name))
     frontend_ready = frontend is not None and frontend.ready and frontend.phase == "Running"
     unschedulable = sorted(p.name for p in by_name.values() if not p.node and p.message)
+    op = decision.operation
+    in_flight = op is not None and not op.done
 
     conditions = old.conditions
     phase = decision.phase
@@ -109,23 +122,51 @@ def compute_status(fleet: FleetRef, generation: int, old: EngineCoreSetStatus, p
         available = _cond(AVAILABLE, False, "FrontendNotReady", "the frontend is not ready", generation, now)
     else:
         available = _cond(AVAILABLE, False, "NoRanksServing", f"0/{n} ranks serving", generation, now)
-    # Progressing: the fleet is moving towards the spec.
+    # Progressing: the fleet is moving towards the spec (its incarnation, or a resize).
     if phase in ("Running", "Stopped", "Degraded"):
         progressing = _cond(PROGRESSING, False, "Complete", f"fleet at {n} ranks", generation, now)
+    elif phase == "Scaling" and op is not None:
+        progressing = _cond(PROGRESSING, True, "Resizing", f"resize {op.id}: {op.fromReplicas} -> {op.toReplicas}",
+                            generation, now)
     else:
         reason = {"Recovering": "Recovering", "Restarting": "Restarting"}.get(phase, "CreatingPods")
         progressing = _cond(PROGRESSING, True, reason,
                             f"incarnation {decision.fleet_generation}: {ready}/{n} ranks serving",
                             generation, now)
+    if decision.new_incarnation:  # a new incarnation's readiness deadline starts now
+        conditions = tuple(c for c in conditions if c.type != PROGRESSING)
+    # Scaling: a resize in place runs, or why none does.
+    if in_flight and op is not None:
+        direction = "ScalingUp" if op.scale_up else "ScalingDown"
+        scaling = _cond(SCALING, True, direction, f"resize {op.id} ({op.fromReplicas} -> {op.toReplicas}) "
+                                                  f"{op.phase}: {op.message}", generation, now)
+    elif op is not None and op.phase == "Failed" and decision.desired != n and decision.retry_in is not None:
+        scaling = _cond(SCALING, False, "ResizeFailed", f"resize {op.id} ({op.fromReplicas} -> {op.toReplicas}) "
+                                                        f"failed: {op.message}; retrying in {decision.retry_in:.0f}s",
+                        generation, now)
+    elif decision.desired != n and phase != "Stopped":
+        scaling = _cond(SCALING, False, "Waiting", f"replicas is {decision.desired}: the fleet resizes once it runs "
+                                                   f"at {n} ranks ({phase})", generation, now)
+    else:
+        scaling = _cond(SCALING, False, "Stable", f"fleet at {n} ranks", generation, now)
     # Degraded: something needs attention.
-    failed = [rk for rk in ranks if rk.phase == "Failed"]
-    if phase == "Recovering":
+    failed = [rk for rk in ranks if rk.phase == "Failed" and rk.rank < n]
+    started = next((c.lastTransitionTime for c in conditions if c.type == PROGRESSING and c.status == "True"), now)
+    timeout = fleet.spec.scaling.readyTimeoutSeconds
+    waited = _seconds(started, now)
+    if phase == "Recovering" and waited <= timeout:
         degraded = _cond(DEGRADED, True, "RankLost",
                          f"recreating the fleet after losing a rank (recovery {decision.recoveries})",
                          generation, now)
     elif failed:
         degraded = _cond(DEGRADED, True, "RankFailed",
                          "; ".join(f"rank {rk.rank}: {rk.message or 'failed'}" for rk in failed), generation, now)
+    elif phase in ("Starting", "Restarting", "Recovering") and waited > timeout:
+        unready = [name for name in _members(fleet, n) if not (by_name.get(name) and by_name[name].ready)]
+        detail = "; ".join(f"{name}: {_pod_state(by_name.get(name))}" for name in unready) or "no pod is unready"
+        degraded = _cond(DEGRADED, True, "ReadyTimeout",
+                         f"not ready {waited:.0f}s after incarnation {decision.fleet_generation} started "
+                         f"(readyTimeoutSeconds {timeout}): {detail}", generation, now)
     elif unschedulable:
         degraded = _cond(DEGRADED, True, "Unschedulable",
                          "; ".join(f"{name}: {by_name[name].message}" for name in unschedulable), generation, now)
@@ -133,22 +174,37 @@ def compute_status(fleet: FleetRef, generation: int, old: EngineCoreSetStatus, p
         degraded = _cond(DEGRADED, True, "RankNotReady", f"{ready}/{n} ranks serving", generation, now)
     else:
         degraded = _cond(DEGRADED, False, "AsExpected", "", generation, now)
-    for c in (available, progressing, degraded):
+    for c in (available, progressing, scaling, degraded):
         conditions = set_condition(conditions, c)
 
     return EngineCoreSetStatus(
         observedGeneration=generation,
-        replicas=decision.replicas,
+        replicas=n,
         readyReplicas=ready,
         selector=constants.engine_selector(fleet.name),
         phase=phase,
         conditions=conditions,
         ranks=tuple(ranks),
-        operation=old.operation,
+        operation=op,
         recoveries=decision.recoveries,
         fleetGeneration=decision.fleet_generation,
         endpoint=endpoint(fleet),
     )
+
+
+def _members(fleet: FleetRef, replicas: int) -> list[str]:
+    if replicas == 0:
+        return []
+    return [constants.coordinator_name(fleet.name), constants.frontend_name(fleet.name),
+            *(constants.engine_name(fleet.name, r) for r in range(replicas))]
+
+
+def _pod_state(pod: PodObs | None) -> str:
+    if pod is None:
+        return "not created"
+    if not pod.node:
+        return f"not scheduled ({pod.message})" if pod.message else "not scheduled"
+    return f"{pod.phase}, not ready" + (f" ({pod.message})" if pod.message else "")
 
 
 def invalid_spec_status(generation: int, old: EngineCoreSetStatus, error: SpecError,

@@ -271,20 +271,21 @@ def test_elastic_ep_maximum_is_never_below_the_fleet_size(max_replicas: int | No
         assert args[args.index("--elastic-ep-max-dp-size") + 1] == expected
 
 
-def _hash(f: EcsFactory, dp_size: int | None = None) -> str:
-    fleet = f.obj()
-    return builders.fleet_config_hash(fleet.spec, fleet.spec.replicas if dp_size is None else dp_size)
+def _hash(f: EcsFactory) -> str:
+    return builders.fleet_config_hash(f.obj().spec)
 
 
 @pytest.mark.parametrize(("change", "changes_hash"), [
-    (lambda f: f.replicas(3), True),
+    (lambda f: f.replicas(3), False),  # a resize in place, not a new configuration
+    (lambda f: f.replicas(1), False),
     (lambda f: f.image("ghcr.io/corefleet/runtime:other"), True),
     (lambda f: f.model("other/model"), True),
     (lambda f: f.arg("--max-model-len=512"), True),
     (lambda f: f.env("X", "1"), True),
     (lambda f: f.tp(2), True),
-    (lambda f: f.max_replicas(8), True),
+    (lambda f: f.max_replicas(8), False),  # dense ranks do not see it
     (lambda f: f.expert_parallel(), True),
+    (lambda f: f.expert_parallel().max_replicas(8), True),
     (lambda f: f.set("engine.shmSize", "1Gi"), True),
     (lambda f: f.set("scheduling.nodeSelector", {"pool": "x"}), True),
     (lambda f: f.set("frontend.port", 9000), True),
@@ -304,15 +305,20 @@ def test_config_hash(change: Callable[[EcsFactory], Any], changes_hash: bool) ->
     assert re.fullmatch(r"[0-9a-f]{16}", base)
 
 
-def test_config_hash_depends_on_dp_size_and_is_stable() -> None:
+def test_config_hash_is_stable_and_independent_of_identity_and_size() -> None:
     f = make_ecs("a").replicas(2)
-    assert _hash(f, 2) == _hash(make_ecs("b", "other").replicas(2), 2)  # identity is not configuration
-    assert _hash(f, 2) != _hash(f, 3)
+    assert _hash(f) == _hash(make_ecs("b", "other").replicas(2))  # identity is not configuration
+    moe = make_ecs("a").expert_parallel().max_replicas(4)
+    assert _hash(moe.replicas(2)) == _hash(make_ecs("a").expert_parallel().max_replicas(4).replicas(3))
+    fleet = f.obj()
+    sizes = {builders.engine_pod(fleet, 1, dp_size=n, frontend_address="f")["metadata"]["annotations"][
+        constants.ANNOTATION_SPEC_HASH] for n in (2, 3, 8)}
+    assert sizes == {_hash(f)}  # pods built for other sizes belong to the same fleet
 
 
 def test_pods_carry_hash_and_generation() -> None:
     fleet = make_ecs("a").replicas(2).obj()
-    expected = builders.fleet_config_hash(fleet.spec, 2)
+    expected = builders.fleet_config_hash(fleet.spec)
     for obj in _children(fleet, 2, fleet_generation=7):
         if obj["kind"] == "Pod":
             assert obj["metadata"]["annotations"] == {

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import datetime
 import logging
 import secrets
@@ -24,10 +25,19 @@ from typing import Any, get_args
 import kopf
 
 from corefleet_operator import constants, metrics
+from corefleet_operator.frontend_api import FrontendAPI
 from corefleet_operator.kube import Kube, KubeError
 from corefleet_operator.models import EngineCoreSetSpec, FleetPhase, FleetRef, SpecError
-from corefleet_operator.observe import Observed, PodObs, observe, pod_obs
-from corefleet_operator.planner import Apply, Delete, Plan, plan, plan_invalid
+from corefleet_operator.observe import (
+    FrontendObs,
+    Observed,
+    PodObs,
+    frontend_pod,
+    observe,
+    pod_obs,
+    resize_in_flight,
+)
+from corefleet_operator.planner import Action, Apply, CancelResize, Delete, Plan, StartResize, plan, plan_invalid
 from corefleet_operator.status import status_patch
 
 logger = logging.getLogger(__name__)
@@ -142,7 +152,7 @@ class PendingCreates:
         ann = obj["metadata"].get("annotations") or {}
         return f"{ann.get(constants.ANNOTATION_SPEC_HASH)}/{ann.get(constants.ANNOTATION_GENERATION)}"
 
-    def filter(self, actions: Iterable[Apply | Delete], seen: set[str], now: float) -> list[Apply | Delete]:
+    def filter(self, actions: Iterable[Action], seen: set[str], now: float) -> list[Action]:
         self._pods = {n: e for n, e in self._pods.items() if n not in seen and e[1] > now}
         out = []
         for a in actions:
@@ -157,8 +167,9 @@ class PendingCreates:
         self._pods[str(obj["metadata"]["name"])] = (self._identity(obj), now + EXPECTATION_SECONDS)
 
 
-async def carry_out(kube: Kube, namespace: str, actions: Iterable[Apply | Delete],
-                    pending: PendingCreates | None = None) -> None:
+async def carry_out(kube: Kube, namespace: str, actions: Iterable[Action], pending: PendingCreates | None = None,
+                    frontend: FrontendAPI | None = None, frontend_at: PodObs | None = None, token: str = "") -> None:
+    """Carry the plan's actions out in order; resize calls go to the frontend's admin API."""
     for action in actions:
         if isinstance(action, Apply):
             await kube.apply(action.obj)
@@ -166,6 +177,10 @@ async def carry_out(kube: Kube, namespace: str, actions: Iterable[Apply | Delete
                 pending.created(action.obj, time.monotonic())
         elif isinstance(action, Delete):
             await kube.delete(action.api_version, action.kind, namespace, action.name, action.uid)
+        elif isinstance(action, StartResize) and frontend is not None:
+            await frontend.start(frontend_at, token, action)
+        elif isinstance(action, CancelResize) and frontend is not None:
+            await frontend.cancel(frontend_at, token, action)
 
 
 PHASES: tuple[str, ...] = get_args(FleetPhase)
@@ -195,18 +210,24 @@ class FleetReconciler:
         self.written_status: dict[str, Any] | None = None  # what we last wrote (the watch may lag)
         self.token = secrets.token_urlsafe(32)  # used only until the admin Secret is observed
         self.pending = PendingCreates()
+        self.frontend = FrontendAPI()
 
-    async def reconcile(self, indexes: Mapping[str, kopf.Index[Any, Any]]) -> None:
+    async def reconcile(self, indexes: Mapping[str, kopf.Index[Any, Any]]) -> float | None:
+        """One pass; returns how soon to look again regardless of events (None: at the resync)."""
         body = self.body
         meta = body["metadata"]
         if meta.get("deletionTimestamp"):
-            return  # owned children go with the EngineCoreSet (garbage collection)
+            return None  # owned children go with the EngineCoreSet (garbage collection)
         name, namespace = str(meta["name"]), str(meta["namespace"])
         key = (namespace, name)
         stored = self.written_status if self.written_status is not None else dict(body.get("status") or {})
         pods_index, *object_indexes = INDEXES
         objects = [o for idx in object_indexes for o in indexes[idx].get(key, [])]
         observed = observe(body, stored, indexes[pods_index].get(key, []), objects, self.token)
+        frontend_at = frontend_pod(observed, name)
+        if (resize_id := resize_in_flight(observed)) is not None:
+            seen: FrontendObs = await self.frontend.observe(frontend_at, observed.admin_token, resize_id)
+            observed = dataclasses.replace(observed, frontend=seen)
         the_plan = make_plan(body, observed)
         publish(namespace, name, the_plan)
         patch = status_patch(stored, the_plan.status)
@@ -214,9 +235,10 @@ class FleetReconciler:
             await self.kube.patch_status(namespace, name, patch)
             self.written_status = the_plan.status.to_json()
         actions = self.pending.filter(the_plan.actions, {p.name for p in observed.pods}, time.monotonic())
-        await carry_out(self.kube, namespace, actions, self.pending)
+        await carry_out(self.kube, namespace, actions, self.pending, self.frontend, frontend_at, observed.admin_token)
         for ev in the_plan.events:
             kopf.event(body, type=ev.type, reason=ev.reason, message=ev.message)
+        return the_plan.requeue_after
 
 
 INDEXES = ("fleet_pods", "fleet_services", "fleet_secrets", "fleet_netpols")
@@ -240,8 +262,10 @@ async def fleet(body: kopf.Body, name: str, namespace: str | None, memo: Any, st
             delay = resync
             try:
                 with metrics.RECONCILE_SECONDS.time():
-                    await reconciler.reconcile(indexes)
+                    requeue = await reconciler.reconcile(indexes)
                 metrics.RECONCILES.labels("ok").inc()
+                if requeue is not None:
+                    delay = min(delay, max(requeue, 0.2))
                 backoff = 1.0
             except (TimeoutError, KubeError, OSError) as e:
                 metrics.RECONCILES.labels("error").inc()
