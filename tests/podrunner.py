@@ -88,9 +88,13 @@ def expand(value: str, env: Mapping[str, str]) -> str:
 class PodRunner:
     def __init__(self, cp: LocalControlPlane, namespace: str, work_dir: Path, *, interval: float = 0.2,
                  grace: float = 20.0, extra_env: Callable[[Mapping[str, Any]], Mapping[str, str]] | None = None,
-                 ) -> None:
+                 engine: tuple[str, ...] = ()) -> None:
+        """`engine`: what runs in place of an engine container's module (`corefleet_client.engine`):
+        `(module, *launcher flags)`, e.g. the emulator with its token delay, as another image would."""
         self._cp, self.ns, self.work_dir = cp, namespace, work_dir
         self._interval, self._grace, self._extra_env = interval, grace, extra_env
+        self._engine = engine
+        self.hold: set[str] = set()  # pods bound but never started (as if their image never pulled)
         self.pods: dict[str, _Pod] = {}  # by uid
         self.names: dict[str, str] = {}  # pod DNS name -> address
         self.errors: list[BaseException] = []
@@ -184,6 +188,8 @@ class PodRunner:
         self.names[dns] = ip
 
     def _maybe_start(self, p: _Pod) -> None:
+        if p.name in self.hold:
+            return
         container = p.pod["spec"]["containers"][0]
         env = self._env(p, container)
         args = [expand(a, env) for a in container.get("args", [])]
@@ -197,6 +203,10 @@ class PodRunner:
         if command[:1] == ["python"]:
             command[0] = sys.executable
         module = command[2] if command[1:2] == ["-m"] and len(command) > 2 else ""
+        if module == commands.ENGINE_MODULE and self._engine:
+            module = self._engine[0]
+            command = [*command[:2], module]
+            args = [*self._engine[1:], *args]
         if module in LAUNCHER_HOST_FLAGS and "--" in args:
             args = [LAUNCHER_HOST_FLAGS[module], p.ip, *args]
         p.log = self.work_dir / "logs" / f"{p.name}-{p.uid[:8]}.log"

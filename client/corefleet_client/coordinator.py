@@ -39,7 +39,6 @@ import multiprocessing
 import multiprocessing.connection
 import signal
 import socket
-import sys
 import threading
 from collections.abc import Sequence
 from types import FrameType
@@ -48,7 +47,7 @@ import zmq
 from vllm.utils.network_utils import get_tcp_uri, is_valid_ipv6_address
 from vllm.v1.engine.coordinator import DPCoordinatorProc
 
-from corefleet_client.process import exit_promptly
+from corefleet_client.process import configure_logging, exit_promptly
 
 logger = logging.getLogger(__name__)
 
@@ -133,11 +132,7 @@ def _log_bound_addresses(addr_pipe: multiprocessing.connection.Connection, engin
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(levelname)s %(asctime)s [%(name)s] %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(logging.INFO)
 
     # 1. Fail with the port's name rather than libzmq's bare "Address already in use".
     named_ports = (

@@ -70,7 +70,7 @@ from vllm.v1.executor import Executor
 
 from corefleet_client.argv import split_launcher_argv
 from corefleet_client.enginehealth import EngineState, HandshakeRelay, HealthServer
-from corefleet_client.process import exit_promptly
+from corefleet_client.process import configure_logging, exit_promptly
 
 logger = logging.getLogger(__name__)
 
@@ -220,11 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, serve_args = parse_args(sys.argv[1:] if argv is None else argv)
     cli_env_setup()  # spawn, as `vllm serve` does
     configure_logging_from_args(serve_args)
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(levelname)s %(asctime)s [%(name)s] %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(logging.INFO)
 
     # SIGTERM (the kubelet) and SIGINT stop the engine once, as run_headless's handler does.
     stop_requested = False

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import json
 import logging
 import os
@@ -50,13 +51,22 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
 from corefleet_client import commands
-from corefleet_client.admin import AdminClient, AdminError, FleetState, FleetStatus, RankState
+from corefleet_client.admin import (
+    AdminClient,
+    AdminError,
+    FleetState,
+    FleetStatus,
+    RankState,
+    ResizeOperation,
+    ResizePhase,
+    ResizeRequest,
+)
 from corefleet_client.tinymodel import VLLM_CPU_FLAGS, write_tiny_model
 
 logger = logging.getLogger(__name__)
@@ -279,6 +289,7 @@ class ProcessRecord:
     start_time: int  # clock ticks after boot (/proc/PID/stat field 22)
     argv: tuple[str, ...]
     log: str
+    retiring: bool = False  # an engine a resize removes: its exit is expected (`corefleet scale`)
 
     @property
     def name(self) -> str:
@@ -287,7 +298,7 @@ class ProcessRecord:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ProcessRecord:
         return cls(role=data["role"], rank=data["rank"], pid=int(data["pid"]), start_time=int(data["start_time"]),
-                   argv=tuple(data["argv"]), log=data["log"])
+                   argv=tuple(data["argv"]), log=data["log"], retiring=bool(data.get("retiring", False)))
 
 
 @dataclass(frozen=True)
@@ -305,6 +316,10 @@ class FleetRecord:
     processes: tuple[ProcessRecord, ...] = ()
     started_at: float = 0.0
     version: int = STATE_VERSION
+    # What `corefleet scale` starts new engines with (the fleet's own engine command lines).
+    vllm_flags: tuple[str, ...] = ()
+    token_delay_ms: int | None = None
+    python: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -313,11 +328,11 @@ class FleetRecord:
     def from_json(cls, data: dict[str, Any]) -> FleetRecord:
         if data.get("version") != STATE_VERSION:
             raise ValueError(f"state file version {data.get('version')!r}, expected {STATE_VERSION}")
-        fields = {f.name for f in dataclasses.fields(cls)} - {"processes"}
+        fields = {f.name for f in dataclasses.fields(cls)} - {"processes", "ports", "vllm_flags"}
         procs = tuple(ProcessRecord.from_json(p) for p in data.get("processes", ()))
         ports = Ports(**{**data["ports"], "health": tuple(data["ports"]["health"])})
-        fields -= {"ports"}
-        return cls(**{k: v for k, v in data.items() if k in fields}, ports=ports, processes=procs)
+        return cls(**{k: v for k, v in data.items() if k in fields}, ports=ports, processes=procs,
+                   vllm_flags=tuple(data.get("vllm_flags", ())))
 
     def admin_client(self, timeout: float = 5.0) -> AdminClient:
         return AdminClient(self.admin_url, Path(self.token_file).read_text().strip(), timeout=timeout)
@@ -600,6 +615,167 @@ def status(state_dir: Path, out: TextIO | None = None) -> int:
     return 0 if all_alive and fleet.state == FleetState.SERVING else 1
 
 
+# ---- scale ---------------------------------------------------------------------------------------
+SCALE_LOCK = "scale.lock"
+SCALE_POLL_SECONDS = 0.5
+DEFAULT_DRAIN_TIMEOUT = 120.0
+
+
+@contextlib.contextmanager
+def _scale_lock(state_dir: Path) -> Iterator[None]:
+    """One `corefleet scale` at a time per fleet (the frontend refuses a second resize anyway)."""
+    with (Path(state_dir) / SCALE_LOCK).open("w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise LocalFleetError(f"another `corefleet scale` runs for the fleet in {state_dir}") from None
+        yield
+
+
+def _print_progress(op: ResizeOperation, shown: dict[str, str], out: TextIO) -> None:
+    lines = {"phase": f"  {op.phase}: {op.message}"}
+    lines.update({f"rank {r.rank}": f"  rank {r.rank}: {r.state}" + (f" ({r.message})" if r.message else "")
+                  for r in op.ranks})
+    for key, line in lines.items():
+        if shown.get(key) != line:
+            shown[key] = line
+            print(line, file=out, flush=True)
+
+
+def scale(state_dir: Path, replicas: int, *, out: TextIO | None = None, err: TextIO | None = None,
+          join_timeout: float | None = None, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
+          stop: threading.Event | None = None) -> int:
+    """`corefleet scale N`: resize the running local fleet in place, through the frontend's resize operation.
+
+    Scale-up: the engines of the new ranks are started (recorded in the state file at once) and the
+    frontend adds them when they have joined; if they do not, the resize fails and they are stopped
+    again. Scale-down: the frontend drains the highest ranks and retires them; then, and only then,
+    their engines are stopped and dropped from the state file. The surviving processes are never
+    touched. Returns 0 once the fleet serves at `replicas` ranks.
+    """
+    out, err = out or sys.stdout, err or sys.stderr
+    stop = stop or threading.Event()
+    try:
+        with _scale_lock(state_dir):
+            return _scale(Path(state_dir), replicas, out, join_timeout, drain_timeout, stop)
+    except LocalFleetError as e:
+        print(f"corefleet scale: {e}", file=err, flush=True)
+        return 1
+
+
+def _scale(state_dir: Path, replicas: int, out: TextIO, join_timeout: float | None, drain_timeout: float,
+           stop: threading.Event) -> int:
+    record = load_record(state_dir)
+    if record is None:
+        raise LocalFleetError(f"no fleet recorded in {state_dir} (start one with `corefleet up`)")
+    if replicas < 1:
+        raise LocalFleetError(f"replicas must be at least 1, not {replicas} (`corefleet down` stops the fleet)")
+    admin = record.admin_client(timeout=10)
+    try:
+        fleet = admin.fleet()
+    except (OSError, AdminError, ValueError, KeyError) as e:
+        raise LocalFleetError(f"the fleet's admin API does not answer ({e}); is it running?") from None
+    if fleet.resize is not None and not fleet.resize.phase.terminal:
+        raise LocalFleetError(f"resize {fleet.resize.id} ({fleet.resize.from_replicas} -> "
+                              f"{fleet.resize.to_replicas}) is still running")
+    current = fleet.data_parallel_size
+    if replicas == current:
+        print(f"corefleet scale: the fleet already has {current} rank(s)", file=out, flush=True)
+        return 0
+    t0 = time.monotonic()
+    resize_id = f"local-{current}to{replicas}-{int(time.time())}"
+    print(f"corefleet scale: {current} -> {replicas} in place (resize {resize_id})", file=out, flush=True)
+    new_ranks = list(range(current, replicas))
+    if new_ranks:
+        health = free_ports(len(new_ranks), exclude=[record.ports.http, record.ports.admin, record.ports.rpc,
+                                                     *record.ports.health])
+        ports = dataclasses.replace(record.ports, health=(*record.ports.health[:current], *health))
+        record = dataclasses.replace(record, ports=ports)
+        save_record(record)
+        for rank in new_ranks:
+            argv = engine_argv(record.python or sys.executable, record.engine, record.model, replicas, rank, ports,
+                               record.vllm_flags, token_delay_ms=record.token_delay_ms)
+            record, popen = spawn(record, ROLE_ENGINE, rank, argv, _engine_env(record.engine, rank))
+            print(f"  started engine-{rank} (pid {popen.pid}), log {Path(state_dir) / LOG_DIR}/engine-{rank}.log",
+                  file=out, flush=True)
+    leaving = list(range(replicas, current))
+    if leaving:
+        _mark_retiring(state_dir, leaving)
+    timeout = join_timeout if join_timeout is not None else DEFAULT_READY_TIMEOUT[record.engine]
+    try:
+        _, op = admin.start_resize(ResizeRequest(id=resize_id, replicas=replicas, drain_timeout_s=drain_timeout,
+                                                 join_timeout_s=timeout))
+    except (OSError, AdminError) as e:
+        _forget_engines(state_dir, new_ranks, out)
+        _mark_retiring(state_dir, leaving, retiring=False)
+        raise LocalFleetError(f"the frontend refused the resize: {e}") from None
+    shown: dict[str, str] = {}
+    cancelled = False
+    while not op.phase.terminal:
+        _print_progress(op, shown, out)
+        if stop.wait(SCALE_POLL_SECONDS) and not cancelled:
+            cancelled = True
+            print("corefleet scale: interrupted: cancelling the resize", file=out, flush=True)
+            with contextlib.suppress(OSError, AdminError):
+                admin.cancel_resize(resize_id, "interrupted (corefleet scale)")
+        gone = [p for p in (load_record(state_dir) or record).processes
+                if p.role == ROLE_ENGINE and p.rank in new_ranks and not owns(record, p)]
+        if gone and not cancelled:
+            cancelled = True
+            with contextlib.suppress(OSError, AdminError):
+                admin.cancel_resize(resize_id, f"engine-{gone[0].rank} (pid {gone[0].pid}) exited; "
+                                               f"last lines of {gone[0].log}:\n{tail(gone[0].log, 10)}")
+        try:
+            seen = admin.resize(resize_id)
+        except (OSError, AdminError) as e:
+            raise LocalFleetError(f"lost the frontend's admin API during resize {resize_id}: {e}") from None
+        if seen is None:
+            raise LocalFleetError(f"the frontend no longer knows resize {resize_id} (it restarted?)")
+        op = seen
+    _print_progress(op, shown, out)
+    if op.phase == ResizePhase.FAILED:
+        _forget_engines(state_dir, new_ranks, out)
+        _mark_retiring(state_dir, leaving, retiring=False)
+        print(f"corefleet scale: resize {resize_id} failed after {time.monotonic() - t0:.1f} s: {op.error}; "
+              f"the fleet serves on at {current} rank(s)" if op.fleet_intact else
+              f"corefleet scale: resize {resize_id} failed: {op.error}; the fleet must be restarted",
+              file=out, flush=True)
+        return 1
+    retired = [r.rank for r in op.ranks if r.state == RankState.RETIRED]
+    _forget_engines(state_dir, retired, out)
+    record = load_record(state_dir) or record
+    save_record(dataclasses.replace(record, replicas=replicas))
+    print(f"corefleet scale: the fleet serves at {replicas} rank(s) ({time.monotonic() - t0:.1f} s)",
+          file=out, flush=True)
+    return 0
+
+
+def _mark_retiring(state_dir: Path, ranks: Iterable[int], retiring: bool = True) -> FleetRecord | None:
+    """Mark these ranks' engines as leaving (or not) in the state file: `corefleet up` expects them to exit."""
+    ranks = set(ranks)
+    record = load_record(state_dir)
+    if record is None:
+        return None
+    procs = tuple(dataclasses.replace(p, retiring=retiring) if p.role == ROLE_ENGINE and p.rank in ranks else p
+                  for p in record.processes)
+    record = dataclasses.replace(record, processes=procs)
+    save_record(record)
+    return record
+
+
+def _forget_engines(state_dir: Path, ranks: Iterable[int], out: TextIO) -> None:
+    """Stop these ranks' engines and drop them from the state file (no other process is touched)."""
+    ranks = set(ranks)
+    record = _mark_retiring(state_dir, ranks) if ranks else None
+    if record is None:
+        return
+    leaving = tuple(p for p in record.processes if p.role == ROLE_ENGINE and p.rank in ranks)
+    stop_fleet(dataclasses.replace(record, processes=leaving), out=out)
+    record = load_record(state_dir) or record
+    save_record(dataclasses.replace(record, processes=tuple(
+        p for p in record.processes if not (p.role == ROLE_ENGINE and p.rank in ranks))))
+
+
 # ---- starting ------------------------------------------------------------------------------------
 def _http_ok(url: str, timeout: float = 2.0) -> bool:
     try:
@@ -626,13 +802,28 @@ class LocalFleet:
         for p in self.popens.values():
             p.poll()
 
-    def exited(self) -> list[tuple[ProcessRecord, int]]:
-        """The started processes that have exited, with their exit codes."""
-        done = []
+    def exited(self) -> list[tuple[ProcessRecord, int | None]]:
+        """The fleet's processes that have exited, with their exit codes where this process started them.
+
+        The state file is the truth about which processes the fleet has: `corefleet scale` adds the
+        engines it starts and removes the ones it retires (which are then only reaped here).
+        """
+        with contextlib.suppress(LocalFleetError):
+            latest = load_record(Path(self.record.state_dir))
+            if latest is not None:
+                self.record = latest
+        self.reap()
+        done: list[tuple[ProcessRecord, int | None]] = []
         for proc in self.record.processes:
-            rc = self.popens[proc.pid].poll()
-            if rc is not None:
-                done.append((proc, rc))
+            if proc.retiring or (proc.role == ROLE_ENGINE and proc.rank is not None
+                                 and proc.rank >= self.record.replicas):
+                continue  # leaving or joining in a resize: `corefleet scale` looks after it
+            popen = self.popens.get(proc.pid)
+            if popen is not None:
+                if popen.returncode is not None:
+                    done.append((proc, popen.returncode))
+            elif not owns(self.record, proc):
+                done.append((proc, None))
         return done
 
     def stop(self, grace: float = STOP_GRACE_SECONDS, out: TextIO | None = None) -> None:
@@ -763,29 +954,37 @@ def start(opts: FleetOptions) -> LocalFleet:
         state_dir=str(state_dir), engine=opts.engine, model=model, served_model_name=served, replicas=n,
         endpoint=f"http://{LOCALHOST}:{ports.http}/v1", admin_url=f"http://{LOCALHOST}:{ports.admin}",
         token_file=str(token_file), ports=ports, boot_id=boot_id(), started_at=time.time(),
+        vllm_flags=flags, token_delay_ms=opts.token_delay_ms, python=opts.python,
     )
-    logs = state_dir / LOG_DIR
-    logs.mkdir(exist_ok=True)
+    (state_dir / LOG_DIR).mkdir(exist_ok=True)
     fleet = LocalFleet(record, {})
     # 4. Start each process in its own session; record it before starting the next one.
     try:
         for role, rank, argv, extra_env in plan:
-            name = role if rank is None else f"{role}-{rank}"
-            log = logs / f"{name}.log"
-            with log.open("wb") as logf:
-                p = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env={**os.environ, **extra_env}, start_new_session=True, close_fds=True)
-            st = proc_stat(p.pid)
-            proc = ProcessRecord(role=role, rank=rank, pid=p.pid, start_time=st.start_time if st else -1,
-                                 argv=tuple(argv), log=str(log))
-            fleet.popens[p.pid] = p
-            fleet.record = record = dataclasses.replace(record, processes=(*record.processes, proc))
-            save_record(record)
-            logger.debug("started %s: pid %d: %s", name, p.pid, " ".join(argv))
+            fleet.record, popen = spawn(fleet.record, role, rank, argv, extra_env)
+            fleet.popens[popen.pid] = popen
     except BaseException:
         fleet.stop(grace=5)
         raise
     return fleet
+
+
+def spawn(record: FleetRecord, role: str, rank: int | None, argv: list[str],
+          extra_env: dict[str, str]) -> tuple[FleetRecord, subprocess.Popen[bytes]]:
+    """Start one fleet process in its own session, its output in `logs/<name>.log`; the record with it
+    added, already saved (so that `corefleet down` finds it whatever happens next)."""
+    name = role if rank is None else f"{role}-{rank}"
+    log = Path(record.state_dir) / LOG_DIR / f"{name}.log"
+    with log.open("ab") as logf:
+        p = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             env={**os.environ, **extra_env}, start_new_session=True, close_fds=True)
+    st = proc_stat(p.pid)
+    proc = ProcessRecord(role=role, rank=rank, pid=p.pid, start_time=st.start_time if st else -1,
+                         argv=tuple(argv), log=str(log))
+    record = dataclasses.replace(record, processes=(*record.processes, proc))
+    save_record(record)
+    logger.debug("started %s: pid %d: %s", name, p.pid, " ".join(argv))
+    return record, p
 
 
 def up(opts: FleetOptions, *, detach: bool, out: TextIO | None = None, err: TextIO | None = None) -> int:
@@ -818,7 +1017,8 @@ def up(opts: FleetOptions, *, detach: bool, out: TextIO | None = None, err: Text
             gone = fleet.exited()
             if gone:
                 proc, rc = gone[0]
-                print(f"corefleet up: {proc.name} (pid {proc.pid}) exited with {rc}; stopping the fleet. "
+                how = f"exited with {rc}" if rc is not None else "exited"
+                print(f"corefleet up: {proc.name} (pid {proc.pid}) {how}; stopping the fleet. "
                       f"Last lines of {proc.log}:\n{tail(proc.log)}", file=err, flush=True)
                 return 1
         return 0

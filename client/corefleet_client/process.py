@@ -8,6 +8,29 @@ import os
 import sys
 from typing import NoReturn
 
+LOG_FORMAT = "%(levelname)s %(asctime)s [%(name)s] %(message)s"
+# corefleet's loggers: the fleet programs' modules (`corefleet_client.*`) and the frontend's `corefleet.*`.
+LOGGER_PREFIXES = ("corefleet", "corefleet_client")
+
+
+def configure_logging(level: int | str = logging.INFO) -> None:
+    """Log corefleet's own messages to stderr at `level`, whatever other libraries do to the root logger.
+
+    A library vLLM's API server imports (model_hosting_container_standards, for SageMaker routes)
+    sets the root logger and its handlers to ERROR when it is imported, which silenced every
+    corefleet INFO line (resizes, ranks joining and leaving) once the server had started. corefleet's
+    loggers therefore get their own handler and do not propagate to the root logger; the root logger
+    is also configured (`logging.basicConfig`) for everything else.
+    """
+    logging.basicConfig(level=level, format=LOG_FORMAT, stream=sys.stderr)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    for name in LOGGER_PREFIXES:
+        log = logging.getLogger(name)
+        log.handlers = [handler]
+        log.setLevel(level)
+        log.propagate = False
+
 
 def exit_promptly(code: int) -> NoReturn:
     """Exit with `code` without the interpreter's teardown.

@@ -6,6 +6,8 @@
                        OpenAI endpoint and runs until interrupted (`--detach` leaves it running).
                        The logic is in `corefleet_client.local`.
   corefleet status     the local fleet's processes (alive, RSS) and its ranks from the admin API
+  corefleet scale N    resize the running local fleet to N ranks in place (the frontend's resize
+                       operation: new engines join, leaving ones drain and retire; survivors untouched)
   corefleet down       stop exactly the local fleet's recorded processes
   corefleet cluster up start a local Kubernetes control plane with the EngineCoreSet CRD and a fake
                        GPU node, and the operator against it; run until interrupted
@@ -150,6 +152,21 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 1
 
 
+def cmd_scale(args: argparse.Namespace) -> int:
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return local.scale(_state_dir(args), args.replicas, join_timeout=args.timeout,
+                           drain_timeout=args.drain_timeout, stop=stop)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def cmd_down(args: argparse.Namespace) -> int:
     try:
         return local.down(_state_dir(args))
@@ -185,6 +202,19 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="the local fleet's processes and ranks")
     status.add_argument("--state-dir", help=state_help)
     status.set_defaults(func=cmd_status)
+    scale = sub.add_parser(
+        "scale", help="resize the running local fleet in place",
+        description="Resize the running local fleet to REPLICAS ranks through the frontend's resize operation: "
+                    "new engines are started and join, or the highest ranks drain and retire; the other "
+                    "processes are never restarted. Ctrl-C cancels a resize that has not committed.")
+    scale.add_argument("replicas", type=int, help="the new number of data-parallel ranks (at least 1)")
+    scale.add_argument("--state-dir", help=state_help)
+    scale.add_argument("--timeout", type=float, help="seconds a new engine may take to join (default: "
+                       + ", ".join(f"{k} {v:.0f}" for k, v in local.DEFAULT_READY_TIMEOUT.items()) + ")")
+    scale.add_argument("--drain-timeout", type=float, default=local.DEFAULT_DRAIN_TIMEOUT,
+                       help="seconds a leaving rank may finish its in-flight requests before they fail "
+                            "(default %(default).0f)")
+    scale.set_defaults(func=cmd_scale)
     down = sub.add_parser("down", help="stop the local fleet's processes")
     down.add_argument("--state-dir", help=state_help)
     down.set_defaults(func=cmd_down)

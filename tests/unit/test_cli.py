@@ -295,7 +295,10 @@ def test_state_file_round_trips(tmp_path: Path) -> None:
     assert local.load_record(tmp_path) == rec
     data = json.loads((tmp_path / "fleet.json").read_text())
     assert data["processes"][0] == {"role": "engine", "rank": 1, "pid": 123, "start_time": 456,
-                                    "argv": ["a", "b"], "log": "/l"}
+                                    "argv": ["a", "b"], "log": "/l", "retiring": False}
+    del data["processes"][0]["retiring"], data["vllm_flags"]  # a state file written before `corefleet scale`
+    (tmp_path / "fleet.json").write_text(json.dumps(data))
+    assert local.load_record(tmp_path) == rec
     assert local.load_record(tmp_path / "nothing") is None
     (tmp_path / "fleet.json").write_text("{}")
     with pytest.raises(local.LocalFleetError, match="not a corefleet state file"):

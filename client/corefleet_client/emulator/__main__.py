@@ -20,7 +20,7 @@ from types import FrameType
 
 from corefleet_client.emulator.config import parse_args
 from corefleet_client.emulator.health import HealthState, start_health_server
-from corefleet_client.process import exit_promptly
+from corefleet_client.process import configure_logging, exit_promptly
 
 logger = logging.getLogger("corefleet_client.emulator")
 
@@ -28,8 +28,7 @@ logger = logging.getLogger("corefleet_client.emulator")
 def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     cfg = parse_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=cfg.log_level, format="%(levelname)s %(asctime)s [%(name)s] %(message)s",
-                        stream=sys.stderr)
+    configure_logging(cfg.log_level)
 
     health = HealthState()
     server = start_health_server(cfg.health_host, cfg.health_port, health) if cfg.health_port is not None else None

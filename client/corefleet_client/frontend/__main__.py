@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from corefleet_client.admin import read_token
 from corefleet_client.argv import split_launcher_argv
-from corefleet_client.process import exit_promptly
+from corefleet_client.process import configure_logging, exit_promptly
 
 EXIT_USAGE = 2
 logger = logging.getLogger("corefleet.frontend")
@@ -62,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         sys.stderr.write(f"corefleet frontend: {e}\n")
         return EXIT_USAGE
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s [%(name)s] %(message)s")
+    configure_logging(logging.INFO)
 
     # vLLM is imported only now: `--help` and argument errors stay fast.
     import uvloop

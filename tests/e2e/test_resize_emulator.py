@@ -1,0 +1,244 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Resizes in place and their faults, on one operator-run fleet of emulated engines.
+
+The control plane is real, the operator runs as its own process (so that a test can SIGKILL it and
+start it again), `podrunner` runs the pods as processes, the frontend and the coordinator are real
+vLLM, and each engine pod runs corefleet's wire-level engine emulator in place of a vLLM engine
+(a 10 ms token delay, so that requests stay in flight). One fleet serves the whole module: each
+test starts from the size the previous one left, and the last one breaks it on purpose.
+
+Real vLLM engines run the same path in test_resize_vllm.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Iterator
+
+import pytest
+
+from corefleet_client import commands
+from corefleet_client.admin import RankState
+from corefleet_client.tinymodel import VLLM_CPU_FLAGS, write_tiny_model
+from corefleet_operator import constants
+from corefleet_operator.localcluster import LocalControlPlane
+from factories import make_ecs
+from fleettest import FleetView, Load, OperatorProcess, ResizeWatch, wait_for
+from podrunner import PodRunner
+
+pytestmark = pytest.mark.e2e
+
+NAME = "emu"
+SERVED = "tiny"
+TOKEN_DELAY_MS = 10
+CONTEXT = 4096  # long enough for requests that stay in flight for tens of seconds at the token delay
+JOIN_TIMEOUT = 30  # readyTimeoutSeconds: the schema's minimum, so that a rank that never joins fails fast
+SETTLE = 240.0  # emulated engines start in 13-30 s on 2 cores (they import vLLM for its wire types)
+
+
+def engine_flags() -> list[str]:
+    flags = list(VLLM_CPU_FLAGS)
+    i = flags.index("--load-format")
+    del flags[i:i + 2]
+    flags[flags.index("--max-model-len") + 1] = str(CONTEXT)
+    return [*flags, "--served-model-name", SERVED]
+
+
+class Setup:
+    def __init__(self, k8s: LocalControlPlane, ns: str, runner: PodRunner, operator: OperatorProcess,
+                 fleet: FleetView) -> None:
+        self.k8s, self.ns, self.runner, self.operator, self.fleet = k8s, ns, runner, operator, fleet
+
+    def settle(self, replicas: int, timeout: float = SETTLE) -> None:
+        wait_for(lambda: self.fleet.settled(replicas), timeout, f"{NAME} Running at {replicas} ranks",
+                 on_timeout=self.fleet.describe)
+
+    def load(self, workers: int = 2) -> Load:
+        return Load(f"http://{self.fleet.frontend_ip()}:8000", SERVED, workers=workers, max_tokens=24).start()
+
+    def op(self) -> dict[str, object]:
+        op: dict[str, object] = self.fleet.status().get("operation") or {}
+        return op
+
+    def wait_op_phase(self, *phases: str, timeout: float = SETTLE) -> dict[str, object]:
+        return wait_for(lambda: (op := self.op()).get("phase") in phases and op, timeout,
+                        f"status.operation in {phases}", interval=0.05, on_timeout=self.fleet.describe)
+
+
+@pytest.fixture(scope="module")
+def setup(k8s: LocalControlPlane, crd_installed: None, module_namespace: str,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+    tmp = tmp_path_factory.mktemp("resize-emulator")
+    model = write_tiny_model(tmp / "tiny")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": CONTEXT}))
+    emulator = (commands.EMULATOR_MODULE, "--token-delay-ms", str(TOKEN_DELAY_MS))
+    with PodRunner(k8s, module_namespace, tmp / "pods", engine=emulator) as runner, \
+            OperatorProcess(k8s, module_namespace, tmp) as operator:
+        ecs = (make_ecs(NAME, module_namespace).model(str(model)).replicas(2).max_replicas(4).tp(1)
+               .set("engine.loadFormat", "dummy").set("scaling.readyTimeoutSeconds", JOIN_TIMEOUT)
+               .set("scaling.drainTimeoutSeconds", 60).arg(*engine_flags()).manifest())
+        k8s.kubectl("apply", "-n", module_namespace, "-f", "-", input=json.dumps(ecs))
+        fleet = FleetView(k8s, module_namespace, NAME, runner, SERVED)
+        s = Setup(k8s, module_namespace, runner, operator, fleet)
+        s.settle(2)
+        yield s
+        operator.check_clean()
+        assert not runner.errors, runner.errors
+
+
+def pids(s: Setup, ranks: range) -> dict[int, int]:
+    return {r: s.fleet.engine_pid(r) for r in ranks}
+
+
+def uids(s: Setup) -> dict[str, str]:
+    return {n: p["metadata"]["uid"] for n, p in s.fleet.pods().items()}
+
+
+def test_2_4_1_in_place_under_load(setup: Setup) -> None:
+    s = setup
+    before_pids, before_uids = pids(s, range(2)), uids(s)
+    load = s.load()
+    try:
+        with ResizeWatch(s.fleet) as up:
+            s.fleet.scale(4)
+            s.settle(4)
+        def every_rank_served() -> bool:
+            status = s.fleet.admin().fleet()
+            return status.data_parallel_size == 4 and all(r.requests_total > 0 for r in status.ranks)
+
+        wait_for(every_rank_served, 30, "every rank, the new ones too, to serve requests")
+        assert pids(s, range(2)) == before_pids
+        with ResizeWatch(s.fleet) as down:
+            s.fleet.scale(1)
+            s.settle(1)
+    finally:
+        load.stop()
+    assert load.outcomes, "the load sent nothing"
+    assert not load.failures(), load.summary()
+    assert s.fleet.engine_pid(0) == before_pids[0]
+    after = uids(s)
+    for name in (f"{NAME}-coordinator", f"{NAME}-frontend", f"{NAME}-engine-0"):
+        assert after[name] == before_uids[name], f"{name} was recreated"
+    assert "Preparing" in up.phases, up.phases
+    assert up.phases[-1] == "Completed", up.phases
+    assert "Draining" in down.phases, down.phases
+    assert down.phases[-1] == "Completed", down.phases
+    assert "Scaling" in up.fleet_phases, up.fleet_phases
+    assert up.fleet_phases[-1] == "Running", up.fleet_phases
+    for rank in (1, 2, 3):
+        name = constants.engine_name(NAME, rank)
+        assert rank in down.retired_at, (rank, down.retired_at)
+        assert down.retired_at[rank] <= down.deleted_at[name], f"{name} deleted before rank {rank} was retired"
+    st = s.fleet.status()
+    assert (st["replicas"], st["fleetGeneration"], st["recoveries"]) == (1, 1, 0), st
+
+
+def test_operator_killed_mid_scale_up_and_mid_scale_down_resumes_once(setup: Setup) -> None:
+    s = setup
+    with ResizeWatch(s.fleet) as watch:
+        # Mid scale-up: the resize is recorded, the new engines have not joined (maybe not even been created).
+        s.fleet.scale(3)
+        up = s.wait_op_phase("Pending", "Preparing")
+        s.operator.kill()
+        s.operator.start()
+        s.settle(3)
+        assert s.op()["id"] == up["id"]  # the same resize, carried on
+        # Mid scale-down: the leaving ranks drain.
+        load = s.load(workers=3)
+        try:
+            s.fleet.scale(1)
+            down = s.wait_op_phase("Pending", "Draining")
+            s.operator.kill()
+            s.operator.start()
+            s.settle(1)
+        finally:
+            load.stop()
+    assert s.op()["id"] == down["id"]
+    assert not load.failures(), load.summary()
+    # One operation each on the frontend (a killed operator's last events may be lost, never doubled).
+    assert [o.id for o in s.fleet.admin().resizes()][:2] == [down["id"], up["id"]]
+    events = s.fleet.events()
+    for op in (up, down):
+        assert len([m for reason, m in events if reason == "ResizeStarted" and str(op["id"]) in m]) <= 1, events
+    # No pod was recreated: the scale-up's pods were deleted only by the scale-down, once each.
+    deleted = sorted(watch.deleted_at)
+    assert deleted == [constants.engine_name(NAME, 1), constants.engine_name(NAME, 2)], deleted
+    assert watch.phases[-1] == "Completed"
+
+
+def test_a_change_during_a_resize_is_queued(setup: Setup) -> None:
+    s = setup
+    s.fleet.scale(2)
+    first = s.wait_op_phase("Pending", "Preparing")
+    s.fleet.scale(3)
+    wait_for(lambda: any(r == "ResizeQueued" for r, _ in s.fleet.events()), 30, "a ResizeQueued event")
+    assert s.op()["id"] == first["id"]  # never two at once
+    s.settle(3)
+    ops = s.fleet.admin().resizes()
+    assert [(o.from_replicas, o.to_replicas) for o in ops[:2]] == [(2, 3), (1, 2)]
+    assert s.fleet.status()["recoveries"] == 0
+
+
+def test_a_rank_that_never_joins_fails_the_resize_and_the_fleet_serves_on(setup: Setup) -> None:
+    s = setup
+    s.runner.hold.add(constants.engine_name(NAME, 3))  # its pod is bound but never starts
+    survivors = uids(s)
+    load = s.load()
+    try:
+        s.fleet.scale(4)
+        failed = s.wait_op_phase("Failed", timeout=JOIN_TIMEOUT + 60)
+        assert "did not join" in str(failed["message"]), failed
+        s.fleet.scale(3)  # give up on 4 (else the operator tries again after its backoff)
+        s.settle(3)
+    finally:
+        load.stop()
+        s.runner.hold.clear()
+    assert not load.failures(), load.summary()
+    assert {n: u for n, u in uids(s).items()} == survivors
+    assert any(r == "ResizeFailed" for r, _ in s.fleet.events())
+    status = s.fleet.admin().fleet()
+    assert status.data_parallel_size == 3
+    assert [r.state for r in status.ranks] == [RankState.SERVING] * 3
+
+
+def test_a_leaving_rank_killed_while_draining_fails_its_requests_and_the_resize_completes(setup: Setup) -> None:
+    s = setup
+    streams = Load(f"http://{s.fleet.frontend_ip()}:8000", SERVED, workers=3, max_tokens=3000, pause_s=0.5).start()
+    try:
+        wait_for(lambda: s.fleet.admin().fleet().rank(2).in_flight > 0, 30, "a request on rank 2")
+        s.fleet.scale(2)
+        s.wait_op_phase("Draining")
+        os.killpg(s.fleet.engine_pid(2), signal.SIGKILL)
+        s.settle(2, timeout=60)
+    finally:
+        streams.stop()
+    failed = streams.failures()
+    assert failed, "the killed rank's requests should have failed"
+    assert all("rank 2" in o.detail for o in failed), [o.detail for o in failed]
+    st = s.fleet.status()
+    assert (st["recoveries"], st["fleetGeneration"]) == (0, 1), st
+    op = s.fleet.admin().resizes()[0]
+    assert op.rank(2).state == RankState.RETIRED
+    assert "died while draining" in op.rank(2).message
+    assert s.fleet.admin().fleet().state == "Serving"
+
+
+def test_a_frontend_killed_mid_resize_recovers_the_fleet_at_the_committed_size(setup: Setup) -> None:
+    """Last: it recreates the fleet."""
+    s = setup
+    s.fleet.scale(3)
+    s.wait_op_phase("Preparing")
+    os.killpg(s.runner.pod(constants.frontend_name(NAME)).popen.pid, signal.SIGKILL)  # type: ignore[union-attr]
+    wait_for(lambda: s.fleet.status().get("phase") == "Recovering", 60, "Recovering", on_timeout=s.fleet.describe)
+    st = s.fleet.status()
+    assert st["recoveries"] == 1
+    assert st["replicas"] == 2  # the committed size
+    assert st["operation"]["phase"] == "Failed"
+    reasons = [r for r, _ in s.fleet.events()]
+    assert "RankLost" in reasons
+    s.settle(3, timeout=2 * SETTLE)  # recovered at 2, then resized to the 3 asked for
+    st = s.fleet.status()
+    assert (st["fleetGeneration"], st["recoveries"]) == (2, 1), st

@@ -1,0 +1,333 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Helpers for e2e tests of operator-run fleets (import as `from fleettest import ...`).
+
+* `OperatorProcess`: the operator as its own process (`python -m corefleet_operator`), which a test
+  can kill with SIGKILL and start again, with its log kept and checked for tracebacks;
+* `FleetView`: one EngineCoreSet on the control plane, its pods, events and frontend admin API;
+* `Load`: a client sending a continuous mix of streaming and non-streaming completions to the
+  frontend, recording every outcome;
+* `ResizeWatch`: polls the EngineCoreSet, the frontend's resize and the pods in a thread, so that a
+  test can check the order things happened in (phases seen, when a rank was retired and when its
+  pod was deleted).
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from corefleet_client.admin import AdminClient, AdminError, ResizeOperation
+from corefleet_operator import constants
+from corefleet_operator.localcluster import LocalControlPlane, tail
+from podrunner import PodRunner
+
+ECS_PATH = "/apis/corefleet.io/v1alpha1/namespaces/{ns}/enginecoresets/{name}"
+
+
+def spread_engines_over_cpus(pod: Mapping[str, Any]) -> dict[str, str]:
+    """One core per engine rank (vLLM binds each CPU engine's OpenMP threads to core 0 by default)."""
+    labels = pod["metadata"].get("labels", {})
+    if labels.get(constants.LABEL_ROLE) != constants.ROLE_ENGINE:
+        return {}
+    cpus = sorted(os.sched_getaffinity(0))
+    return {"VLLM_CPU_OMP_THREADS_BIND": str(cpus[int(labels[constants.LABEL_RANK]) % len(cpus)])}
+
+
+def wait_for(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.2,
+             on_timeout: Callable[[], str] | None = None) -> Any:
+    """Poll `check` until it returns something truthy (returned); AssertionError at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            extra = f"\n{on_timeout()}" if on_timeout is not None else ""
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}{extra}")
+        time.sleep(interval)
+
+
+class OperatorProcess:
+    """`python -m corefleet_operator -n NS` against the test cluster, restartable."""
+
+    def __init__(self, k8s: LocalControlPlane, namespace: str, log_dir: Path, resync_seconds: float = 10.0) -> None:
+        self.k8s, self.ns, self.log_dir = k8s, namespace, log_dir
+        self.resync_seconds = resync_seconds
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.logs: list[Path] = []
+
+    def start(self) -> None:
+        assert self.proc is None or self.proc.poll() is not None
+        log = self.log_dir / f"operator-{len(self.logs)}.log"
+        self.logs.append(log)
+        with log.open("wb") as f:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "corefleet_operator", "-n", self.ns, "--liveness", "", "--metrics-port", "0",
+                 "--resync-seconds", str(self.resync_seconds)],
+                env={**self.k8s.env(), "PYTHONUNBUFFERED": "1"}, stdout=f, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def kill(self) -> None:
+        """SIGKILL, as a node failure or an OOM kill would stop it: no cleanup, no last write."""
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+    def output(self) -> str:
+        return "\n".join(p.read_text(errors="replace") for p in self.logs if p.exists())
+
+    def check_clean(self) -> None:
+        """No traceback in any run's log (a kill leaves none: it gets no chance to write one)."""
+        text = self.output()
+        assert "Traceback" not in text, tail(self.logs[-1], 80)
+
+    def __enter__(self) -> OperatorProcess:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class FleetView:
+    """One EngineCoreSet, its pods and its frontend, as a test sees them."""
+
+    def __init__(self, k8s: LocalControlPlane, namespace: str, name: str, runner: PodRunner, model: str) -> None:
+        self.k8s, self.ns, self.name, self.runner, self.model = k8s, namespace, name, runner, model
+
+    def ecs(self) -> dict[str, Any]:
+        obj: dict[str, Any] = self.k8s.request("GET", ECS_PATH.format(ns=self.ns, name=self.name))
+        return obj
+
+    def status(self) -> dict[str, Any]:
+        st: dict[str, Any] = self.ecs().get("status", {})
+        return st
+
+    def pods(self) -> dict[str, dict[str, Any]]:
+        items = self.k8s.request(
+            "GET", f"/api/v1/namespaces/{self.ns}/pods?labelSelector={constants.LABEL_FLEET}={self.name}")["items"]
+        return {p["metadata"]["name"]: p for p in items}
+
+    def events(self) -> list[tuple[str, str]]:
+        """(reason, message) of the EngineCoreSet's events, in the order they were recorded."""
+        items = self.k8s.request("GET", f"/api/v1/namespaces/{self.ns}/events")["items"]
+        mine = [e for e in items if e["involvedObject"].get("name") == self.name
+                and e["involvedObject"].get("kind") == constants.KIND]
+        mine.sort(key=lambda e: int(e["metadata"]["resourceVersion"]))
+        return [(e["reason"], e["message"]) for e in mine]
+
+    def scale(self, replicas: int) -> None:
+        """`kubectl scale ecs` (the scale subresource, as an HPA uses it)."""
+        self.k8s.kubectl("scale", "-n", self.ns, f"ecs/{self.name}", f"--replicas={replicas}")
+
+    def get_ecs(self) -> str:
+        """`kubectl get ecs NAME` as a user reads it."""
+        return self.k8s.kubectl("get", "-n", self.ns, "ecs", self.name).stdout
+
+    def frontend_ip(self) -> str:
+        ip: str = self.pods()[constants.frontend_name(self.name)]["status"]["podIP"]
+        return ip
+
+    def admin(self) -> AdminClient:
+        secret_name = constants.admin_secret_name(self.name)
+        secret = self.k8s.request("GET", f"/api/v1/namespaces/{self.ns}/secrets/{secret_name}")
+        token = base64.b64decode(secret["data"][constants.ADMIN_TOKEN_KEY]).decode().strip()
+        return AdminClient(f"http://{self.frontend_ip()}:{constants.FRONTEND_ADMIN_PORT}", token, timeout=5)
+
+    def engine_pid(self, rank: int) -> int:
+        popen = self.runner.pod(constants.engine_name(self.name, rank)).popen
+        assert popen is not None
+        return popen.pid
+
+    def settled(self, replicas: int) -> bool:
+        """Running at `replicas`, no resize in flight, exactly the member pods, every one Ready."""
+        st = self.status()
+        op = st.get("operation") or {}
+        if st.get("phase") != "Running" or st.get("replicas") != replicas or st.get("readyReplicas") != replicas:
+            return False
+        if op and op.get("phase") not in ("Completed", "Failed"):
+            return False
+        pods = self.pods()
+        want = {constants.coordinator_name(self.name), constants.frontend_name(self.name),
+                *(constants.engine_name(self.name, r) for r in range(replicas))}
+        return set(pods) == want and all(
+            not p["metadata"].get("deletionTimestamp")
+            and {c["type"]: c["status"] for c in p["status"].get("conditions", [])}.get("Ready") == "True"
+            for p in pods.values())
+
+    def describe(self) -> str:
+        st = self.status()
+        return (f"status: {json.dumps(st, indent=1)}\nevents: {self.events()}\n"
+                f"pods: {sorted(self.pods())}\n{self.runner.log_tails(40)}")
+
+
+@dataclass
+class Outcome:
+    kind: str  # "stream" or "plain"
+    ok: bool
+    started: float
+    latency: float
+    detail: str = ""
+
+
+@dataclass
+class Load:
+    """A continuous mix of streaming and non-streaming completions from `workers` threads."""
+
+    url: str  # http://host:port
+    model: str
+    workers: int = 2
+    max_tokens: int = 16
+    pause_s: float = 0.05
+    outcomes: list[Outcome] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _threads: list[threading.Thread] = field(default_factory=list)
+
+    def start(self) -> Load:
+        for i in range(self.workers):
+            t = threading.Thread(target=self._run, args=(i,), name=f"load-{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in self._threads), "a load worker hangs"
+
+    def _run(self, worker: int) -> None:
+        i = 0
+        while not self._stop.is_set():
+            stream = (i + worker) % 2 == 0
+            t0 = time.monotonic()
+            try:
+                ok, detail = self._stream(i) if stream else self._plain(i)
+            except (OSError, http.client.HTTPException, ValueError) as e:
+                ok, detail = False, f"{type(e).__name__}: {e}"
+            self.outcomes.append(Outcome("stream" if stream else "plain", ok, t0, time.monotonic() - t0, detail))
+            i += 1
+            self._stop.wait(self.pause_s)
+
+    def _body(self, i: int, stream: bool) -> bytes:
+        return json.dumps({"model": self.model, "prompt": f"Request {i}: once upon a time",
+                           "max_tokens": self.max_tokens, "ignore_eos": True, "stream": stream}).encode()
+
+    def _plain(self, i: int) -> tuple[bool, str]:
+        req = urllib.request.Request(f"{self.url}/v1/completions", data=self._body(i, False),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                body = json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return False, f"HTTP {e.code}: {e.read()[:300]!r}"
+        reason = body["choices"][0]["finish_reason"]
+        return reason == "length", f"finish_reason {reason}"
+
+    def _stream(self, i: int) -> tuple[bool, str]:
+        host, port = self.url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=120)
+        try:
+            conn.request("POST", "/v1/completions", self._body(i, True), {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            if resp.status != 200:
+                return False, f"HTTP {resp.status}: {resp.read()[:300]!r}"
+            finish = None
+            for raw in resp:
+                line = raw.strip()
+                if not line.startswith(b"data:") or line == b"data: [DONE]":
+                    continue
+                event = json.loads(line[5:])
+                if "error" in event:
+                    return False, f"error event: {event['error']}"
+                for choice in event.get("choices", ()):
+                    finish = choice.get("finish_reason") or finish
+            return finish == "length", f"finish_reason {finish}"
+        finally:
+            conn.close()
+
+    def failures(self) -> list[Outcome]:
+        return [o for o in self.outcomes if not o.ok]
+
+    def summary(self) -> str:
+        kinds = Counter((o.kind, o.ok) for o in self.outcomes)
+        return f"{len(self.outcomes)} requests: {dict(kinds)}; failures: {[o.detail for o in self.failures()][:5]}"
+
+
+class ResizeWatch:
+    """Polls the fleet in a thread while a resize runs; keeps what it saw, in order."""
+
+    def __init__(self, fleet: FleetView, interval: float = 0.1) -> None:
+        self.fleet = fleet
+        self.interval = interval
+        self.phases: list[str] = []  # status.operation.phase, consecutive repeats dropped
+        self.fleet_phases: list[str] = []  # status.phase, likewise
+        self.retired_at: dict[int, float] = {}  # rank -> when the frontend first reported it Retired
+        self.deleted_at: dict[str, float] = {}  # pod -> when it was first seen terminating or gone
+        self.errors: list[str] = []
+        self._admin: AdminClient | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="resize-watch", daemon=True)
+        self._pods: set[str] = set()
+
+    def __enter__(self) -> ResizeWatch:
+        self._admin = self.fleet.admin()
+        self._pods = set(self.fleet.pods())
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+        self._poll()  # what the test saw last is seen here too
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._poll()
+            self._stop.wait(self.interval)
+
+    def _poll(self) -> None:
+        now = time.monotonic()
+        try:
+            st = self.fleet.status()
+            op = st.get("operation") or {}
+            for seq, value in ((self.phases, op.get("phase")), (self.fleet_phases, st.get("phase"))):
+                if value and (not seq or seq[-1] != value):
+                    seq.append(value)
+            assert self._admin is not None
+            if op.get("id"):
+                seen: ResizeOperation | None = self._admin.resize(op["id"])
+                for r in (seen.ranks if seen is not None else ()):
+                    if r.state == "Retired":
+                        self.retired_at.setdefault(r.rank, now)
+            pods = self.fleet.pods()
+            for name in self._pods:
+                pod = pods.get(name)
+                if pod is None or pod["metadata"].get("deletionTimestamp"):
+                    self.deleted_at.setdefault(name, now)
+            self._pods |= set(pods)
+        except (OSError, AdminError, ValueError, KeyError) as e:
+            self.errors.append(f"{type(e).__name__}: {e}")
