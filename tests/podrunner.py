@@ -18,6 +18,10 @@ scheduler bound to a node, does what a kubelet and a cluster's DNS would:
 4. on deletion, SIGTERMs the process group, SIGKILLs it after the grace period, and then removes
    the pod (a pod that vanished from the API is stopped the same way).
 
+Test-only knobs: `engine` runs another module in place of an engine container's
+`corefleet_client.engine` (the emulator: as another image would), and the pods named in `hold` are
+bound but never started (as if their image never pulled).
+
 `close()` stops everything it started. Errors of the loop are kept in `errors`.
 """
 
@@ -214,6 +218,7 @@ class PodRunner:
         p.popen = subprocess.Popen([*command, *args], stdout=p.logfile, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, env=env, start_new_session=True, close_fds=True)
         p.started_at = _now()
+        p.extra["started_wall"] = time.time()
         logger.info("started pod %s on %s: pid %d", p.name, p.ip, p.popen.pid)
         self._patch_status(p, self._running_status(p, ready=False))
 

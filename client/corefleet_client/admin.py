@@ -80,6 +80,22 @@ class ResizePhase(enum.StrEnum):
         return self in (ResizePhase.COMPLETED, ResizePhase.FAILED)
 
 
+class _Ranked:
+    """What the operation and the fleet status share: their ranks by number, and JSON."""
+
+    ranks: tuple[Any, ...]
+
+    def rank(self, rank: int) -> Any:
+        for r in self.ranks:
+            if r.rank == rank:
+                return r
+        raise KeyError(rank)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = dataclasses.asdict(self)  # type: ignore[call-overload]  # a dataclass subclass
+        return out
+
+
 @dataclass(frozen=True)
 class RankStatus:
     rank: int
@@ -150,7 +166,7 @@ class ResizeRequest:
 
 
 @dataclass(frozen=True)
-class ResizeOperation:
+class ResizeOperation(_Ranked):
     id: str
     from_replicas: int
     to_replicas: int
@@ -169,13 +185,8 @@ class ResizeOperation:
         return self.to_replicas > self.from_replicas
 
     def rank(self, rank: int) -> ResizeRank:
-        for r in self.ranks:
-            if r.rank == rank:
-                return r
-        raise KeyError(rank)
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        found: ResizeRank = super().rank(rank)
+        return found
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ResizeOperation:
@@ -193,7 +204,7 @@ class ResizeOperation:
 
 
 @dataclass(frozen=True)
-class FleetStatus:
+class FleetStatus(_Ranked):
     state: FleetState
     model: str
     data_parallel_size: int  # the committed size: the ranks requests are routed to once no resize runs
@@ -203,13 +214,8 @@ class FleetStatus:
     resize: ResizeOperation | None = None  # the resize in flight, else the last one
 
     def rank(self, rank: int) -> RankStatus:
-        for r in self.ranks:
-            if r.rank == rank:
-                return r
-        raise KeyError(rank)
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        found: RankStatus = super().rank(rank)
+        return found
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> FleetStatus:

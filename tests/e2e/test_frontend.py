@@ -36,6 +36,7 @@ import pytest
 from corefleet_client import local
 from corefleet_client.admin import AdminClient, AdminError, FleetState, FleetStatus, RankState
 from corefleet_client.tinymodel import VLLM_CPU_FLAGS, write_tiny_model
+from fleettest import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -120,14 +121,7 @@ class Stream:
 
 
 def wait_until(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(interval)
+    return wait_for(check, timeout, what, interval=interval)
 
 
 def _start(tmp: Path, engine: str, replicas: int, model: str, flags: tuple[str, ...], max_tokens_long: int,

@@ -1,16 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
 """README's main job, `corefleet up`: a whole fleet as local processes, used through its endpoint.
 
-Each test runs the `corefleet` command as a user would: `up --detach`, requests to the printed
-OpenAI endpoint, `status`, `down`; and checks that `down` leaves none of the recorded processes
-(nor their children) running. One fleet runs the engine emulator (4 ranks, fast), one real vLLM
-engines on the tiny model (2 ranks, ~1 min, ~5 GiB: run the e2e tier under
-`flock /tmp/corefleet-heavy.lock` on shared machines).
+Each test runs the `corefleet` command as a user would: `up`, requests to the printed OpenAI
+endpoint, `scale` while a client keeps sending requests, `status`, `down` (or Ctrl-C); and checks
+that the resize left the surviving processes alone and that stopping leaves none of the recorded
+processes (nor their children) running. One fleet runs real vLLM engines on the tiny model (2
+ranks, resized 2 -> 3 -> 2, ~3 min, ~8 GiB: run the e2e tier under
+`flock /tmp/corefleet-heavy.lock` on shared machines), one the engine emulator (4 ranks, in the
+foreground, resized 4 -> 5 -> 2).
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import urllib.request
@@ -20,6 +23,8 @@ from typing import Any
 import pytest
 
 from corefleet_client import local
+from fleettest import Load, wait_for
+from procs import read_lines_until
 
 pytestmark = pytest.mark.e2e
 
@@ -48,7 +53,43 @@ def descendants(pids: list[int]) -> set[int]:
     return found
 
 
-def run_fleet(state: Path, engine: str, replicas: int, up_timeout: float) -> None:
+def engine_pids(state: Path) -> dict[int, int]:
+    rec = local.load_record(state)
+    assert rec is not None
+    return {p.rank: p.pid for p in rec.processes if p.role == local.ROLE_ENGINE and p.rank is not None}
+
+
+def scale(state: Path, port: int, sizes: list[int], timeout: float) -> None:
+    """`corefleet scale N` for each size, with a client sending requests all along: none fails, the
+    ranks that stay keep their processes, and the state file follows."""
+    load = Load(f"http://127.0.0.1:{port}", "tiny-llama", workers=2, max_tokens=8, pause_s=0.3).start()
+    try:
+        for n in sizes:
+            before = engine_pids(state)
+            out = corefleet("scale", str(n), "--state-dir", str(state), timeout=timeout)
+            assert out.returncode == 0, f"stdout:\n{out.stdout}\nstderr:\n{out.stderr}"
+            assert f"the fleet serves at {n} rank(s)" in out.stdout, out.stdout
+            after = engine_pids(state)
+            assert sorted(after) == list(range(n)), after
+            assert {r: after[r] for r in before if r < n} == {r: before[r] for r in before if r < n}
+            rec = local.load_record(state)
+            assert rec is not None
+            assert rec.replicas == n
+            admin = rec.admin_client()
+            fleet = admin.fleet()
+            assert [(r.rank, r.state) for r in fleet.ranks] == [(r, "Serving") for r in range(n)], fleet
+            if n > len(before):  # the new ranks serve
+                wait_for(lambda: all(r.requests_total > 0 for r in admin.fleet().ranks), 60,  # noqa: B023
+                         "the new ranks to serve requests")
+            gone = [pid for r, pid in before.items() if r >= n and local.is_running(local.proc_stat(pid))]
+            assert not gone, f"retired engines still run: {gone}"
+    finally:
+        load.stop()
+    assert len(load.outcomes) > 5, load.summary()
+    assert not load.failures(), load.summary()
+
+
+def run_fleet(state: Path, engine: str, replicas: int, up_timeout: float, sizes: list[int]) -> None:
     port = local.free_ports(1)[0]
     up = corefleet("up", "--detach", "--engine", engine, "--replicas", str(replicas), "--port", str(port),
                    "--state-dir", str(state), timeout=up_timeout)
@@ -60,10 +101,6 @@ def run_fleet(state: Path, engine: str, replicas: int, up_timeout: float) -> Non
     assert [p.name for p in rec.processes] == ["coordinator", "frontend", *(f"engine-{r}" for r in range(replicas))]
     assert all(f"corefleet_client.{'emulator' if engine == 'emulator' else 'engine'}" in p.argv
                for p in rec.processes[2:])
-    pids = [p.pid for p in rec.processes]
-    children = descendants(pids)
-    # Start times, so that a pid reused meanwhile by an unrelated process is not taken for ours.
-    started = {pid: st.start_time for pid in [*pids, *children] if (st := local.proc_stat(pid)) is not None}
 
     # 1. Text prompts through the endpoint (completions and chat), spread over the ranks.
     for i in range(2 * replicas):
@@ -74,7 +111,16 @@ def run_fleet(state: Path, engine: str, replicas: int, up_timeout: float) -> Non
                 {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
     assert chat["choices"][0]["message"]["role"] == "assistant", chat
 
-    # 2. `corefleet status`: every process alive with its RSS, every rank Serving, requests counted.
+    # 2. Resized in place while it serves.
+    scale(state, port, sizes, timeout=up_timeout)
+    replicas = sizes[-1]
+    rec = local.load_record(state)
+    assert rec is not None
+    pids = [p.pid for p in rec.processes]
+    children = descendants(pids)
+    started = {pid: st.start_time for pid in [*pids, *children] if (st := local.proc_stat(pid)) is not None}
+
+    # 3. `corefleet status`: every process alive with its RSS, every rank Serving, requests counted.
     status = corefleet("status", "--state-dir", str(state), timeout=60)
     print(status.stdout)  # the RSS table, for the record
     assert status.returncode == 0, status.stdout + status.stderr
@@ -89,7 +135,8 @@ def run_fleet(state: Path, engine: str, replicas: int, up_timeout: float) -> Non
     assert [(int(r[0]), r[1]) for r in ranks] == [(r, "Serving") for r in range(replicas)]
     assert sum(int(r[5]) for r in ranks) >= 2 * replicas + 1
 
-    # 3. `corefleet down`: nothing it started is left, children included.
+    # 4. `corefleet down`: nothing it started is left, children included. (Start times, so that a pid
+    # reused meanwhile by an unrelated process is not taken for ours.)
     down = corefleet("down", "--state-dir", str(state), timeout=120)
     assert down.returncode == 0, down.stdout + down.stderr
     assert f"stopped {len(pids)} of {len(pids)} processes" in down.stdout
@@ -104,17 +151,38 @@ def _cleanup(state: Path) -> None:
         local.down(state)
 
 
-def test_emulator_fleet_of_four(tmp_path: Path) -> None:
+def test_emulator_fleet_in_the_foreground_resized_and_stopped_with_ctrl_c(tmp_path: Path) -> None:
+    """`corefleet up` in the foreground supervises what `corefleet scale` adds and removes, and Ctrl-C
+    stops all of it."""
     state = tmp_path / "state"
+    port = local.free_ports(1)[0]
+    up = subprocess.Popen([*CLI, "up", "--engine", "emulator", "--replicas", "4", "--port", str(port),
+                           "--state-dir", str(state)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        run_fleet(state, "emulator", 4, up_timeout=300)
+        read_lines_until(up, "corefleet up: running", timeout=300)
+        scale(state, port, [5, 2], timeout=300)
+        assert up.poll() is None, "corefleet up stopped: it must expect the engines a resize retires"
+        rec = local.load_record(state)
+        assert rec is not None
+        pids = [p.pid for p in rec.processes]
+        children = descendants(pids)
+        started = {pid: st.start_time for pid in [*pids, *children] if (st := local.proc_stat(pid)) is not None}
+        up.send_signal(signal.SIGINT)
+        assert up.wait(120) == 0
+        left = {pid for pid in [*pids, *children]
+                if local.is_running(st := local.proc_stat(pid)) and st is not None and st.start_time <= started[pid]}
+        assert not left, f"still running after Ctrl-C: {left}"
+        assert local.load_record(state) is None
     finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
         _cleanup(state)
 
 
-def test_real_vllm_fleet_of_two(tmp_path: Path) -> None:
+def test_real_vllm_fleet_of_two_resized_2_3_2(tmp_path: Path) -> None:
     state = tmp_path / "state"
     try:
-        run_fleet(state, "vllm", 2, up_timeout=500)
+        run_fleet(state, "vllm", 2, up_timeout=600, sizes=[3, 2])
     finally:
         _cleanup(state)

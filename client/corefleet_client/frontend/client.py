@@ -530,14 +530,17 @@ class KubeDPLBClient(DPLBAsyncMPClient):  # type: ignore[misc]  # vLLM is not ty
             # 2. Their ready responses, sent on the requests socket before READY.
             await self._read_ready_responses(new)
             self._check_cancel(op)
-        except ResizeFailed as e:
+        except Exception as e:  # before the commit nothing has changed: the fleet serves on at N
+            if not isinstance(e, ResizeFailed):
+                logger.exception("Resize %s: the new ranks' handshake failed", op.id)
+                e = ResizeFailed(f"the new ranks' handshake failed: {type(e).__name__}: {e}")
             for rank in new:
                 if rank in joined:
                     self._fleet.set_rank(rank, RankState.RETIRED, f"joined, then retired again: {e}")
                 else:
                     self._fleet.set_rank(rank, RankState.FAILED, f"did not join: {e}")
                 self._fleet.forget_rank(rank)
-            raise
+            raise e from None
         # 3. Commit: loggers first, then routing, then the stats task and the coordinator.
         self._fleet.update_resize(op.id, phase=ResizePhase.COMMITTING, message=f"adding {describe(new)}")
         if self._stat_loggers is not None:
