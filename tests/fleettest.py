@@ -277,6 +277,52 @@ class Load:
         return f"{len(self.outcomes)} requests: {dict(kinds)}; failures: {[o.detail for o in self.failures()][:5]}"
 
 
+class PinnedStream:
+    """One streaming completion pinned to a rank (`X-data-parallel-rank`), read to its end in a thread."""
+
+    def __init__(self, url: str, model: str, rank: int, max_tokens: int) -> None:
+        self.outcome: tuple[bool, str] | None = None
+        self.first_token = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(url, model, rank, max_tokens), daemon=True)
+        self._thread.start()
+
+    def _run(self, url: str, model: str, rank: int, max_tokens: int) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=300)
+        body = json.dumps({"model": model, "prompt": "A long story", "max_tokens": max_tokens, "ignore_eos": True,
+                           "stream": True})
+        try:
+            conn.request("POST", "/v1/completions", body,
+                         {"Content-Type": "application/json", "X-data-parallel-rank": str(rank)})
+            resp = conn.getresponse()
+            if resp.status != 200:
+                self.outcome = (False, f"HTTP {resp.status}: {resp.read()[:300]!r}")
+                return
+            finish = None
+            for raw in resp:
+                line = raw.strip()
+                if not line.startswith(b"data:") or line == b"data: [DONE]":
+                    continue
+                event = json.loads(line[5:])
+                if "error" in event:
+                    self.outcome = (False, f"error event: {event['error']}")
+                    return
+                self.first_token.set()
+                for choice in event.get("choices", ()):
+                    finish = choice.get("finish_reason") or finish
+            self.outcome = (finish == "length", f"finish_reason {finish}")
+        except (OSError, http.client.HTTPException, ValueError) as e:
+            self.outcome = (False, f"{type(e).__name__}: {e}")
+        finally:
+            self.first_token.set()
+            conn.close()
+
+    def result(self, timeout: float = 300) -> tuple[bool, str]:
+        self._thread.join(timeout)
+        assert self.outcome is not None, "the pinned stream did not end"
+        return self.outcome
+
+
 class ResizeWatch:
     """Polls the fleet in a thread while a resize runs; keeps what it saw, in order."""
 

@@ -55,15 +55,25 @@ The changes:
    server error"; this puts a `GracefulHTTPError` (the status and message reach the HTTP client,
    also as the error event of a stream) into the request's output queue, then drops the request
    from the output processor as `AsyncLLM.abort` does (`OutputProcessor.abort_requests`).
+7. `yielding_output_socket` changes what `AsyncMPClient._ensure_output_queue_task` reads engine
+   outputs from: the same socket, but every receive lets the event loop run other tasks. vLLM's
+   reader (`process_outputs_socket`) awaits `recv_multipart`, and pyzmq's asyncio socket returns an
+   already completed future whenever a message is waiting, so as long as the engines send faster
+   than the reader decodes, the reader never yields: the output handler, every streaming response,
+   the admin API's and the liveness watcher's work wait. Seen with two fast CPU engines: the first
+   token of a stream reached the client after 10-30 s, and the liveness watcher, starved as long,
+   declared a healthy rank dead. The cleanup in `BackgroundResources` still sees vLLM's socket.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import copy
 import functools
 import inspect
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from http import HTTPStatus
 from typing import Any
 
@@ -188,3 +198,29 @@ def fail_requests(async_llm: AsyncLLM, request_ids: Iterable[str], message: str,
             state.queue.put(GracefulHTTPError(message, status))
     ended: list[str] = output_processor.abort_requests(ids, internal=True)
     return ended
+
+
+class YieldingSocket:
+    """An asyncio ZMQ socket whose `recv_multipart` lets other tasks run after every message (change 7)."""
+
+    def __init__(self, socket: Any) -> None:
+        self._socket = socket
+
+    async def recv_multipart(self, *args: Any, **kwargs: Any) -> Any:
+        frames = await self._socket.recv_multipart(*args, **kwargs)
+        await asyncio.sleep(0)
+        return frames
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._socket, name)
+
+
+@contextlib.contextmanager
+def yielding_output_socket(resources: Any) -> Iterator[None]:
+    """While vLLM creates its output task, `resources.output_socket` yields (change 7); vLLM's own socket after."""
+    real = resources.output_socket
+    resources.output_socket = YieldingSocket(real) if real is not None else None
+    try:
+        yield
+    finally:
+        resources.output_socket = real

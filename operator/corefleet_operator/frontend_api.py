@@ -55,14 +55,14 @@ class FrontendAPI:
             return FrontendObs(reachable=False, error="the frontend pod has no address yet")
         client = self._client(pod, token)
         try:
-            body = await asyncio.to_thread(client._get, f"/v1/resizes/{resize_id}")
+            op = await asyncio.to_thread(client.resize, resize_id)
         except AdminError as e:
-            if e.status == 404:
-                return FrontendObs(reachable=True, refused=self._refused.get(resize_id, ""))
             return FrontendObs(reachable=False, error=f"admin API answered {e.status}: {_reason(e)}")
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, KeyError) as e:
             return FrontendObs(reachable=False, error=f"admin API at {admin_url(pod)}: {e}")
-        return FrontendObs(reachable=True, resize=resize_obs(body))
+        if op is None:
+            return FrontendObs(reachable=True, refused=self._refused.get(resize_id, ""))
+        return FrontendObs(reachable=True, resize=resize_obs(op.to_json()))
 
     async def start(self, pod: PodObs | None, token: str, action: StartResize) -> None:
         if pod is None:

@@ -197,6 +197,10 @@ class _Resize:
     rank_states: dict[int, tuple[RankPhase, str]] = field(default_factory=dict)
 
 
+def _ready(pod: PodObs | None) -> bool:
+    return pod is not None and pod.ready and pod.phase == "Running" and not pod.terminating
+
+
 def _op_timeout(op: OperationStatus, spec_join: float, spec_drain: float) -> float:
     budget = spec_join if op.scale_up else spec_drain
     return budget + FRONTEND_GRACE_SECONDS
@@ -240,6 +244,16 @@ def _continue_resize(fleet: FleetRef, observed: Observed, op: OperationStatus, c
         for rank, (state, message) in seen.ranks.items():
             if state in ("Joining", "Serving", "Draining", "Retired", "Failed"):
                 r.rank_states[rank] = (state, message)  # type: ignore[assignment]
+        unready = sorted(rank for rank in r.joining if not _ready(current.get(constants.engine_name(fleet.name, rank))))
+        if seen.phase == "Completed" and unready and elapsed <= timeout:
+            # The frontend serves on the new ranks; the resize is done once Kubernetes sees their pods Ready
+            # too (the kubelet's readiness probe lags the handshake by up to its period).
+            r.operation = replace(op, phase="Committing",
+                                  message=f"the frontend serves on {_ranks(r.joining)}; waiting for the pod(s) of "
+                                          f"{_ranks(unready)} to be Ready")
+            if op.phase != "Committing":
+                r.events.append(Event("Normal", "ResizeCommitting", f"resize {op.id}: {r.operation.message}"))
+            return r
         if seen.phase == "Completed":
             r.committed = op.toReplicas
             r.operation = replace(op, phase="Completed", finishedAt=now, message=seen.message)

@@ -132,7 +132,7 @@ def _start(tmp: Path, engine: str, replicas: int, model: str, flags: tuple[str, 
     fleet = local.start(opts)
     try:
         fleet.wait_ready(timeout=ready_timeout)
-        yield Fleet(fleet=fleet, admin=fleet.record.admin_client(timeout=5), host=local.LOCALHOST, port=port,
+        yield Fleet(fleet=fleet, admin=fleet.record.admin_client(timeout=15), host=local.LOCALHOST, port=port,
                     max_tokens_long=max_tokens_long)
     finally:
         fleet.stop(grace=10)

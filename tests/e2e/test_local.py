@@ -62,7 +62,8 @@ def engine_pids(state: Path) -> dict[int, int]:
 def scale(state: Path, port: int, sizes: list[int], timeout: float) -> None:
     """`corefleet scale N` for each size, with a client sending requests all along: none fails, the
     ranks that stay keep their processes, and the state file follows."""
-    load = Load(f"http://127.0.0.1:{port}", "tiny-llama", workers=2, max_tokens=8, pause_s=0.3).start()
+    # A client that keeps sending, a second between requests (see test_operator_fleet.py for why not denser).
+    load = Load(f"http://127.0.0.1:{port}", "tiny-llama", workers=1, max_tokens=8, pause_s=1.0).start()
     try:
         for n in sizes:
             before = engine_pids(state)
@@ -85,7 +86,7 @@ def scale(state: Path, port: int, sizes: list[int], timeout: float) -> None:
             assert not gone, f"retired engines still run: {gone}"
     finally:
         load.stop()
-    assert len(load.outcomes) > 5, load.summary()
+    assert len(load.outcomes) > 3, load.summary()
     assert not load.failures(), load.summary()
 
 

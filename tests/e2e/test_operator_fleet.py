@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -26,7 +27,7 @@ from corefleet_client.tinymodel import VLLM_CPU_FLAGS, write_tiny_model
 from corefleet_operator import constants
 from corefleet_operator.localcluster import LocalControlPlane
 from factories import make_ecs
-from fleettest import FleetView, Load, OperatorProcess, ResizeWatch, spread_engines_over_cpus, wait_for
+from fleettest import FleetView, Load, OperatorProcess, PinnedStream, ResizeWatch, spread_engines_over_cpus, wait_for
 from podrunner import PodRunner
 
 pytestmark = pytest.mark.e2e
@@ -34,6 +35,7 @@ pytestmark = pytest.mark.e2e
 NAME = "llm"
 SERVED = "tiny"
 START_TIMEOUT = 600.0  # real vLLM engines starting on a 2-core machine, up to 3 at once with load running
+CONTEXT = 2048  # long enough for a request that stays in flight for seconds
 
 
 def engine_flags() -> list[str]:
@@ -41,6 +43,7 @@ def engine_flags() -> list[str]:
     flags = list(VLLM_CPU_FLAGS)
     i = flags.index("--load-format")
     del flags[i:i + 2]
+    flags[flags.index("--max-model-len") + 1] = str(CONTEXT)
     return [*flags, "--served-model-name", SERVED]
 
 
@@ -70,6 +73,8 @@ def setup(k8s: LocalControlPlane, crd_installed: None, module_namespace: str,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     tmp = tmp_path_factory.mktemp("operator-fleet")
     model = write_tiny_model(tmp / "tiny-llama")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": CONTEXT}))
     with PodRunner(k8s, module_namespace, tmp / "pods", extra_env=spread_engines_over_cpus) as runner, \
             OperatorProcess(k8s, module_namespace, tmp) as operator:
         ecs = (make_ecs(NAME, module_namespace).model(str(model)).replicas(2).max_replicas(3).tp(1)
@@ -99,30 +104,45 @@ def test_real_vllm_fleet_resizes_2_3_2_in_place_under_load(setup: Setup) -> None
     pods = s.fleet.pods()
     uids = {name: p["metadata"]["uid"] for name, p in pods.items()}
     events_before = len(s.fleet.events())
-    # Continuous but light: on 2 cores a busy engine starves the new one's start (minutes instead of ~30 s).
-    load = Load(f"http://{s.fleet.frontend_ip()}:8000", SERVED, workers=2, max_tokens=8, pause_s=0.5).start()
+    # A client that keeps sending, with a second between requests. (vLLM's CPU worker busy-polls for its next
+    # step for 1 s after each one, so under a denser load the two engines keep both cores of this machine
+    # busy and the new engine takes minutes to start instead of about one.)
+    load = Load(f"http://{s.fleet.frontend_ip()}:8000", SERVED, workers=1, max_tokens=8, pause_s=1.0).start()
     columns: list[list[str]] = []
     try:
         with ResizeWatch(s.fleet) as up:
+            t0 = time.monotonic()
             s.fleet.scale(3)
             wait_for(lambda: s.fleet.status().get("phase") == "Scaling", 30, "phase Scaling")
             columns.append(s.fleet.get_ecs().split("\n")[1].split()[:4])
             s.settle(3)
+            up_took = time.monotonic() - t0
         columns.append(s.fleet.get_ecs().split("\n")[1].split()[:4])
 
-        def new_rank_served() -> bool:
-            return s.fleet.admin().fleet().rank(2).requests_total > 0
+        def new_rank_served() -> int:
+            return s.fleet.admin().fleet().rank(2).requests_total
 
-        wait_for(new_rank_served, 60, "rank 2 to serve requests")
+        served = wait_for(new_rank_served, 60, "rank 2 to serve requests")
+        # A long request on the leaving rank: the drain lets it finish.
+        long = PinnedStream(f"http://{s.fleet.frontend_ip()}:8000", SERVED, rank=2, max_tokens=CONTEXT - 64)
+        assert long.first_token.wait(60)
         with ResizeWatch(s.fleet) as down:
+            t0 = time.monotonic()
             s.fleet.scale(2)
             s.settle(2, timeout=120)
+            down_took = time.monotonic() - t0
     finally:
         load.stop()
     columns.append(s.fleet.get_ecs().split("\n")[1].split()[:4])
+    assert long.result() == (True, "finish_reason length")
+    print(f"2 -> 3 settled in {up_took:.1f} s, 3 -> 2 in {down_took:.1f} s; rank 2 served {served} request(s) "
+          f"before it was retired; load: {load.summary()}; survivors' engine pids {survivors}; "
+          f"operation phases up {up.phases}, down {down.phases}; kubectl get ecs {columns}; rank 2 retired at "
+          f"{down.retired_at.get(2)}, its pod deleted at {down.deleted_at.get(constants.engine_name(NAME, 2))} "
+          f"(monotonic s); events {[r for r, _ in s.fleet.events()[events_before:]]}")
 
     # No request failed, and the surviving ranks are the same processes in the same pods.
-    assert len(load.outcomes) > 20, load.summary()
+    assert len(load.outcomes) > 10, load.summary()
     assert {o.kind for o in load.outcomes} == {"stream", "plain"}
     assert not load.failures(), load.summary()
     assert {r: s.fleet.engine_pid(r) for r in (0, 1)} == survivors

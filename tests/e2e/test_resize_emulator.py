@@ -25,7 +25,7 @@ from corefleet_client.tinymodel import VLLM_CPU_FLAGS, write_tiny_model
 from corefleet_operator import constants
 from corefleet_operator.localcluster import LocalControlPlane
 from factories import make_ecs
-from fleettest import FleetView, Load, OperatorProcess, ResizeWatch, wait_for
+from fleettest import FleetView, Load, OperatorProcess, PinnedStream, ResizeWatch, wait_for
 from podrunner import PodRunner
 
 pytestmark = pytest.mark.e2e
@@ -34,8 +34,10 @@ NAME = "emu"
 SERVED = "tiny"
 TOKEN_DELAY_MS = 10
 CONTEXT = 4096  # long enough for requests that stay in flight for tens of seconds at the token delay
-JOIN_TIMEOUT = 30  # readyTimeoutSeconds: the schema's minimum, so that a rank that never joins fails fast
-SETTLE = 240.0  # emulated engines start in 13-30 s on 2 cores (they import vLLM for its wire types)
+# readyTimeoutSeconds, the join timeout: emulated engines start in 13-40 s on 2 busy cores (they import
+# vLLM for its wire types); a rank that never joins fails the resize after it.
+JOIN_TIMEOUT = 90
+SETTLE = 240.0
 
 
 def engine_flags() -> list[str]:
@@ -111,11 +113,15 @@ def test_2_4_1_in_place_under_load(setup: Setup) -> None:
 
         wait_for(every_rank_served, 30, "every rank, the new ones too, to serve requests")
         assert pids(s, range(2)) == before_pids
+        # A long request on a leaving rank: the drain lets it finish (~4 s at the token delay).
+        long = PinnedStream(f"http://{s.fleet.frontend_ip()}:8000", SERVED, rank=3, max_tokens=400)
+        assert long.first_token.wait(30)
         with ResizeWatch(s.fleet) as down:
             s.fleet.scale(1)
             s.settle(1)
     finally:
         load.stop()
+    assert long.result() == (True, "finish_reason length")
     assert load.outcomes, "the load sent nothing"
     assert not load.failures(), load.summary()
     assert s.fleet.engine_pid(0) == before_pids[0]

@@ -177,6 +177,17 @@ def test_membership_change_pinned(core_client: ModuleType) -> None:
     assert "except asyncio.InvalidStateError" in utility  # a cancelled liveness future is ignored
 
 
+def test_output_reader_is_what_yielding_output_socket_wraps(core_client: ModuleType) -> None:
+    """vllm_compat change 7: vLLM's output task reads `resources.output_socket` once, when it is created,
+    and awaits its recv_multipart in a loop; the cleanup checks the socket's type."""
+    task = inspect.getsource(core_client.AsyncMPClient._ensure_output_queue_task)
+    assert "output_socket = resources.output_socket" in task
+    assert "await output_socket.recv_multipart(copy=False)" in task
+    assert "if resources.output_queue_task is not None:" in task
+    cleanup = inspect.getsource(core_client.BackgroundResources.__call__)
+    assert "isinstance(self.output_socket, zmq.asyncio.Socket)" in cleanup
+
+
 def test_handshake_can_be_aborted_through_a_watched_process(engine_utils: ModuleType) -> None:
     """frontend.client.HandshakeAbort stops vLLM's handshake loop as a "watched frontend process"."""
     assert "watched_frontend_processes" in engine_utils.CoreEngineLaunch.__dataclass_fields__

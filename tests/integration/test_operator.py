@@ -124,18 +124,34 @@ def test_sample_becomes_a_complete_fleet_with_status(cluster: Cluster, operator:
     assert table[1].split()[:5] == ["llm", "2", "2", "Running", "corefleet/tiny-llama"]
 
 
-def test_kubectl_scale_converges_to_the_new_size(cluster: Cluster, operator: KopfRunner) -> None:
+def test_kubectl_scale_starts_an_in_place_resize(cluster: Cluster, operator: KopfRunner) -> None:
+    """`kubectl scale` (the scale subresource) becomes a resize in place: recorded in status.operation,
+    exactly the new ranks' pods created, nothing else touched. With no frontend process here (the
+    kubelet stand-in runs nothing) the resize waits for the frontend; e2e tests carry it out."""
     cluster.apply(cluster.make("s").replicas(1).manifest())
     cluster.wait_running("s", 1)
+    before = {n: p["metadata"]["uid"] for n, p in cluster.pods("s").items()}
 
     cluster.k8s.kubectl("scale", "ecs", "s", "-n", cluster.ns, "--replicas=3")
 
-    ecs = cluster.wait_running("s", 3)
-    assert ecs["spec"]["replicas"] == 3
-    assert sorted(n for n in cluster.pods("s") if "engine" in n) == ["s-engine-0", "s-engine-1", "s-engine-2"]
+    def resizing() -> bool:
+        op = cluster.ecs("s").get("status", {}).get("operation") or {}
+        return (op.get("fromReplicas"), op.get("toReplicas")) == (1, 3) and \
+            {"s-engine-1", "s-engine-2"} <= set(cluster.pods("s"))
+
+    cluster.wait("a resize 1 -> 3 with the new ranks' pods", resizing)
+    ecs = cluster.ecs("s")
+    assert ecs["status"]["phase"] == "Scaling"
+    assert ecs["status"]["operation"]["phase"] == "Pending"  # the frontend has not taken it (there is none)
+    pods = cluster.pods("s")
+    assert {n: pods[n]["metadata"]["uid"] for n in before} == before  # nothing recreated
+    args = pods["s-engine-2"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--data-parallel-size") + 1] == "3"
     scale = cluster.get(f"/apis/corefleet.io/v1alpha1/namespaces/{cluster.ns}/enginecoresets/s/scale")
-    assert (scale["spec"]["replicas"], scale["status"]["replicas"]) == (3, 3)
+    assert (scale["spec"]["replicas"], scale["status"]["replicas"]) == (3, 1)  # committed only once it completes
     assert scale["status"]["selector"] == "corefleet.io/fleet=s,corefleet.io/role=engine"
+    cluster.wait("a ResizeStarted event", lambda: any("1 -> 3 ranks in place" in m
+                                                        for m in cluster.events("ResizeStarted")))
 
 
 def test_deleted_child_is_recreated(cluster: Cluster, operator: KopfRunner) -> None:

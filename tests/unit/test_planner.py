@@ -585,6 +585,35 @@ def test_scale_up_in_place_adds_exactly_the_new_ranks() -> None:
     assert len(w.events("ResizeCompleted")) == 1
 
 
+def test_a_scale_up_completes_once_the_new_pods_are_ready_too() -> None:
+    """The frontend serves on a new rank as soon as it committed it; its pod's Ready condition (the
+    kubelet's readiness probe) can lag a few seconds: the resize ends then, never with a Degraded blip."""
+    w = running(2)
+    w.scale(3)
+    w.step()
+    w.step()
+    op = w.status.operation
+    assert op is not None
+    w.pods["a-engine-2"] = replace(w.pods["a-engine-2"], ready=False)
+    w.frontend.ops[op.id].phase = "Completed"
+    w.frontend.ops[op.id].ranks = {2: ("Serving", "")}
+    w.frontend.size = 3
+
+    p = w.step()
+
+    assert w.status.phase == "Scaling"
+    assert w.status.operation is not None
+    assert w.status.operation.phase == "Committing"
+    assert "waiting for the pod(s) of rank 2 to be Ready" in w.status.operation.message
+    assert w.status.replicas == 2
+    assert [e.reason for e in p.events] == ["ResizeCommitting"]
+    w.pods["a-engine-2"] = replace(w.pods["a-engine-2"], ready=True)
+    p = w.step()
+    assert (w.status.phase, w.status.replicas) == ("Running", 3)
+    assert [e.reason for e in p.events] == ["ResizeCompleted"]
+    assert not any(pl.status.phase == "Degraded" for pl in w.log)
+
+
 def test_scale_down_deletes_only_retired_ranks_after_the_frontend_says_so() -> None:
     w = running(4)
     survivors = {n: q.uid for n, q in w.pods.items() if n not in ("a-engine-2", "a-engine-3")}

@@ -195,6 +195,7 @@ class KubeDPLBClient(DPLBAsyncMPClient):  # type: ignore[misc]  # vLLM is not ty
     outputs_queue: asyncio.Queue[Any]
     input_socket: Any
     first_req_send_socket: Any
+    resources: Any
     encoder: Any
     client_index: int
 
@@ -297,6 +298,13 @@ class KubeDPLBClient(DPLBAsyncMPClient):  # type: ignore[misc]  # vLLM is not ty
             self._records[rank] = self._fleet.record(rank)
         logger.info("All %d engine(s) joined; serving", len(self.core_engines))
         self._liveness_task = asyncio.create_task(self._watch_engines(), name="corefleet-engine-liveness")
+
+    def _ensure_output_queue_task(self) -> None:
+        # vllm_compat change 7: the task that reads engine outputs yields after every message.
+        if self.resources.output_queue_task is not None:
+            return
+        with vllm_compat.yielding_output_socket(self.resources):
+            super()._ensure_output_queue_task()
 
     def attach_async_llm(self, async_llm: Any, stat_logger_options: dict[str, Any]) -> None:
         """Called once AsyncLLM is built (vllm_compat change 5)."""
