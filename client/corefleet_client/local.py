@@ -15,8 +15,12 @@ frontend's HTTP port, which the user picks:
 
 Supervision, all recorded in a state directory so that another `corefleet` command finds it:
 
-* each process runs in its own session (`start_new_session`), so a terminal's Ctrl-C reaches only
-  `corefleet up`, which then stops exactly what it started; its output goes to `logs/<name>.log`;
+* each process leads its own process group (`process_group=0`), so a terminal's Ctrl-C (sent to
+  the foreground group) reaches only `corefleet up`, which then stops exactly what it started; its
+  output goes to `logs/<name>.log`. Not its own session: with `kernel.sched_autogroup_enabled`
+  (the default on most distributions) the CPU scheduler shares the cores between *sessions* before
+  threads, so a fleet of one session per process gave the frontend one share against every
+  spinning engine worker's share and served at about half of stock `vllm serve` (issue 10);
 * the state file `fleet.json` lists each process (role, rank, pid, start time, command line, log),
   the ports, the endpoint and the admin token file. It is rewritten after every start, so a
   `corefleet up` that fails half way still leaves a record `corefleet down` can act on;
@@ -958,7 +962,7 @@ def start(opts: FleetOptions) -> LocalFleet:
     )
     (state_dir / LOG_DIR).mkdir(exist_ok=True)
     fleet = LocalFleet(record, {})
-    # 4. Start each process in its own session; record it before starting the next one.
+    # 4. Start each process in its own process group; record it before starting the next one.
     try:
         for role, rank, argv, extra_env in plan:
             fleet.record, popen = spawn(fleet.record, role, rank, argv, extra_env)
@@ -971,13 +975,14 @@ def start(opts: FleetOptions) -> LocalFleet:
 
 def spawn(record: FleetRecord, role: str, rank: int | None, argv: list[str],
           extra_env: dict[str, str]) -> tuple[FleetRecord, subprocess.Popen[bytes]]:
-    """Start one fleet process in its own session, its output in `logs/<name>.log`; the record with it
+    """Start one fleet process in its own process group (see the module docstring for why not a
+    session), its output in `logs/<name>.log`; the record with it
     added, already saved (so that `corefleet down` finds it whatever happens next)."""
     name = role if rank is None else f"{role}-{rank}"
     log = Path(record.state_dir) / LOG_DIR / f"{name}.log"
     with log.open("ab") as logf:
         p = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             env={**os.environ, **extra_env}, start_new_session=True, close_fds=True)
+                             env={**os.environ, **extra_env}, process_group=0, close_fds=True)
     st = proc_stat(p.pid)
     proc = ProcessRecord(role=role, rank=rank, pid=p.pid, start_time=st.start_time if st else -1,
                          argv=tuple(argv), log=str(log))

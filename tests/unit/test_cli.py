@@ -260,7 +260,7 @@ def spawned() -> Iterator[list[subprocess.Popen[bytes]]]:
     procs: list[subprocess.Popen[bytes]] = []
     yield procs
     for p in procs:
-        with contextlib.suppress(ProcessLookupError):  # each runs in its own session: its group, children too
+        with contextlib.suppress(ProcessLookupError):  # each leads its own group: its children go too
             os.killpg(p.pid, signal.SIGKILL)
         p.wait()
 
@@ -303,6 +303,22 @@ def test_state_file_round_trips(tmp_path: Path) -> None:
     (tmp_path / "fleet.json").write_text("{}")
     with pytest.raises(local.LocalFleetError, match="not a corefleet state file"):
         local.load_record(tmp_path)
+
+
+def test_spawn_gives_each_process_its_own_group_in_the_callers_session(
+        tmp_path: Path, spawned: list[subprocess.Popen[bytes]]) -> None:
+    """Its own process group keeps a terminal's Ctrl-C away from the fleet; the caller's session keeps
+    the fleet in one scheduling autogroup (a session each halved the frontend's CPU share, issue 10)."""
+    (tmp_path / local.LOG_DIR).mkdir()
+    rec = _record(tmp_path, [])
+    rec, p = local.spawn(rec, "engine", 0, ["sleep", "1000"], {})
+    spawned.append(p)
+    st = local.proc_stat(p.pid)
+    assert st is not None
+    assert st.pgrp == p.pid != os.getpgrp()
+    assert st.session == os.getsid(0)
+    assert [(q.role, q.rank, q.pid) for q in rec.processes] == [("engine", 0, p.pid)]
+    assert local.load_record(tmp_path) == rec
 
 
 def test_down_stops_exactly_the_recorded_processes(tmp_path: Path, spawned: list[subprocess.Popen[bytes]]) -> None:
