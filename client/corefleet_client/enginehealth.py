@@ -8,7 +8,8 @@ Three parts, none of which imports vLLM (so that they are tested without torch):
   with the engine's identity (the DP rank, 2 bytes little-endian), connects to the frontend's
   handshake ROUTER. Frames pass through unchanged in both directions: HELLO and READY up,
   INIT down. Once READY has gone up, the engine has joined the fleet, and the relay closes.
-* `EngineState`: starting / ready / exited, from the relay and the engine process's sentinel.
+* `EngineState`: starting / ready / exited, from the relay and the engine process's sentinel
+  (`ChildProcess`: a pidfd, for the engine core the launcher starts with `subprocess`).
 * `HealthServer`: `GET /livez` and `GET /readyz` on a stdlib HTTP server in a thread.
 
 Why relaying the handshake is transparent (vLLM 0.32.0, `v1/engine/core.py`
@@ -39,6 +40,7 @@ import logging
 import multiprocessing.connection
 import os
 import socket
+import subprocess
 import threading
 from typing import Any, Protocol
 
@@ -168,13 +170,40 @@ class HandshakeRelay:
 
 
 class _Process(Protocol):
-    """What EngineState reads of a multiprocessing.Process."""
+    """What EngineState reads of the engine's process (a `ChildProcess`, or a multiprocessing.Process)."""
 
     @property
     def sentinel(self) -> int: ...
 
     @property
     def exitcode(self) -> int | None: ...
+
+
+class ChildProcess:
+    """A `subprocess.Popen` child seen as `_Process`: a pidfd as its sentinel (readable once it has
+    exited) and its exit status read without reaping it (`waitid(WNOWAIT)`), so that the health
+    server's threads never race the main thread, which reaps it with `wait()`. The exit code follows
+    multiprocessing's convention: -N when killed by signal N."""
+
+    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+        self._popen = popen
+        self.sentinel = os.pidfd_open(popen.pid)
+
+    @property
+    def exitcode(self) -> int | None:
+        if self._popen.returncode is not None:
+            return self._popen.returncode
+        try:
+            info = os.waitid(os.P_PID, self._popen.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:  # reaped by the main thread meanwhile
+            return self._popen.returncode
+        if info is None:
+            return None
+        killed = info.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
+        return -info.si_status if killed else info.si_status
+
+    def close(self) -> None:
+        os.close(self.sentinel)
 
 
 class EngineState:
@@ -184,8 +213,8 @@ class EngineState:
     checked rather than `is_alive()`, which would reap the child under the main thread's feet.
     """
 
-    def __init__(self, rank: int, joined: threading.Event | None = None) -> None:
-        self.rank = rank
+    def __init__(self, rank: int | None, joined: threading.Event | None = None) -> None:
+        self.rank = rank  # None until the engine core has reported it
         self.joined = joined if joined is not None else threading.Event()
         self._process: _Process | None = None
 

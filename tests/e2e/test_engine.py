@@ -8,6 +8,8 @@ each started through the launcher, before the frontend exists. It shows that
 * the launchers report not ready while their engines wait for the frontend (the relay holds HELLO),
   and ready once the handshake went through them and the frontend is healthy;
 * requests (token-id prompts) are served through the fleet;
+* each launcher is the parent of its engine core and maps no vLLM/torch code of its own (issue 10:
+  it used to hold a whole vLLM import per rank);
 * an engine that dies makes its launcher report /livez 503 and exit non-zero (128+9 for SIGKILL);
 * SIGTERM to a launcher stops its engine, exits 0 and leaves no process behind.
 """
@@ -124,8 +126,8 @@ def complete(port: int, prompt: list[int]) -> dict[str, Any]:
 
 
 def engine_pid(launcher: Proc) -> int:
-    """The engine core's pid, as the launcher logs it once CoreEngineProcManager started it."""
-    match = re.search(r"Engine core EngineCore_DP\d+ started \(pid (\d+)\)", launcher.log.read_text(errors="replace"))
+    """The engine core's pid, as the launcher logs it once the engine core reported its rank."""
+    match = re.search(r"Engine core EngineCore_DP\d+ \(pid (\d+)\) is rank", launcher.log.read_text(errors="replace"))
     assert match, launcher.output()
     return int(match.group(1))
 
@@ -206,6 +208,15 @@ def test_launched_engines_join_a_stock_frontend(tmp_path: Path, procs: list[Proc
         assert get(health_ports[rank], "/readyz") == (200, {"rank": rank, "state": "ready", "exitcode": None})
     wait_until(lambda: all_alive() and get(http_port, "/health")[0] == 200,
                STARTUP_TIMEOUT, "frontend healthy", interval=0.5, fatal=(AssertionError,))
+
+    # 2b. The launcher relays and probes; vLLM and torch live in its child, the engine core.
+    for eng in engines:
+        core = psutil.Process(engine_pid(eng))
+        assert core.ppid() == eng.pid
+        assert "libtorch" in Path(f"/proc/{core.pid}/maps").read_text()
+        launcher_maps = Path(f"/proc/{eng.pid}/maps").read_text()
+        assert "libtorch" not in launcher_maps, eng.output()
+        assert "/vllm/" not in launcher_maps, eng.output()
 
     # 3. Requests go through. (Where DPLB sends each one is its business; both ranks are joined.)
     for prompt in ([1, 17, 42, 99], [1, 5, 6, 7, 8], [1, 300, 301]):

@@ -269,3 +269,36 @@ def test_health_and_liveness_pinned() -> None:
     assert _params(core.EngineCore.is_sleeping) == ["self"]
     engine = importlib.import_module("vllm.v1.engine")
     assert engine.FinishReason.ERROR.value == 3
+
+
+def test_engine_core_runs_in_process_as_the_manager_would_spawn_it(engine_utils: ModuleType) -> None:
+    """corefleet_client.enginecore becomes the engine core: it repeats what CoreEngineProcManager does
+    for one local engine before `proc.start()`, then runs the manager's own target in-process."""
+    manager_init = inspect.getsource(engine_utils.CoreEngineProcManager.__init__)
+    # The target and its keywords (enginecore passes the same ones, with dp_rank and local_dp_rank=0).
+    assert "target=EngineCoreProc.run_engine_core" in manager_init
+    for key in ('"vllm_config"', '"local_client"', '"handshake_address"', '"executor_class"', '"log_stats"',
+                '"tensor_queue"', '{"dp_rank": global_index, "local_dp_rank": local_index}'):
+        assert key in manager_init, key
+    # The steps before proc.start(), and nothing else that enginecore would miss.
+    assert "with _configure_uniproc_startup_threads(executor_class, local_engine_count):" in manager_init
+    assert "set_assigned_physical_gpu_ids_for_dp_rank(" in manager_init
+    assert "needs_device_env_isolation = not (" in manager_init
+    assert "numa_utils.configure_subprocess(" in manager_init  # why enginecore refuses --numa-bind
+    assert manager_init.count("with ") == 3, "CoreEngineProcManager wraps proc.start() in a new context"
+    assert _params(engine_utils._configure_uniproc_startup_threads) == ["executor_class", "local_engine_count"]
+    assert _params(engine_utils.set_assigned_physical_gpu_ids_for_dp_rank) == [
+        "vllm_config", "local_dp_rank", "user_assigned_gpu_ids"]
+
+    core = importlib.import_module("vllm.v1.engine.core")
+    run = inspect.getattr_static(core.EngineCoreProc, "run_engine_core")
+    assert isinstance(run, staticmethod), "run_engine_core is no longer a staticmethod"
+    assert _params(core.EngineCoreProc.run_engine_core) == ["args", "dp_rank", "local_dp_rank", "kwargs"]
+    source = inspect.getsource(core.EngineCoreProc.run_engine_core)
+    # Its own signal handling (SIGTERM ends the busy loop with SystemExit), which the launcher relies on.
+    assert "signal.signal(signal.SIGTERM, signal_handler)" in source
+    assert "set_process_title(process_title)" in source
+    params = inspect.signature(core.EngineCoreProc.__init__).parameters
+    for name in ("vllm_config", "local_client", "handshake_address", "executor_class", "log_stats",
+                 "tensor_queue"):
+        assert name in params, name

@@ -7,14 +7,19 @@ The relay is driven with pyzmq playing vLLM 0.32.0's two ends: a frontend ROUTER
 (`EngineCoreProc._perform_handshake`). Payloads are msgpack maps as vLLM sends them; the relay must
 pass them byte for byte.
 
-The argument tests parse with vLLM's own `serve` parser, so they import vLLM (and torch) once,
-in-process; no engine starts.
+The launcher's own argument tests import no vLLM (the launcher never does); the tests of the vLLM
+arguments parse with vLLM's own `serve` parser in the engine core's module, so they import vLLM (and
+torch) once, in-process; no engine starts.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing.connection
 import os
+import signal
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 import uuid
@@ -27,7 +32,8 @@ import msgspec
 import pytest
 import zmq
 
-from corefleet_client.enginehealth import EngineState, HandshakeRelay, HealthServer, engine_identity
+from corefleet_client import engine as launcher
+from corefleet_client.enginehealth import ChildProcess, EngineState, HandshakeRelay, HealthServer, engine_identity
 from corefleet_client.local import free_ports
 
 STEP_TIMEOUT_MS = 5000
@@ -213,31 +219,122 @@ def test_health_port_in_use_is_an_error(served: tuple[EngineState, int]) -> None
         HealthServer("127.0.0.1", port, EngineState(rank=0))
 
 
-# --- The launcher itself: vLLM's parser, imported once for the module. ---
+def test_health_before_the_engine_core_reports_its_rank() -> None:
+    state = EngineState(None)
+    server = HealthServer("127.0.0.1", 0, state)
+    server.start()
+    try:
+        assert get(server.port, "/livez") == (200, {"rank": None, "state": "starting", "exitcode": None})
+        state.rank = 3
+        assert get(server.port, "/readyz") == (503, {"rank": 3, "state": "starting", "exitcode": None})
+    finally:
+        server.close()
 
-@pytest.fixture(scope="module")
-def engine_module() -> ModuleType:
-    import corefleet_client.engine as engine
 
-    return engine
+@pytest.mark.parametrize(("script", "exitcode"), [
+    pytest.param("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", -signal.SIGKILL, id="killed"),
+    pytest.param("raise SystemExit(3)", 3, id="exit-3"),
+    pytest.param("pass", 0, id="exit-0"),
+])
+def test_child_process_exit_is_seen_without_reaping_it(script: str, exitcode: int) -> None:
+    """The health threads read the engine core's exit without reaping it: the main thread's wait() still works."""
+    popen = subprocess.Popen([sys.executable, "-c", f"import sys; sys.stdin.read(); {script}"], stdin=subprocess.PIPE)
+    child = ChildProcess(popen)
+    try:
+        state = EngineState(0)
+        state.attach(child)
+        assert child.exitcode is None
+        assert state.snapshot() == {"rank": 0, "state": "starting", "exitcode": None}
+        assert popen.stdin is not None
+        popen.stdin.close()  # the child goes on to exit
+        assert multiprocessing.connection.wait([child.sentinel], timeout=10), "the child did not exit"
+        assert child.exitcode == exitcode
+        assert state.snapshot() == {"rank": 0, "state": "exited", "exitcode": exitcode}
+        assert popen.returncode is None  # not reaped
+        assert popen.wait(timeout=10) == exitcode
+        assert child.exitcode == exitcode  # and after the main thread reaped it
+    finally:
+        if popen.poll() is None:
+            popen.kill()
+            popen.wait()
+        child.close()
 
 
-def test_unresolvable_frontend_fails_with_a_message(engine_module: ModuleType) -> None:
-    error = engine_module.wait_resolvable("no-such-frontend.invalid", 29550, timeout=0)
-    assert error is not None
-    assert "--data-parallel-address 'no-such-frontend.invalid' does not resolve" in error
-    assert engine_module.wait_resolvable("127.0.0.1", 29550, timeout=0) is None
+# --- The launcher's own arguments: no vLLM. ---
+
+def refusal(main: Any, capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
 
 
 GOOD = ["tiny-model", "--headless", "--data-parallel-size", "2", "--data-parallel-size-local", "1",
         "--data-parallel-start-rank", "1", "--data-parallel-address", "10.0.0.5", "--data-parallel-rpc-port", "29550"]
 
 
-def refusal(engine_module: ModuleType, capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        engine_module.main(argv)
-    assert exit_info.value.code == 2
-    return capsys.readouterr().err
+@pytest.mark.parametrize(("argv", "message"), [
+    pytest.param(["--health-port", "8002", *GOOD], "unrecognized arguments", id="no-separator"),
+    pytest.param(["--health-port", "8002", "--"], "the vLLM serve arguments follow `--`", id="nothing-after"),
+    pytest.param(["--", *GOOD], "the following arguments are required: --health-port", id="no-health-port"),
+    pytest.param(["--health-port", "0", "--", *GOOD], "--health-port must be in 1..65535", id="port-0"),
+])
+def test_refused_launcher_arguments(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+    err = refusal(launcher.main, capsys, argv)
+    assert message in err, err
+
+
+def test_the_engine_core_gets_the_vllm_arguments_untouched() -> None:
+    args, vllm_argv = launcher.parse_args(["--health-port", "8002", "--resolve-timeout", "7", "--", *GOOD])
+    argv = launcher.engine_core_argv(args, vllm_argv, "ipc:///tmp/x", 9)
+    assert argv == [sys.executable, "-m", "corefleet_client.enginecore", "--handshake-address", "ipc:///tmp/x",
+                    "--report-fd", "9", "--resolve-timeout", "7.0", "--", *GOOD]
+
+
+def test_launch_report_round_trips(tmp_path: Path) -> None:
+    r, w = os.pipe()
+    with os.fdopen(w, "w") as f:
+        f.write(json.dumps({"rank": 1, "data_parallel_size": 2, "frontend_address": "tcp://10.0.0.5:29550",
+                            "shutdown_timeout": 0, "name": "EngineCore_DP1"}) + "\n")
+    assert launcher.read_report(r) == launcher.LaunchReport(
+        rank=1, data_parallel_size=2, frontend_address="tcp://10.0.0.5:29550", shutdown_timeout=0.0,
+        name="EngineCore_DP1")
+    r, w = os.pipe()
+    os.close(w)  # the engine core exited before it reported
+    assert launcher.read_report(r) is None
+
+
+def test_a_refused_engine_core_argument_fails_the_launcher_with_its_message(
+        capfd: pytest.CaptureFixture[str]) -> None:
+    """The whole launcher, run for real: the engine core refuses, the launcher exits with its status 2."""
+    port = free_ports(1)[0]
+    result = subprocess.run([sys.executable, "-m", "corefleet_client.engine", "--health-host", "127.0.0.1",
+                             "--health-port", str(port), "--", *[a for a in GOOD if a != "--headless"]],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert "--headless is required" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(("exitcode", "status"), [(-9, 137), (-15, 143), (3, 3), (0, 1), (None, 1)])
+def test_an_engine_that_exits_on_its_own_fails_the_pod(exitcode: int | None, status: int) -> None:
+    assert launcher._exit_status(exitcode) == status
+
+
+# --- The engine core's vLLM arguments: vLLM's parser, imported once for the module. ---
+
+@pytest.fixture(scope="module")
+def enginecore() -> ModuleType:
+    import corefleet_client.enginecore as enginecore
+
+    return enginecore
+
+
+def test_unresolvable_frontend_fails_with_a_message(enginecore: ModuleType) -> None:
+    error = enginecore.wait_resolvable("no-such-frontend.invalid", 29550, timeout=0)
+    assert error is not None
+    assert "--data-parallel-address 'no-such-frontend.invalid' does not resolve" in error
+    assert enginecore.wait_resolvable("127.0.0.1", 29550, timeout=0) is None
 
 
 @pytest.mark.parametrize(("vllm_args", "message"), [
@@ -250,35 +347,26 @@ def refusal(engine_module: ModuleType, capsys: pytest.CaptureFixture[str], argv:
                  id="dpl-unset"),
     pytest.param([*GOOD, "--data-parallel-rank", "1"], "give the rank with --data-parallel-start-rank",
                  id="external-lb"),
+    pytest.param([*GOOD, "--numa-bind"], "--numa-bind is not supported", id="numa-bind"),
     pytest.param([*GOOD, "--no-such-vllm-flag"], "unrecognized arguments: --no-such-vllm-flag", id="unknown-flag"),
 ])
-def test_refused_vllm_arguments(engine_module: ModuleType, capsys: pytest.CaptureFixture[str],
+def test_refused_vllm_arguments(enginecore: ModuleType, capsys: pytest.CaptureFixture[str],
                                 monkeypatch: pytest.MonkeyPatch, vllm_args: list[str], message: str) -> None:
     monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
-    err = refusal(engine_module, capsys, ["--health-port", "8002", "--", *vllm_args])
+    err = refusal(enginecore.main, capsys, ["--handshake-address", "ipc:///tmp/x", "--report-fd", "9", "--",
+                                            *vllm_args])
     assert message in err, err
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    pytest.param(["--health-port", "8002", *GOOD], "unrecognized arguments", id="no-separator"),
-    pytest.param(["--health-port", "8002", "--"], "the vLLM serve arguments follow `--`", id="nothing-after"),
-    pytest.param(["--", *GOOD], "the following arguments are required: --health-port", id="no-health-port"),
-])
-def test_refused_launcher_arguments(engine_module: ModuleType, capsys: pytest.CaptureFixture[str],
-                                    argv: list[str], message: str) -> None:
-    err = refusal(engine_module, capsys, argv)
-    assert message in err, err
-
-
-def test_vllm_arguments_parse_as_vllm_serve_does(engine_module: ModuleType) -> None:
+def test_vllm_arguments_parse_as_vllm_serve_does(enginecore: ModuleType) -> None:
     """Underscore forms, `--model`, short flags and dotted config flags all reach vLLM's namespace."""
-    args, serve = engine_module.parse_args([
-        "--health-port", "8002", "--health-host", "127.0.0.1", "--",
+    args, serve = enginecore.parse_args([
+        "--handshake-address", "ipc:///tmp/x", "--report-fd", "9", "--",
         "--model", "tiny-model", "--headless", "-dp", "2", "--data_parallel_size_local=1", "-dpr", "1",
         "--data-parallel-address", "frontend.fleet.ns.svc", "--data-parallel-rpc-port", "29550",
         "--compilation-config.mode", "0", "--max-model-len=256",
     ])
-    assert (args.health_port, args.health_host) == (8002, "127.0.0.1")
+    assert (args.handshake_address, args.report_fd) == ("ipc:///tmp/x", 9)
     assert serve.model == "tiny-model"
     assert (serve.data_parallel_size, serve.data_parallel_size_local, serve.data_parallel_start_rank) == (2, 1, 1)
     assert serve.data_parallel_address == "frontend.fleet.ns.svc"
@@ -287,8 +375,7 @@ def test_vllm_arguments_parse_as_vllm_serve_does(engine_module: ModuleType) -> N
     assert serve.compilation_config.mode == 0  # a dotted flag, merged into JSON by FlexibleArgumentParser
 
 
-
-@pytest.mark.parametrize(("exitcode", "status"), [(-9, 137), (-15, 143), (3, 3), (0, 1), (None, 1)])
-def test_an_engine_that_exits_on_its_own_fails_the_pod(engine_module: ModuleType, exitcode: int | None,
-                                                      status: int) -> None:
-    assert engine_module._exit_status(exitcode) == status
+@pytest.mark.parametrize(("rank", "size", "name"), [(0, 1, "EngineCore"), (0, 2, "EngineCore_DP0"),
+                                                    (3, 4, "EngineCore_DP3")])
+def test_engine_core_names_follow_vllm(enginecore: ModuleType, rank: int, size: int, name: str) -> None:
+    assert enginecore.engine_name(rank, size) == name
