@@ -135,7 +135,7 @@ def engine_pod(
         env.append({"name": constants.ENV_SCALE_UP_LAUNCH, "value": "1"})
     env.extend(_plain(spec.engine.env))
 
-    resources = _plain(spec.engine.resources)
+    resources = _with_default_requests(spec.engine.resources, {"cpu": str(constants.ENGINE_CORE_CPUS + tp)})
     for section in ("limits", "requests"):
         resources.setdefault(section, {})[constants.GPU_RESOURCE] = str(tp)
 
@@ -177,7 +177,7 @@ def coordinator_pod(fleet: FleetRef, *, dp_size: int, fleet_generation: int = 0)
         "args": args,
         "env": _downward_env(),
         "ports": [_container_port(name, port) for name, port in COORDINATOR_PORTS],
-        "resources": _plain(spec.coordinator.resources),
+        "resources": _with_default_requests(spec.coordinator.resources, constants.COORDINATOR_DEFAULT_REQUESTS),
         "readinessProbe": {
             "tcpSocket": {"port": PORT_COORD_FRONT_PUBLISH},
             "periodSeconds": 5,
@@ -232,7 +232,7 @@ def frontend_pod(fleet: FleetRef, *, dp_size: int, coordinator_address: str, fle
             _container_port(PORT_ADMIN, constants.FRONTEND_ADMIN_PORT),
             _container_port(PORT_RPC, constants.DP_RPC_PORT),
         ],
-        "resources": _plain(spec.frontend.resources),
+        "resources": _with_default_requests(spec.frontend.resources, constants.FRONTEND_DEFAULT_REQUESTS),
         "volumeMounts": [{"name": ADMIN_TOKEN_VOLUME, "mountPath": constants.ADMIN_TOKEN_DIR, "readOnly": True}],
         # vLLM serves HTTP only once every engine has handshaked: as slow as the slowest model load.
         "startupProbe": _http_probe("/health", PORT_HTTP, failures=_startup_failures(spec)),
@@ -367,6 +367,17 @@ def fleet_children(
 def _check_size(dp_size: int) -> None:
     if dp_size < 1:
         raise ValueError(f"a fleet needs at least one rank, not {dp_size}")
+
+
+def _with_default_requests(resources: Mapping[str, Any], defaults: Mapping[str, str]) -> JSON:
+    """The container's resources (a plain copy) with `defaults` requested for each resource the user
+    set neither a request nor a limit for (see constants.FRONTEND_DEFAULT_REQUESTS for why)."""
+    out: JSON = _plain(resources)
+    limits = out.get("limits") or {}
+    for name, quantity in defaults.items():
+        if name not in (out.get("requests") or {}) and name not in limits:
+            out.setdefault("requests", {})[name] = quantity
+    return out
 
 
 def _plain(value: Any) -> Any:

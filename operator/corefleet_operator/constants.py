@@ -38,6 +38,20 @@ FIELD_MANAGER: Final = "corefleet-operator"
 
 # --- Resources ---------------------------------------------------------------------------------
 GPU_RESOURCE: Final = "nvidia.com/gpu"
+# CPU and memory each container requests unless its spec sets a request or a limit for that resource
+# (Kubernetes makes a limit the request). A container's CPU request is its cgroup's weight on a
+# shared node: without one a fleet pod gets the minimum weight, and any pod that requests CPU starves
+# it. The frontend is one API-server process (asyncio loop, tokenizer and detokenizer, ZeroMQ I/O
+# threads) that is the fleet's bottleneck once engines are fast: it saturates one core (bench/) and
+# needs headroom beside it, hence 2. An engine rank keeps its engine core's busy loop and each of its
+# tensor-parallel workers on a core: 1 + tensorParallelSize. The coordinator only relays load
+# statistics (every 100 ms). No CPU limits by default: a CFS quota stalls a throttled frontend for the
+# rest of each 100 ms period, which every stream it serves feels. Memory: the frontend and the
+# coordinator each import vLLM (~0.9 GiB resident); an engine's memory depends on the model, so it
+# gets no default.
+FRONTEND_DEFAULT_REQUESTS: Final = {"cpu": "2", "memory": "4Gi"}
+COORDINATOR_DEFAULT_REQUESTS: Final = {"cpu": "250m", "memory": "1Gi"}
+ENGINE_CORE_CPUS: Final = 1  # the engine core's busy loop; plus one per tensor-parallel worker
 
 ANNOTATION_SPEC_HASH: Final = f"{GROUP}/spec-hash"  # hash of the fleet-wide config a pod was built from
 ANNOTATION_GENERATION: Final = f"{GROUP}/fleet-generation"  # which incarnation of the fleet a pod belongs to

@@ -107,7 +107,8 @@ class EngineSpec:
         "Extra environment variables of every engine container."))
     resources: K8s.Resources = field(default_factory=K8s.Resources, metadata=meta(
         "Resources of each engine container besides the GPUs (nvidia.com/gpu is set from "
-        "tensorParallelSize)."))
+        "tensorParallelSize). Unless a cpu request or limit is set here, the container requests "
+        "1 + tensorParallelSize CPUs (the engine core's busy loop and one per worker); no CPU limit."))
     loadFormat: str = field(default="auto", metadata=meta(
         "vLLM --load-format (e.g. auto, safetensors, dummy for tests).", minLength=1))
     shmSize: str = field(default="16Gi", metadata=meta(
@@ -125,14 +126,18 @@ class FrontendSpec:
     port: int = field(default=8000, metadata=meta(
         "HTTP port of the OpenAI-compatible API.", minimum=1, maximum=65535))
     resources: K8s.Resources = field(default_factory=K8s.Resources, metadata=meta(
-        "Resources of the frontend container."))
+        "Resources of the frontend container. Unless set here (a request or a limit), it requests "
+        "cpu 2 and memory 4Gi: the API server is the fleet's bottleneck once engines are fast, and "
+        "without a CPU request it is starved on a shared node. No CPU limit by default (throttling "
+        "stalls every stream)."))
     service: ServiceSpec = field(default_factory=ServiceSpec, metadata=meta("The frontend Service."))
 
 
 @dataclass(frozen=True)
 class CoordinatorSpec:
     resources: K8s.Resources = field(default_factory=K8s.Resources, metadata=meta(
-        "Resources of the coordinator container."))
+        "Resources of the coordinator container. Unless set here (a request or a limit), it "
+        "requests cpu 250m and memory 1Gi."))
 
 
 @dataclass(frozen=True)

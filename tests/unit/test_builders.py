@@ -465,3 +465,23 @@ def test_fleet_objects_are_the_fleet_children_other_than_pods() -> None:
     fleet = make_ecs("a").replicas(2).network_policy().obj()
     children = builders.fleet_children(fleet, dp_size=2, admin_token="t")
     assert builders.fleet_objects(fleet, admin_token="t") == [c for c in children if c["kind"] != "Pod"]
+
+
+@pytest.mark.parametrize(("role", "tp", "user", "expected"), [
+    # Nothing set: the defaults (constants.*_DEFAULT_REQUESTS; engines 1 + tp CPUs), and no limits.
+    ("frontend", 1, {}, {"requests": {"cpu": "2", "memory": "4Gi"}}),
+    ("coordinator", 1, {}, {"requests": {"cpu": "250m", "memory": "1Gi"}}),
+    ("engine", 4, {}, {"requests": {"cpu": "5", "nvidia.com/gpu": "4"}, "limits": {"nvidia.com/gpu": "4"}}),
+    # A request or a limit for a resource replaces its default (a limit is the request, to Kubernetes).
+    ("frontend", 1, {"requests": {"cpu": "500m"}}, {"requests": {"cpu": "500m", "memory": "4Gi"}}),
+    ("frontend", 1, {"limits": {"memory": "16Gi"}}, {"limits": {"memory": "16Gi"}, "requests": {"cpu": "2"}}),
+    ("coordinator", 1, {"limits": {"cpu": "1", "memory": "2Gi"}}, {"limits": {"cpu": "1", "memory": "2Gi"}}),
+    ("engine", 2, {"limits": {"cpu": "8"}},
+     {"limits": {"cpu": "8", "nvidia.com/gpu": "2"}, "requests": {"nvidia.com/gpu": "2"}}),
+])
+def test_containers_request_cpu_unless_the_user_says_otherwise(role: str, tp: int, user: dict[str, Any],
+                                                               expected: dict[str, Any]) -> None:
+    """Every fleet container has a CPU weight on a shared node (issue 10: a starved frontend halves throughput)."""
+    fleet = make_ecs("a").tp(tp).set(f"{role}.resources", user).obj()
+    pod = _by_name(_children(fleet))["a-engine-0" if role == "engine" else f"a-{role}"]
+    assert _container(pod)["resources"] == expected
