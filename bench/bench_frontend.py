@@ -7,7 +7,9 @@
 Both sides are one API-server process (vLLM's `run_server`) over 2 emulated engines
 (`python -m corefleet_client.emulator --token-delay-ms 0`), so the engines cost next to nothing
 and what limits requests/s is the frontend's own work per request: HTTP, tokenizing, routing
-(`get_core_engine_for_request`), bookkeeping, output processing and detokenizing.
+(`get_core_engine_for_request`), bookkeeping, output processing and detokenizing. It does not
+measure real engines, how the fleet's processes are placed (sessions, process groups, CPU
+binding) or the engines' competition with the frontend for the cores: see `bench_fleet.py`.
 
 * stock: `vllm serve MODEL --data-parallel-size 2 --data-parallel-size-local 0 --api-server-count 1
   ...`: vLLM's DPLB client, which starts its own DP coordinator (a child process), and waits for the
