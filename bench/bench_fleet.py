@@ -98,7 +98,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -111,7 +110,7 @@ from typing import Any
 
 import psutil  # type: ignore[import-untyped]  # a vLLM dependency
 
-from bench_frontend import BenchError, _cpu_model, _vllm_version, http_get, log, machine_busy_seconds
+from bench_frontend import BenchError, _cpu_model, _vllm_version, http_get, log, machine_busy_seconds, run_in_state_dir
 from corefleet_client import local
 from corefleet_client.admin import AdminError
 from corefleet_client.local import LOCALHOST
@@ -849,17 +848,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.input_len + args.output_len > 256:
         print("--input-len + --output-len must fit the tiny model's 256 tokens", file=sys.stderr)
         return 2
-    started = time.monotonic()
-    tmp = None if args.state_dir else tempfile.TemporaryDirectory(prefix="corefleet-bench-fleet-")
-    state = Path(tmp.name if tmp is not None else args.state_dir).absolute()
-    try:
-        return _run(args, state, started)
-    except BenchError as e:
-        print(f"bench_fleet: ERROR: {e}", file=sys.stderr, flush=True)
-        return 1
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
+    return run_in_state_dir("bench_fleet", args.state_dir, lambda state, started: _run(args, state, started))
 
 
 def _run(args: argparse.Namespace, state: Path, started: float) -> int:

@@ -57,7 +57,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -493,13 +493,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.duration <= 0 or args.warmup < 0 or args.concurrency < 1 or args.rounds < 1 or args.max_tokens < 1:
         print("--duration, --concurrency, --rounds and --max-tokens must be positive", file=sys.stderr)
         return 2
+    return run_in_state_dir("bench_frontend", args.state_dir, lambda state, started: _run(args, state, started))
+
+
+def run_in_state_dir(prog: str, state_dir: str | None, run: Callable[[Path, float], int]) -> int:
+    """`run(state, started)` in `state_dir` (a temporary directory, removed afterwards, if None); a
+    BenchError becomes a message and exit status 1."""
     started = time.monotonic()
-    tmp = None if args.state_dir else tempfile.TemporaryDirectory(prefix="corefleet-bench-frontend-")
-    state = Path(tmp.name if tmp is not None else args.state_dir).absolute()
+    tmp = None if state_dir else tempfile.TemporaryDirectory(prefix=f"corefleet-{prog.replace('_', '-')}-")
+    state = Path(tmp.name if tmp is not None else str(state_dir)).absolute()
     try:
-        return _run(args, state, started)
+        return run(state, started)
     except BenchError as e:
-        print(f"bench_frontend: ERROR: {e}", file=sys.stderr, flush=True)
+        print(f"{prog}: ERROR: {e}", file=sys.stderr, flush=True)
         return 1
     finally:
         if tmp is not None:
