@@ -160,7 +160,12 @@ def test_real_vllm_fleet_resizes_2_3_2_in_place_under_load(setup: Setup) -> None
     st = s.fleet.status()
     assert (st["replicas"], st["recoveries"], st["fleetGeneration"]) == (2, 0, 1), st
     # `kubectl describe ecs` tells the story, in order.
-    story = [(reason, message) for reason, message in s.fleet.events()[events_before:]]
+    # The operator posts a plan's events just after it wrote the status: wait for the last one.
+    def story_told() -> list[tuple[str, str]] | None:
+        story = s.fleet.events()[events_before:]
+        return story if [reason for reason, _ in story].count("ResizeCompleted") >= 2 else None
+
+    story = wait_for(story_told, 30, "the second ResizeCompleted event", on_timeout=s.fleet.describe)
     main = [reason for reason, _ in story if reason in ("ResizeStarted", "RankRetired", "ResizeCompleted", "RankLost")]
     assert main == ["ResizeStarted", "ResizeCompleted", "ResizeStarted", "RankRetired", "ResizeCompleted"], story
     assert "2 -> 3 ranks in place" in story[0][1], story
