@@ -71,17 +71,15 @@ from vllm.v1.engine.utils import _configure_uniproc_startup_threads, set_assigne
 from vllm.v1.executor import Executor
 
 from corefleet_client.argv import split_launcher_argv
+from corefleet_client.engine import DEFAULT_RESOLVE_TIMEOUT_S, EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from corefleet_client.process import configure_logging, exit_promptly
 
 logger = logging.getLogger(__name__)
 
+# DEFAULT_RESOLVE_TIMEOUT_S and EXIT_* are the launcher's: it passes this process's status on as its own.
 PROG = "python -m corefleet_client.engine"  # what the user ran: messages name the launcher
-DEFAULT_RESOLVE_TIMEOUT_S = 120.0  # the frontend pod may get its DNS record after the engine pods start
 _RESOLVE_RETRY_S = 2.0
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
