@@ -131,3 +131,54 @@ def engine_selector(fleet: str) -> str:
 OPERATOR_NAME: Final = "corefleet-operator"  # Deployment, ServiceAccount, ClusterRole(Binding)
 OPERATOR_NAMESPACE: Final = "corefleet-system"  # namespace of the plain-manifest install
 OPERATOR_APP_LABEL: Final = "app.kubernetes.io/name"  # selector label of the operator's pod
+
+
+# --- Bounds of the EngineCoreSet API (schema and model; CEL costs are estimated from them) --------
+# The largest fleet. vLLM's rank identities are 2 bytes (65536 ranks), but every rank is a pod with its
+# GPUs, a ZeroMQ peer of the one frontend, and an entry of status.ranks: the whole object (spec,
+# metadata with its managedFields, and status) must stay under etcd's 1.5 MiB request limit, or every
+# status write fails (413) and the fleet can no longer be reconciled. With the bounds below: status at
+# most ~0.25 MiB (512 ranks x (pod name, phase, a 256-char message), 4 conditions and the operation
+# and recovery messages at 4 KiB), the spec at most ~0.5 MiB (args 128 x 1536 chars, env 256 x (128 +
+# 1024) chars), metadata ~0.1 MiB of managedFields, or at most 256 KiB of annotations (the API
+# server's cap; a client-side `kubectl apply` keeps a copy of the spec there): under 1 MiB in all
+# (tests/integration/test_admission.py writes the largest status onto the largest spec).
+MAX_REPLICAS: Final = 512
+MAX_ENGINE_ARGS: Final = 128  # items of spec.engine.args
+MAX_ENGINE_ARG_LENGTH: Final = 1536  # characters of one item (a JSON --compilation-config fits)
+MAX_ENV_VARS: Final = 256  # items of spec.engine.env
+MAX_ENV_NAME_LENGTH: Final = 128
+MAX_ENV_VALUE_LENGTH: Final = 1024  # longer values belong in a ConfigMap or Secret (valueFrom)
+MAX_STRING_LENGTH: Final = 1024  # model, image and other free-form spec strings
+MAX_NAME_LENGTH: Final = 253  # Kubernetes object names (DNS subdomains) the spec refers to
+MAX_LIST_ITEMS: Final = 64  # tolerations, node-selector entries, resource names
+MAX_STATUS_MESSAGE: Final = 4096  # a condition's, the operation's or the recovery's message (truncated)
+MAX_RANK_MESSAGE: Final = 256  # one rank's message in status.ranks (truncated): 512 of them must fit
+MAX_CONDITIONS: Final = 16  # status.conditions
+
+# --- vLLM engine flags corefleet sets itself (builders), in the spellings vLLM 0.32.0 accepts --------
+# The one source for the operator's validation (models.py) and the CRD's CEL rules (crd.py). vLLM's
+# FlexibleArgumentParser also accepts underscores for dashes in a long flag's name and any unambiguous
+# abbreviation of a long flag (argparse's allow_abbrev); a short flag takes its value after `=` or, for
+# the one-letter ones (-n, -r), glued to it.
+# Wiring: what each pod's place in the fleet is made of. Any user value breaks the fleet, whatever it is.
+ENGINE_WIRING_FLAGS: Final = (
+    "--data-parallel-size", "-dp", "--data-parallel-size-local", "-dpl", "--data-parallel-rank", "-dpn",
+    "--data-parallel-start-rank", "-dpr", "--data-parallel-address", "-dpa", "--data-parallel-rpc-port", "-dpp",
+    "--data-parallel-backend", "-dpb", "--data-parallel-hybrid-lb", "-dph", "--data-parallel-external-lb", "-dpe",
+    "--data-parallel-multi-port-external-lb", "-dpm", "--data-parallel-supervisor-port",
+    "--headless", "--api-server-count", "-asc", "--elastic-ep-max-dp-size",
+    "--nnodes", "-n", "--node-rank", "-r", "--master-addr", "--master-port",
+    "--port", "--host", "--model", "--health-port", "--",
+)
+ENGINE_WIRING_FLAG_PREFIXES: Final = ("--data-parallel-",)  # every data-parallel flag is wiring
+ENGINE_GLUED_SHORT_FLAGS: Final = ("-n", "-r")  # one-letter short flags: `-n2` is `-n 2`
+# Set on expertParallel fleets only: there a user's copy agrees, on a dense fleet it conflicts.
+ENGINE_MOE_FLAGS: Final = ("--enable-expert-parallel", "-ep", "--enable-eplb", "--enable-elastic-ep")
+# Their negations (argparse.BooleanOptionalAction): conflict on an expertParallel fleet, agree on a dense one.
+ENGINE_MOE_NEGATIONS: Final = ("--no-enable-expert-parallel", "--no-enable-eplb", "--no-enable-elastic-ep")
+# Set from a spec field: a user value agrees when written as corefleet writes it (same string).
+ENGINE_TENSOR_PARALLEL_FLAGS: Final = ("--tensor-parallel-size", "-tp")  # = spec.engine.tensorParallelSize
+ENGINE_LOAD_FORMAT_FLAGS: Final = ("--load-format",)  # = spec.engine.loadFormat
+# Environment variables corefleet sets in fleet containers.
+RESERVED_ENV: Final = (ENV_POD_IP, ENV_POD_NAME, ENV_POD_NAMESPACE, ENV_SCALE_UP_LAUNCH)

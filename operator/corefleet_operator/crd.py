@@ -12,7 +12,7 @@ import copy
 import dataclasses
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, get_args, get_origin
 
 from corefleet_operator import constants
@@ -26,6 +26,20 @@ from corefleet_operator.models import (
 
 # Lists whose items are keyed, so server-side apply merges them by key.
 LIST_MAP_KEYS = {"conditions": ["type"], "ranks": ["rank"]}
+# Schema keywords a field's metadata adds to (not replaces) in the generated schema: `items` of a list
+# and `additionalProperties` of a map carry their element's bounds.
+MERGED_KEYWORDS = ("items", "additionalProperties")
+
+
+def cel_rules(rules: Sequence[tuple[str, ...]]) -> list[JSON]:
+    """x-kubernetes-validations from a model's (rule, message[, messageExpression]) tuples."""
+    out: list[JSON] = []
+    for rule, message, *expression in rules:
+        item: JSON = {"rule": rule, "message": message}
+        if expression and expression[0]:
+            item["messageExpression"] = expression[0]
+        out.append(item)
+    return out
 
 
 def schema_for(tp: Any, *, with_defaults: bool = True) -> JSON:
@@ -40,7 +54,11 @@ def schema_for(tp: Any, *, with_defaults: bool = True) -> JSON:
             md = f.metadata
             if md.get("description"):
                 sub["description"] = md["description"]
-            sub.update(md.get("schema", {}))
+            for key, value in md.get("schema", {}).items():
+                if key in MERGED_KEYWORDS and isinstance(sub.get(key), dict):
+                    sub[key] = {**sub[key], **value}  # bounds of the items or values
+                else:
+                    sub[key] = value
             if f.name in LIST_MAP_KEYS and sub.get("type") == "array":
                 sub["x-kubernetes-list-type"] = "map"
                 sub["x-kubernetes-list-map-keys"] = LIST_MAP_KEYS[f.name]
@@ -54,6 +72,9 @@ def schema_for(tp: Any, *, with_defaults: bool = True) -> JSON:
         out: JSON = {"type": "object", "properties": props}
         if required:
             out["required"] = required
+        rules = cel_rules(getattr(tp, "CEL_RULES", ()))
+        if rules:
+            out["x-kubernetes-validations"] = rules
         return out
     if origin in (types.UnionType, typing.Union):
         inner = [a for a in get_args(tp) if a is not type(None)]
@@ -92,8 +113,8 @@ def _default_of(f: dataclasses.Field[Any]) -> Any:
 
 
 def spec_schema() -> JSON:
-    schema = schema_for(EngineCoreSetSpec)
-    rules = [{"rule": rule, "message": message} for rule, message in EngineCoreSetSpec.CEL_RULES]
+    schema = schema_for(EngineCoreSetSpec)  # with its CEL_RULES (and those of nested models)
+    rules = schema.setdefault("x-kubernetes-validations", [])
     for name in EngineCoreSetSpec.IMMUTABLE:
         rules.append({"rule": f"self.{name} == oldSelf.{name}",
                       "message": f"{name} is immutable: create a new EngineCoreSet instead"})
@@ -144,8 +165,7 @@ def crd() -> JSON:
                     "description": "A data-parallel fleet of vLLM engine cores behind one OpenAI-compatible "
                                    "frontend, resized in place without Ray.",
                     "required": ["spec"],
-                    "x-kubernetes-validations": [{"rule": rule, "message": message}
-                                                 for rule, message in EngineCoreSetSpec.OBJECT_CEL_RULES],
+                    "x-kubernetes-validations": cel_rules(EngineCoreSetSpec.OBJECT_CEL_RULES),
                     "properties": {
                         "apiVersion": {"type": "string"},
                         "kind": {"type": "string"},

@@ -15,11 +15,14 @@ Pure module: no kopf, no Kubernetes client, no I/O.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, TypeVar, get_args, get_origin
+from typing import Any, ClassVar, Literal, NamedTuple, TypeVar, get_args, get_origin
+
+from corefleet_operator import constants as C
 
 JSON = dict[str, Any]
 T = TypeVar("T")
@@ -56,36 +59,56 @@ class K8s:
         pass
 
 
-_QUANTITY: JSON = {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True}
+_QUANTITY: JSON = {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True,
+                   "maxLength": 64}
+_RESOURCE_MAP: JSON = {"type": "object", "maxProperties": C.MAX_LIST_ITEMS, "additionalProperties": _QUANTITY}
+_NAME: JSON = {"type": "string", "maxLength": C.MAX_NAME_LENGTH}
+
+
+def _ref(*fields: str, **extra: JSON) -> JSON:
+    """An env `valueFrom` source: string fields of bounded length, and `optional`."""
+    props: JSON = {f: _NAME for f in fields}
+    props.update(extra)
+    return {"type": "object", "properties": {**props, "optional": {"type": "boolean"}}}
 
 K8S_SCHEMAS: dict[type, JSON] = {
     K8s.Resources: {
         "type": "object",
-        "properties": {
-            "limits": {"type": "object", "additionalProperties": _QUANTITY},
-            "requests": {"type": "object", "additionalProperties": _QUANTITY},
-        },
+        "properties": {"limits": _RESOURCE_MAP, "requests": _RESOURCE_MAP},
     },
     K8s.EnvList: {
         "type": "array",
+        "maxItems": C.MAX_ENV_VARS,
         "items": {
             "type": "object",
             "required": ["name"],
             "properties": {
-                "name": {"type": "string", "minLength": 1},
-                "value": {"type": "string"},
-                "valueFrom": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+                "name": {"type": "string", "minLength": 1, "maxLength": C.MAX_ENV_NAME_LENGTH},
+                "value": {"type": "string", "maxLength": C.MAX_ENV_VALUE_LENGTH},
+                # corev1.EnvVarSource, typed so that every string in it is bounded.
+                "valueFrom": {
+                    "type": "object",
+                    "maxProperties": 1,
+                    "properties": {
+                        "configMapKeyRef": _ref("name", "key"),
+                        "secretKeyRef": _ref("name", "key"),
+                        "fieldRef": _ref("apiVersion", "fieldPath"),
+                        "resourceFieldRef": _ref("containerName", "resource", divisor=_QUANTITY),
+                        "fileKeyRef": _ref("volumeName", "path", "key"),
+                    },
+                },
             },
         },
     },
     K8s.Tolerations: {
         "type": "array",
+        "maxItems": C.MAX_LIST_ITEMS,
         "items": {
             "type": "object",
             "properties": {
-                "key": {"type": "string"},
+                "key": {"type": "string", "maxLength": C.MAX_NAME_LENGTH},
                 "operator": {"type": "string", "enum": ["Exists", "Equal"]},
-                "value": {"type": "string"},
+                "value": {"type": "string", "maxLength": C.MAX_NAME_LENGTH},
                 "effect": {"type": "string", "enum": ["NoSchedule", "PreferNoSchedule", "NoExecute"]},
                 "tolerationSeconds": {"type": "integer", "format": "int64"},
             },
@@ -95,6 +118,101 @@ K8S_SCHEMAS: dict[type, JSON] = {
 }
 
 
+# ---- vLLM flags in spec.engine.args that corefleet sets itself -----------------------------------
+# The lists are constants.ENGINE_*_FLAGS. `engine_args_problem` is the operator's complete check (it
+# knows vLLM's spellings: underscores, abbreviations, glued short values); the CEL rules below refuse
+# at admission what a CEL expression can see within the API server's cost budget (exact spellings,
+# `=` and two-item values). CEL never refuses what `engine_args_problem` accepts.
+_OWNED_FLAGS = frozenset((*C.ENGINE_WIRING_FLAGS, *C.ENGINE_MOE_FLAGS, *C.ENGINE_MOE_NEGATIONS,
+                          *C.ENGINE_TENSOR_PARALLEL_FLAGS, *C.ENGINE_LOAD_FORMAT_FLAGS))
+_OWNED_LONG_FLAGS = tuple(sorted(f for f in _OWNED_FLAGS if f.startswith("--") and f != "--"))
+
+
+def _flag_of(arg: str) -> tuple[str, str | None]:
+    """(flag, value given in the same item) of an argument that starts with `-`, as vLLM reads it."""
+    if arg.startswith("--"):
+        key, eq, value = arg.partition("=")
+        head, dot, tail = key.partition(".")  # vLLM: underscores are dashes in the name, up to a '.'
+        return head.replace("_", "-") + dot + tail, (value if eq else None)
+    for short in C.ENGINE_GLUED_SHORT_FLAGS:
+        if arg.startswith(short) and arg != short:
+            return short, arg[len(short):].removeprefix("=")
+    key, eq, value = arg.partition("=")
+    return key, (value if eq else None)
+
+
+def engine_args_problem(args: Sequence[str], *, expert_parallel: bool, tensor_parallel_size: int,
+                        load_format: str) -> tuple[int, str] | None:
+    """The first item of `args` that conflicts with what corefleet sets, as (index, why); None if none.
+
+    A flag corefleet sets is accepted where it agrees with the spec (the same value, or a MoE switch on
+    an expertParallel fleet); wiring flags are refused whatever their value."""
+    valued = {**dict.fromkeys(C.ENGINE_TENSOR_PARALLEL_FLAGS, ("engine.tensorParallelSize",
+                                                               str(tensor_parallel_size))),
+              **dict.fromkeys(C.ENGINE_LOAD_FORMAT_FLAGS, ("engine.loadFormat", load_format))}
+    for i, arg in enumerate(args):
+        if not arg.startswith("-"):
+            continue
+        flag, value = _flag_of(arg)
+        if flag not in _OWNED_FLAGS and flag.startswith("--") and len(flag) > 2 and "." not in flag:
+            meant = [f for f in _OWNED_LONG_FLAGS if f.startswith(flag)]
+            if meant:
+                return i, (f"{arg} abbreviates {' or '.join(meant)} (vLLM accepts abbreviations), which "
+                           "corefleet sets: write the flag in full, where it may agree with the spec")
+        if flag in C.ENGINE_WIRING_FLAGS or flag.startswith(C.ENGINE_WIRING_FLAG_PREFIXES):
+            return i, f"{flag} is set by corefleet and cannot be overridden"
+        if flag in C.ENGINE_MOE_FLAGS or flag in C.ENGINE_MOE_NEGATIONS:
+            if value is not None:
+                return i, f"{flag} takes no value"
+            if flag in C.ENGINE_MOE_FLAGS and not expert_parallel:
+                return i, (f"{flag} is set by corefleet on expertParallel fleets only: this fleet is dense "
+                           "(expertParallel: false)")
+            if flag in C.ENGINE_MOE_NEGATIONS and expert_parallel:
+                return i, f"{flag} conflicts with expertParallel: true (corefleet sets {flag.replace('--no-', '--')})"
+        if flag in valued:
+            source, want = valued[flag]
+            if value is None:
+                value = args[i + 1] if i + 1 < len(args) else ""
+            if value != want:
+                return i, (f"{flag} {value!r} disagrees with {source} {want!r}, which corefleet sets it to: "
+                           f"set {source} instead")
+    return None
+
+
+def _cel_list(items: Sequence[str]) -> str:
+    return "[" + ", ".join(f"'{x}'" for x in items) + "]"
+
+
+def _cel_flag(arg: str) -> str:
+    """CEL: the flag name of item `arg` with underscores as dashes (the value after `=` dropped)."""
+    return f"{arg}.replace('_', '-').split('=', 2)[0]"
+
+
+def _cel_value(args: str) -> str:
+    """CEL, inside `args.exists(i, a, ...)`: the value of flag item `a`, after `=` or the next item."""
+    return f"(a.contains('=') ? a.split('=', 2)[1] : (i + 1 < size({args}) ? {args}[i + 1] : ''))"
+
+
+_CEL_WIRING = (f"a.startsWith('-') && ({_cel_flag('a')} in {_cel_list(C.ENGINE_WIRING_FLAGS)}"
+               + "".join(f" || {_cel_flag('a')}.startsWith('{p}')" for p in C.ENGINE_WIRING_FLAG_PREFIXES)
+               + " || (!a.startsWith('--') && ("
+               + " || ".join(f"a.startsWith('{s}')" for s in C.ENGINE_GLUED_SHORT_FLAGS) + ")))")
+_CEL_MOE = f"{_cel_flag('a')} in {_cel_list(C.ENGINE_MOE_FLAGS)}"
+_CEL_MOE_NEGATION = f"{_cel_flag('a')} in {_cel_list(C.ENGINE_MOE_NEGATIONS)}"
+
+
+def _cel_disagrees(flags: Sequence[str], want: str) -> str:
+    args = "self.engine.args"
+    return (f"!has({args}) || !{args}.exists(i, a, a.startsWith('-') && {_cel_flag('a')} in {_cel_list(flags)} && "
+            f"{_cel_value(args)} != {want})")
+
+
+def _cel_message(args: str, predicate: str, text: str) -> str:
+    """A messageExpression naming the first offending item of `args` (`predicate` over `a`)."""
+    assert "'" not in text, text  # a CEL string literal
+    return f"'engine.args: ' + {args}.filter(a, {predicate})[0] + '{text}'"
+
+
 # ---- spec -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class EngineSpec:
@@ -102,17 +220,35 @@ class EngineSpec:
         "GPUs per data-parallel rank (vLLM --tensor-parallel-size); each rank's pod requests this many "
         "nvidia.com/gpu.", minimum=1, maximum=16))
     args: tuple[str, ...] = field(default=(), metadata=meta(
-        "Extra vLLM engine flags, appended after corefleet's own; identical on every rank."))
+        "Extra vLLM engine flags, appended after corefleet's own; identical on every rank (and the "
+        "frontend). Flags corefleet sets itself are accepted only where they agree with the spec: "
+        "--tensor-parallel-size/-tp equal to tensorParallelSize, --load-format equal to loadFormat, "
+        "--enable-expert-parallel/-ep, --enable-eplb and --enable-elastic-ep on expertParallel fleets "
+        "(their --no- forms on dense ones). The fleet's wiring (--data-parallel-*, --headless, "
+        "--api-server-count, --elastic-ep-max-dp-size, --nnodes, --node-rank, --master-addr/-port, "
+        "--port, --host, --model) is refused.",
+        maxItems=C.MAX_ENGINE_ARGS, items={"maxLength": C.MAX_ENGINE_ARG_LENGTH}))
     env: K8s.EnvList = field(default_factory=K8s.EnvList, metadata=meta(
-        "Extra environment variables of every engine container."))
+        "Extra environment variables of every engine container (and the frontend)."))
     resources: K8s.Resources = field(default_factory=K8s.Resources, metadata=meta(
         "Resources of each engine container besides the GPUs (nvidia.com/gpu is set from "
         "tensorParallelSize). Unless a cpu request or limit is set here, the container requests "
         "1 + tensorParallelSize CPUs (the engine core's busy loop and one per worker); no CPU limit."))
     loadFormat: str = field(default="auto", metadata=meta(
-        "vLLM --load-format (e.g. auto, safetensors, dummy for tests).", minLength=1))
+        "vLLM --load-format (e.g. auto, safetensors, dummy for tests).", minLength=1, maxLength=64))
     shmSize: str = field(default="16Gi", metadata=meta(
-        "Size of the /dev/shm memory volume of each engine pod.", pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti)?$"))
+        "Size of the /dev/shm memory volume of each engine pod.", pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti)?$",
+        maxLength=32))
+
+    # CEL rules the API server checks on spec.engine: (rule, message, messageExpression).
+    CEL_RULES: ClassVar[tuple[tuple[str, str, str], ...]] = (
+        (f"!has(self.args) || !self.args.exists(a, {_CEL_WIRING})",
+         "engine.args must not set the fleet's wiring (--data-parallel-*, --headless, --api-server-count, "
+         "--elastic-ep-max-dp-size, --nnodes, --node-rank, --master-addr, --master-port, --port, --host, "
+         "--model): corefleet sets it",
+         _cel_message("self.args", _CEL_WIRING,
+                      " is set by corefleet (the wiring of the fleet) and cannot be overridden")),
+    )
 
 
 @dataclass(frozen=True)
@@ -143,13 +279,16 @@ class CoordinatorSpec:
 @dataclass(frozen=True)
 class SchedulingSpec:
     nodeSelector: Mapping[str, str] = field(default_factory=dict, metadata=meta(
-        "Node selector of every fleet pod."))
+        "Node selector of every fleet pod.", maxProperties=C.MAX_LIST_ITEMS,
+        additionalProperties={"maxLength": C.MAX_NAME_LENGTH}))
     tolerations: K8s.Tolerations = field(default_factory=K8s.Tolerations, metadata=meta(
         "Tolerations of every fleet pod."))
     affinity: K8s.Affinity = field(default_factory=K8s.Affinity, metadata=meta(
         "Affinity of every fleet pod."))
-    priorityClassName: str = field(default="", metadata=meta("PriorityClass of every fleet pod."))
-    schedulerName: str = field(default="", metadata=meta("Scheduler of every fleet pod (default scheduler if empty)."))
+    priorityClassName: str = field(default="", metadata=meta("PriorityClass of every fleet pod.",
+                                                             maxLength=C.MAX_NAME_LENGTH))
+    schedulerName: str = field(default="", metadata=meta("Scheduler of every fleet pod (default scheduler if empty).",
+                                                         maxLength=C.MAX_NAME_LENGTH))
 
 
 @dataclass(frozen=True)
@@ -159,19 +298,26 @@ class ScalingSpec:
         minimum=0, maximum=86400))
     readyTimeoutSeconds: int = field(default=1800, metadata=meta(
         "How long a new rank may take to load its model and join the fleet.", minimum=30, maximum=86400))
+    maxRecoveries: int = field(default=5, metadata=meta(
+        "How many recoveries in a row (lost pods recreated, with a growing backoff between them) the "
+        "fleet may go through before it is given up: phase Failed, reason RecoveriesExhausted, until "
+        "its spec changes. A streak ends after 10 minutes Running.", minimum=0, maximum=1000))
 
 
 @dataclass(frozen=True)
 class EngineCoreSetSpec:
     model: str = field(metadata=meta(
-        "Model served by every rank (a Hugging Face id or a path inside the image).", minLength=1))
-    image: str = field(metadata=meta("Container image with vLLM 0.32.0 and corefleet's runtime.", minLength=1))
+        "Model served by every rank (a Hugging Face id or a path inside the image).", minLength=1,
+        maxLength=C.MAX_STRING_LENGTH))
+    image: str = field(metadata=meta("Container image with vLLM 0.32.0 and corefleet's runtime.", minLength=1,
+                                     maxLength=C.MAX_STRING_LENGTH))
     replicas: int = field(default=1, metadata=meta(
-        "Number of data-parallel ranks (engine pods). Changing it resizes the running fleet.",
-        minimum=0))
+        f"Number of data-parallel ranks (engine pods), at most {C.MAX_REPLICAS}. Changing it resizes the "
+        "running fleet.", minimum=0, maximum=C.MAX_REPLICAS))
     maxReplicas: int | None = field(default=None, metadata=meta(
         "Elastic headroom: the largest number of ranks the fleet may grow to without a restart "
-        "(vLLM --elastic-ep-max-dp-size). Defaults to replicas.", minimum=1))
+        f"(vLLM --elastic-ep-max-dp-size), at most {C.MAX_REPLICAS}. Defaults to replicas.",
+        minimum=1, maximum=C.MAX_REPLICAS))
     expertParallel: bool = field(default=False, metadata=meta(
         "MoE model with elastic expert parallelism (needs GPUs, NCCL and EPLB). If false, ranks are "
         "independent dense engines and a resize is a membership change."))
@@ -186,12 +332,28 @@ class EngineCoreSetSpec:
         "ports are ephemeral), lets anyone reach the frontend's HTTP port, and only the operator its admin "
         "port."))
 
-    # CEL rules the API server checks (rule, message); generated into the CRD.
-    CEL_RULES: ClassVar[tuple[tuple[str, str], ...]] = (
+    # CEL rules the API server checks (rule, message, messageExpression or ""); generated into the CRD.
+    CEL_RULES: ClassVar[tuple[tuple[str, str, str], ...]] = (
         ("!has(self.maxReplicas) || self.replicas <= self.maxReplicas",
-         "replicas must not exceed maxReplicas"),
-        ("!(self.frontend.port in [8001, 29550])",
-         "frontend.port must not be 8001 or 29550: they carry the fleet's admin and handshake traffic"),
+         "replicas must not exceed maxReplicas", ""),
+        (f"!(self.frontend.port in [{C.FRONTEND_ADMIN_PORT}, {C.DP_RPC_PORT}])",
+         f"frontend.port must not be {C.FRONTEND_ADMIN_PORT} or {C.DP_RPC_PORT}: they carry the fleet's admin "
+         "and handshake traffic", ""),
+        (f"self.expertParallel || !has(self.engine.args) || !self.engine.args.exists(a, {_CEL_MOE})",
+         "engine.args: --enable-expert-parallel, -ep, --enable-eplb and --enable-elastic-ep are set by "
+         "corefleet on expertParallel fleets only; this fleet is dense (expertParallel: false)",
+         _cel_message("self.engine.args", _CEL_MOE, " is set by corefleet on expertParallel fleets only: "
+                      "this fleet is dense (expertParallel: false)")),
+        (f"!self.expertParallel || !has(self.engine.args) || !self.engine.args.exists(a, {_CEL_MOE_NEGATION})",
+         "engine.args: --no-enable-expert-parallel, --no-enable-eplb and --no-enable-elastic-ep conflict with "
+         "expertParallel: true",
+         _cel_message("self.engine.args", _CEL_MOE_NEGATION, " conflicts with expertParallel: true")),
+        (_cel_disagrees(C.ENGINE_TENSOR_PARALLEL_FLAGS, "string(self.engine.tensorParallelSize)"),
+         "engine.args: --tensor-parallel-size/-tp must equal engine.tensorParallelSize (corefleet sets it from "
+         "there): set engine.tensorParallelSize instead", ""),
+        (_cel_disagrees(C.ENGINE_LOAD_FORMAT_FLAGS, "self.engine.loadFormat"),
+         "engine.args: --load-format must equal engine.loadFormat (corefleet sets it from there): set "
+         "engine.loadFormat instead", ""),
     )
     # CEL rules on the whole object (metadata.name becomes part of child names and DNS labels).
     OBJECT_CEL_RULES: ClassVar[tuple[tuple[str, str], ...]] = (
@@ -209,7 +371,7 @@ class EngineCoreSetSpec:
     @classmethod
     def parse(cls, spec: Mapping[str, Any]) -> EngineCoreSetSpec:
         """Parse a spec dict (as stored by the API server) into the model; raises SpecError."""
-        parsed: EngineCoreSetSpec = _parse(cls, spec, "spec")
+        parsed: EngineCoreSetSpec = _parse(cls, spec, "spec", strict=True)
         parsed.validate()
         return parsed
 
@@ -217,9 +379,11 @@ class EngineCoreSetSpec:
         """Semantic checks the schema cannot express; raises SpecError with the field's path."""
         if self.maxReplicas is not None and self.replicas > self.maxReplicas:
             raise SpecError("spec.replicas", f"{self.replicas} exceeds maxReplicas {self.maxReplicas}")
-        reserved = _reserved_flag(self.engine.args)
-        if reserved:
-            raise SpecError("spec.engine.args", f"{reserved} is set by corefleet and cannot be overridden")
+        problem = engine_args_problem(self.engine.args, expert_parallel=self.expertParallel,
+                                      tensor_parallel_size=self.engine.tensorParallelSize,
+                                      load_format=self.engine.loadFormat)
+        if problem is not None:
+            raise SpecError(f"spec.engine.args[{problem[0]}]", problem[1])
         if self.frontend.port in RESERVED_PORTS:
             raise SpecError("spec.frontend.port", f"port {self.frontend.port} is reserved for fleet traffic")
         for i, var in enumerate(self.engine.env):
@@ -237,25 +401,8 @@ class FleetRef:
     spec: EngineCoreSetSpec
 
 
-# vLLM flags corefleet sets per rank; a user value would break the fleet's wiring.
-RESERVED_FLAGS = (
-    "--data-parallel-size", "-dp", "--data-parallel-size-local", "-dpl", "--data-parallel-rank", "-dpn",
-    "--data-parallel-start-rank", "-dpr", "--data-parallel-address", "-dpa", "--data-parallel-rpc-port",
-    "-dpp", "--headless", "--tensor-parallel-size", "-tp", "--port", "--host", "--elastic-ep-max-dp-size",
-    "--enable-elastic-ep", "--api-server-count", "--load-format", "--enable-expert-parallel", "-ep",
-    "--enable-eplb", "--data-parallel-backend", "-dpb", "--data-parallel-hybrid-lb", "--data-parallel-external-lb",
-    "--nnodes", "--node-rank", "--master-addr", "--model", "--health-port", "--",
-)
-RESERVED_ENV = ("POD_IP", "POD_NAME", "POD_NAMESPACE", "VLLM_ELASTIC_EP_SCALE_UP_LAUNCH")
-RESERVED_PORTS = (8001, 29550)
-
-
-def _reserved_flag(args: tuple[str, ...]) -> str | None:
-    for a in args:
-        flag = a.split("=", 1)[0]
-        if flag in RESERVED_FLAGS:
-            return flag
-    return None
+RESERVED_ENV = C.RESERVED_ENV
+RESERVED_PORTS = (C.FRONTEND_ADMIN_PORT, C.DP_RPC_PORT)
 
 
 # ---- status -----------------------------------------------------------------------------------
@@ -274,9 +421,13 @@ class Condition:
     status: Literal["True", "False", "Unknown"] = field(metadata=meta("Condition status."))
     reason: str = field(metadata=meta("CamelCase reason.", pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"))
     lastTransitionTime: str = field(metadata=meta("When the status last flipped.", format="date-time"))
-    message: str = field(default="", metadata=meta("Human-readable details."))
+    message: str = field(default="", metadata=meta(
+        f"Human-readable details (at most {C.MAX_STATUS_MESSAGE} characters).", maxLength=C.MAX_STATUS_MESSAGE))
     observedGeneration: int = field(default=0, metadata=meta("Generation the condition was computed for.",
                                                              minimum=0))
+
+    def __post_init__(self) -> None:
+        _bound(self, "message", C.MAX_STATUS_MESSAGE)
 
 
 @dataclass(frozen=True)
@@ -284,7 +435,11 @@ class RankStatus:
     rank: int = field(metadata=meta("Data-parallel rank.", minimum=0))
     pod: str = field(metadata=meta("Pod running the rank."))
     phase: RankPhase = field(metadata=meta("Where the rank is in its life."))
-    message: str = field(default="", metadata=meta("Why, when not Serving."))
+    message: str = field(default="", metadata=meta(
+        f"Why, when not Serving (at most {C.MAX_RANK_MESSAGE} characters).", maxLength=C.MAX_RANK_MESSAGE))
+
+    def __post_init__(self) -> None:
+        _bound(self, "message", C.MAX_RANK_MESSAGE)
 
 
 @dataclass(frozen=True)
@@ -297,8 +452,16 @@ class OperationStatus:
         "(leaving ranks finish their requests), Committing, then Completed or Failed."))
     startedAt: str | None = field(default=None, metadata=meta("When it started.", format="date-time"))
     finishedAt: str | None = field(default=None, metadata=meta("When it completed or failed.", format="date-time"))
-    message: str = field(default="", metadata=meta("What it is doing, or why it failed."))
+    message: str = field(default="", metadata=meta(
+        f"What it is doing, or why it failed (at most {C.MAX_STATUS_MESSAGE} characters).",
+        maxLength=C.MAX_STATUS_MESSAGE))
     fleetGeneration: int = field(default=0, metadata=meta("The incarnation of the fleet it resized.", minimum=0))
+    replace: tuple[int, ...] = field(default=(), metadata=meta(
+        "A replacement in place (fromReplicas == toReplicas): the lost ranks of a dense fleet given new pods while "
+        "the other ranks serve on; empty for a resize.", maxItems=C.MAX_REPLICAS))
+
+    def __post_init__(self) -> None:
+        _bound(self, "message", C.MAX_STATUS_MESSAGE)
 
     @property
     def done(self) -> bool:
@@ -310,6 +473,22 @@ class OperationStatus:
 
 
 @dataclass(frozen=True)
+class RecoveryStatus:
+    attempt: int = field(default=0, metadata=meta(
+        "Recoveries in the current streak (reset after 10 minutes Running or a spec change).", minimum=0))
+    lostAt: str | None = field(default=None, metadata=meta("When the last loss was seen.", format="date-time"))
+    reason: str = field(default="", metadata=meta(
+        f"What was lost, and why (at most {C.MAX_STATUS_MESSAGE} characters).", maxLength=C.MAX_STATUS_MESSAGE))
+    retryAt: str | None = field(default=None, metadata=meta(
+        "When the next recovery may start (backoff).", format="date-time"))
+    observedGeneration: int = field(default=0, metadata=meta(
+        "The spec generation the streak belongs to.", minimum=0))
+
+    def __post_init__(self) -> None:
+        _bound(self, "reason", C.MAX_STATUS_MESSAGE)
+
+
+@dataclass(frozen=True)
 class EngineCoreSetStatus:
     observedGeneration: int = field(default=0, metadata=meta("Generation last reconciled.", minimum=0))
     replicas: int = field(default=0, metadata=meta(
@@ -317,30 +496,87 @@ class EngineCoreSetStatus:
     readyReplicas: int = field(default=0, metadata=meta("Ranks serving.", minimum=0))
     selector: str = field(default="", metadata=meta("Label selector of the engine pods (scale subresource)."))
     phase: FleetPhase = field(default="Pending", metadata=meta("Summary of the fleet's state."))
-    conditions: tuple[Condition, ...] = field(default=(), metadata=meta("Latest observations."))
-    ranks: tuple[RankStatus, ...] = field(default=(), metadata=meta("Per-rank state."))
+    conditions: tuple[Condition, ...] = field(default=(), metadata=meta("Latest observations.",
+                                                                        maxItems=C.MAX_CONDITIONS))
+    ranks: tuple[RankStatus, ...] = field(default=(), metadata=meta("Per-rank state.", maxItems=C.MAX_REPLICAS))
     operation: OperationStatus | None = field(default=None, metadata=meta(
         "The resize in flight, else the last one (with its outcome)."))
     recoveries: int = field(default=0, metadata=meta(
         "How many times the fleet was recreated after losing a rank.", minimum=0))
+    recovery: RecoveryStatus | None = field(default=None, metadata=meta(
+        "The current recovery streak: attempts, backoff and the last loss."))
     fleetGeneration: int = field(default=0, metadata=meta(
         "Incarnation of the fleet: goes up each time all its pods are recreated (a spec change that "
         "needs identical ranks, or a recovery). Every fleet pod carries the incarnation it belongs to.",
         minimum=0))
     endpoint: str = field(default="", metadata=meta("The OpenAI-compatible endpoint (Service URL)."))
 
+    # What defines the fleet the stored status describes: which incarnation its pods belong to, its
+    # committed size, and the resize it may have in flight. Unreadable, nothing may be acted on.
+    IDENTITY: ClassVar[tuple[str, ...]] = ("fleetGeneration", "replicas", "operation")
+
+    def __post_init__(self) -> None:
+        if len(self.ranks) > C.MAX_REPLICAS:  # only a status stored before the bound existed
+            object.__setattr__(self, "ranks", self.ranks[:C.MAX_REPLICAS])
+        if len(self.conditions) > C.MAX_CONDITIONS:
+            object.__setattr__(self, "conditions", self.conditions[:C.MAX_CONDITIONS])
+
     @classmethod
     def parse(cls, status: Mapping[str, Any] | None) -> EngineCoreSetStatus:
-        """Parse a stored status; unknown or broken content reads as an empty status."""
-        try:
-            parsed: EngineCoreSetStatus = _parse(cls, status or {}, "status")
-            return parsed
-        except SpecError:
-            return cls()
+        """Parse a stored status field by field (see `parse_report`, which callers that act on it use)."""
+        return cls.parse_report(status).status
+
+    @classmethod
+    def parse_report(cls, status: Any) -> ParsedStatus:
+        """Parse a stored status field by field, never into an empty status because one part is broken.
+
+        Unknown fields are ignored at every level (a status written by a newer release, read after a
+        rollback). A broken field reads as its default and is named in `problems`; a broken item of a
+        list (a condition, a rank) is left out and named. `identity_unreadable` is True when a field of
+        `IDENTITY` is present but broken, or missing from a status that is not empty, or the status is
+        not an object at all: the caller must then act on nothing and write nothing. An absent or empty
+        status (`None`, `{}`) is a new fleet's: no problems.
+        """
+        if status is None or (isinstance(status, Mapping) and not status):
+            return ParsedStatus(cls(), (), False)
+        if not isinstance(status, Mapping):
+            return ParsedStatus(cls(), (f"status: must be an object, not {type(status).__name__}",), True)
+        problems: list[str] = []
+        kwargs: dict[str, Any] = {}
+        hints = _hints(cls)
+        unreadable = False
+        for f in dataclasses.fields(cls):
+            if status.get(f.name) is None:
+                if f.name in cls.IDENTITY and f.name != "operation":
+                    problems.append(f"status.{f.name}: missing")
+                    unreadable = True
+                continue
+            try:
+                kwargs[f.name] = _parse_lenient(hints[f.name], status[f.name], f"status.{f.name}", problems)
+            except SpecError as e:
+                problems.append(str(e))
+                unreadable = unreadable or f.name in cls.IDENTITY
+        return ParsedStatus(cls(**kwargs), tuple(problems), unreadable)
 
     def to_json(self) -> JSON:
         out: JSON = to_json(self)
         return out
+
+
+class ParsedStatus(NamedTuple):
+    """`EngineCoreSetStatus.parse_report`'s answer: the status, what could not be read, and whether
+    the fleet's identity (`EngineCoreSetStatus.IDENTITY`) is among it."""
+
+    status: EngineCoreSetStatus
+    problems: tuple[str, ...]
+    identity_unreadable: bool
+
+
+def _bound(obj: Any, name: str, limit: int) -> None:
+    """Truncate a frozen dataclass's string field to `limit` characters (status must fit its schema)."""
+    value = getattr(obj, name)
+    if len(value) > limit:
+        object.__setattr__(obj, name, value[:limit - 1] + "\u2026")
 
 
 # ---- generic parsing and serialisation --------------------------------------------------------
@@ -348,7 +584,10 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _parse(tp: Any, value: Any, path: str) -> Any:
+def _parse(tp: Any, value: Any, path: str, *, strict: bool = False) -> Any:
+    """`value` as type `tp`; raises SpecError naming the path. `strict` (a spec) also refuses unknown
+    fields and values outside the schema's bounds (`meta` keywords and `K8S_SCHEMAS`), as the API
+    server does, for objects stored before a bound existed."""
     origin = get_origin(tp)
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
         if not isinstance(value, Mapping):
@@ -361,13 +600,15 @@ def _parse(tp: Any, value: Any, path: str) -> Any:
         kwargs = {}
         for f in dataclasses.fields(tp):
             if f.name in value and value[f.name] is not None:
-                kwargs[f.name] = _parse(hints[f.name], value[f.name], f"{path}.{f.name}")
+                if strict:
+                    _check_bounds(f.metadata.get("schema", {}), value[f.name], f"{path}.{f.name}")
+                kwargs[f.name] = _parse(hints[f.name], value[f.name], f"{path}.{f.name}", strict=strict)
             elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 raise SpecError(f"{path}.{f.name}", "is required")
         return tp(**kwargs)
     if origin in (types.UnionType, typing.Union):
         inner = [a for a in get_args(tp) if a is not type(None)]
-        return _parse(inner[0], value, path)
+        return _parse(inner[0], value, path, strict=strict)
     if origin is Literal:
         if value not in get_args(tp):
             raise SpecError(path, f"must be one of {', '.join(map(str, get_args(tp)))}, not {value!r}")
@@ -376,7 +617,7 @@ def _parse(tp: Any, value: Any, path: str) -> Any:
         if not isinstance(value, list | tuple):
             raise SpecError(path, "must be a list")
         item = get_args(tp)[0]
-        return tuple(_parse(item, v, f"{path}[{i}]") for i, v in enumerate(value))
+        return tuple(_parse(item, v, f"{path}[{i}]", strict=strict) for i, v in enumerate(value))
     if origin is Mapping or tp is Mapping:
         if not isinstance(value, Mapping) or not all(isinstance(v, str) for v in value.values()):
             raise SpecError(path, "must be a map of strings")
@@ -385,6 +626,8 @@ def _parse(tp: Any, value: Any, path: str) -> Any:
         base = dict if issubclass(tp, dict) else list
         if not isinstance(value, base):
             raise SpecError(path, f"must be {'an object' if base is dict else 'a list'}")
+        if strict:
+            _check_bounds(K8S_SCHEMAS[tp], value, path)
         return tp(value)
     if tp is bool:
         if not isinstance(value, bool):
@@ -399,6 +642,76 @@ def _parse(tp: Any, value: Any, path: str) -> Any:
             raise SpecError(path, "must be a string")
         return value
     raise TypeError(f"unsupported type {tp!r} at {path}")
+
+
+def _check_bounds(schema: Mapping[str, Any], value: Any, path: str) -> None:
+    """The size bounds of an OpenAPI schema (maximum, minimum, maxLength, maxItems, maxProperties, and
+    those of its items and properties) that `value` breaks, as a SpecError. Types are `_parse`'s job."""
+    if isinstance(value, bool):
+        return
+    if isinstance(value, int):
+        if "maximum" in schema and value > schema["maximum"]:
+            raise SpecError(path, f"{value} exceeds the maximum {schema['maximum']}")
+        if "minimum" in schema and value < schema["minimum"]:
+            raise SpecError(path, f"{value} is below the minimum {schema['minimum']}")
+    elif isinstance(value, str):
+        if "maxLength" in schema and len(value) > schema["maxLength"]:
+            raise SpecError(path, f"{len(value)} characters exceed the maximum length {schema['maxLength']}")
+        if "pattern" in schema and not re.search(schema["pattern"], value):
+            raise SpecError(path, f"{value!r} does not match {schema['pattern']}")
+    elif isinstance(value, list | tuple):
+        if "maxItems" in schema and len(value) > schema["maxItems"]:
+            raise SpecError(path, f"{len(value)} items exceed the maximum {schema['maxItems']}")
+        for i, item in enumerate(value):
+            _check_bounds(schema.get("items", {}), item, f"{path}[{i}]")
+    elif isinstance(value, Mapping):
+        if "maxProperties" in schema and len(value) > schema["maxProperties"]:
+            raise SpecError(path, f"{len(value)} entries exceed the maximum {schema['maxProperties']}")
+        props = schema.get("properties", {})
+        extra = schema.get("additionalProperties")
+        for key, item in value.items():
+            sub = props.get(key, extra if isinstance(extra, Mapping) else {})
+            _check_bounds(sub, item, f"{path}.{key}")
+
+
+def _parse_lenient(tp: Any, value: Any, path: str, problems: list[str]) -> Any:
+    """`_parse` for a stored status: unknown fields are ignored, a broken optional field reads as its
+    default and a broken list item is left out (each named in `problems`); raises SpecError only
+    where nothing can stand in (a broken scalar, a required field)."""
+    origin = get_origin(tp)
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        if not isinstance(value, Mapping):
+            raise SpecError(path, f"must be an object, not {type(value).__name__}")
+        hints = _hints(tp)
+        kwargs = {}
+        for f in dataclasses.fields(tp):
+            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            sub = f"{path}.{f.name}"
+            if value.get(f.name) is None:
+                if required:
+                    raise SpecError(sub, "is required")
+                continue
+            try:
+                kwargs[f.name] = _parse_lenient(hints[f.name], value[f.name], sub, problems)
+            except SpecError as e:
+                if required:
+                    raise
+                problems.append(str(e))
+        return tp(**kwargs)
+    if origin in (types.UnionType, typing.Union):
+        inner = [a for a in get_args(tp) if a is not type(None)]
+        return _parse_lenient(inner[0], value, path, problems)
+    if origin is tuple:
+        if not isinstance(value, list | tuple):
+            raise SpecError(path, "must be a list")
+        items = []
+        for i, v in enumerate(value):
+            try:
+                items.append(_parse_lenient(get_args(tp)[0], v, f"{path}[{i}]", problems))
+            except SpecError as e:
+                problems.append(f"{e} (item left out)")
+        return tuple(items)
+    return _parse(tp, value, path)
 
 
 def to_json(obj: Any) -> Any:

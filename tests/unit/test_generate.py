@@ -94,6 +94,35 @@ def test_chart_crd_is_the_manifests_crd() -> None:
     assert yaml.safe_load(out[generate.CRD_FILE]) == crd.crd()
 
 
+def _crd_schema() -> dict[str, Any]:
+    schema: dict[str, Any] = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    return schema
+
+
+def test_crd_carries_the_recovery_budget_and_the_recovery_status() -> None:
+    schema = _crd_schema()["properties"]
+    scaling = schema["spec"]["properties"]["scaling"]["properties"]
+    assert scaling["maxRecoveries"] == {**scaling["maxRecoveries"], "type": "integer", "default": 5, "minimum": 0}
+    recovery = schema["status"]["properties"]["recovery"]
+    assert set(recovery["properties"]) == {"attempt", "lostAt", "reason", "retryAt", "observedGeneration"}
+    assert recovery["properties"]["reason"]["maxLength"] == constants.MAX_STATUS_MESSAGE
+
+
+def test_crd_cel_rules_come_from_the_constants_flag_lists() -> None:
+    """One source for the flags corefleet sets: the CEL rules are built from constants.ENGINE_*_FLAGS."""
+    spec = _crd_schema()["properties"]["spec"]
+    [wiring] = spec["properties"]["engine"]["x-kubernetes-validations"]
+    for flag in constants.ENGINE_WIRING_FLAGS:
+        assert f"'{flag}'" in wiring["rule"], flag
+    assert "is set by corefleet" in wiring["messageExpression"]
+    rules = " ".join(r["rule"] for r in spec["x-kubernetes-validations"])
+    for flag in (*constants.ENGINE_MOE_FLAGS, *constants.ENGINE_MOE_NEGATIONS, *constants.ENGINE_TENSOR_PARALLEL_FLAGS,
+                 *constants.ENGINE_LOAD_FORMAT_FLAGS):
+        assert f"'{flag}'" in rules, flag
+    for rule in (*spec["x-kubernetes-validations"], wiring):
+        assert rule["message"], rule
+
+
 # ---- RBAC ---------------------------------------------------------------------------------------
 def test_manifests_cluster_role_has_exactly_the_rules_of_rbac_py() -> None:
     docs = load_all(REPO / "manifests" / "rbac.yaml")
