@@ -11,15 +11,21 @@ mounted as a file in the frontend pod. A request without it, or with another tok
     GET  /v1/fleet                    -> FleetStatus: the ranks, their states and counters, the resize in flight
     POST /v1/resizes                  ResizeRequest -> ResizeOperation
                                       202: started; 200: the same id and target exist already (idempotent);
-                                      409: another resize runs, or the id names another target;
-                                      400: bad request; 503: the fleet cannot resize now (starting, a rank dead)
+                                      409: another resize runs, or the id names another target, or a
+                                      replacement names a rank that is not Dead or another size;
+                                      400: bad request (a replacement in an MoE fleet);
+                                      503: the fleet cannot resize now (starting, a rank dead)
     GET  /v1/resizes                  -> {"operations": [ResizeOperation, ...]} (newest first, the last few)
     GET  /v1/resizes/<id>             -> ResizeOperation, or 404
     POST /v1/resizes/<id>/cancel      {"reason": "..."} -> ResizeOperation (Failed), or 409 once it committed
     GET  /healthz                     -> 200 once the admin server runs (no token: for probes)
+    GET  /livez                       -> 200 while the frontend's event loop runs (no token: the pod's
+                                      livenessProbe); 503 once it made no progress for LOOP_STALL_LIMIT_S
 
 A resize is an operation with an id, carried out by the frontend in the background: the POST
-returns at once and the caller polls the operation. At most one runs at a time.
+returns at once and the caller polls the operation. At most one runs at a time. A replacement is a
+resize that keeps the size and names Dead ranks (`replace`) to be given new engines in place (dense
+fleets only: `corefleet_client.frontend.replace`).
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ API_PREFIX = "/v1"
 FLEET_PATH = f"{API_PREFIX}/fleet"
 RESIZES_PATH = f"{API_PREFIX}/resizes"
 HEALTH_PATH = "/healthz"
+LIVE_PATH = "/livez"  # the frontend's liveness: 503 once its event loop stalled past LOOP_STALL_LIMIT_S
+LOOP_STALL_LIMIT_S = 60.0
 
 AUTH_HEADER = "Authorization"
 BEARER = "Bearer "
@@ -58,13 +66,17 @@ class RankState(enum.StrEnum):
     DRAINING = "Draining"  # leaving in a scale-down: takes no new requests, finishes its in-flight ones
     RETIRED = "Retired"  # left the fleet through a resize: its pod may be deleted
     FAILED = "Failed"  # was to join in a scale-up and did not: its pod may be deleted
-    DEAD = "Dead"  # its process went away or stopped answering; takes no requests
+    # Its liveness call is unanswered past the liveness timeout, but its connection is up (a stopped or
+    # overloaded process): takes no new requests, its in-flight ones run on; Serving again once it answers.
+    UNRESPONSIVE = "Unresponsive"
+    DEAD = "Dead"  # its connection is lost (the process went away); takes no requests
 
 
 class FleetState(enum.StrEnum):
     STARTING = "Starting"  # waiting for engines to join
     SERVING = "Serving"  # every rank serving
-    DEGRADED = "Degraded"  # at least one rank dead: /health is 503, the fleet must be recreated
+    # At least one rank Dead or Unresponsive; /health stays 200 while at least one rank serves.
+    DEGRADED = "Degraded"
 
 
 class ResizePhase(enum.StrEnum):
@@ -109,6 +121,14 @@ class RankStatus:
     aborts_total: int = 0  # aborts routed to the rank
     failed_total: int = 0  # requests ended with an error because the rank died or was retired with them
     message: str = ""
+    since: float | None = None  # when the rank entered its state (seconds since the epoch); None: unknown
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RankStatus:
+        """Fields this version does not know (a newer frontend's) are ignored."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        fields = {k: v for k, v in data.items() if k in known}
+        return cls(**{**fields, "state": RankState(data["state"])})
 
 
 @dataclass(frozen=True)
@@ -126,6 +146,8 @@ class ResizeRequest:
     replicas: int
     drain_timeout_s: float = 120.0  # a leaving rank's in-flight requests get this long, then fail
     join_timeout_s: float = 1800.0  # a new rank gets this long to load its model and handshake
+    # A replacement: these Dead ranks get new engines in place; replicas is then the fleet's size.
+    replace: tuple[int, ...] = ()
 
     def validate(self) -> str | None:
         """Why the request is malformed, or None."""
@@ -138,10 +160,19 @@ class ResizeRequest:
             return f"drain_timeout_s must be in 0..86400, not {self.drain_timeout_s}"
         if not 0 < self.join_timeout_s <= 86400:
             return f"join_timeout_s must be in (0, 86400], not {self.join_timeout_s}"
+        outside = sorted(r for r in set(self.replace) if not 0 <= r < self.replicas)
+        if outside:
+            return f"replace names rank(s) {outside} outside the fleet's ranks 0..{self.replicas - 1}"
+        if len(set(self.replace)) != len(self.replace):
+            return f"replace names a rank twice: {list(self.replace)}"
         return None
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        out["replace"] = list(self.replace)
+        if not self.replace:  # a plain resize reads as before (a frontend without replacements refuses the field)
+            del out["replace"]
+        return out
 
     @classmethod
     def from_json(cls, data: Any) -> ResizeRequest:
@@ -162,7 +193,10 @@ class ResizeRequest:
                 if isinstance(v, bool) or not isinstance(v, int | float):
                     raise ValueError(f"{name} must be a number")
                 timeouts[name] = float(v)
-        return cls(id=data["id"], replicas=replicas, **timeouts)
+        replace = data.get("replace", [])
+        if not isinstance(replace, list) or any(isinstance(r, bool) or not isinstance(r, int) for r in replace):
+            raise ValueError("replace must be a list of rank numbers")
+        return cls(id=data["id"], replicas=replicas, **timeouts, replace=tuple(replace))
 
 
 @dataclass(frozen=True)
@@ -171,7 +205,7 @@ class ResizeOperation(_Ranked):
     from_replicas: int
     to_replicas: int
     phase: ResizePhase
-    ranks: tuple[ResizeRank, ...] = ()  # the ranks it adds or removes
+    ranks: tuple[ResizeRank, ...] = ()  # the ranks it adds, removes or replaces
     started_at: float = 0.0  # seconds since the epoch
     finished_at: float | None = None
     drain_timeout_s: float = 0.0
@@ -179,6 +213,7 @@ class ResizeOperation(_Ranked):
     message: str = ""  # what it is doing now, or how it ended
     error: str = ""  # why it failed
     fleet_intact: bool = True  # after a failure: the fleet still serves at from_replicas (else recreate it)
+    replace: tuple[int, ...] = ()  # a replacement (from_replicas == to_replicas): the ranks it gives new engines
 
     @property
     def scale_up(self) -> bool:
@@ -200,6 +235,7 @@ class ResizeOperation(_Ranked):
             drain_timeout_s=float(data.get("drain_timeout_s", 0.0)),
             join_timeout_s=float(data.get("join_timeout_s", 0.0)), message=data.get("message", ""),
             error=data.get("error", ""), fleet_intact=bool(data.get("fleet_intact", True)),
+            replace=tuple(int(r) for r in data.get("replace", ())),
         )
 
 
@@ -219,7 +255,7 @@ class FleetStatus(_Ranked):
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> FleetStatus:
-        ranks = tuple(RankStatus(**{**r, "state": RankState(r["state"])}) for r in data.get("ranks", ()))
+        ranks = tuple(RankStatus.from_json(r) for r in data.get("ranks", ()))
         resize = data.get("resize")
         return cls(
             state=FleetState(data["state"]),

@@ -39,8 +39,9 @@ The changes:
    vLLM's `/health` is 503 only when the whole engine-core client is dead, and a client with
    externally managed engines never learns that one died: a dense fleet kept answering 200 while
    requests routed to a killed rank hung (docs/vllm-on-cpu.md). The wrapper also raises
-   `EngineDeadError` (which `/health` turns into 503) while the client reports a dead rank, without
-   marking the whole client dead, so requests on the surviving ranks finish.
+   `EngineDeadError` (which `/health` turns into 503) while the client reports that no rank serves
+   (`check_fleet_health`), without marking the whole client dead. One Dead or Unresponsive rank
+   does not make it 503: the other ranks serve on, and new requests avoid that rank.
 4. `init_dplb_client` replaces `DPLBAsyncMPClient.__init__`: the same statements without its
    `assert len(self.core_engines) > 1`. vLLM's DP client is the only one that can change its
    membership (its stats task and the coordinator follow `SCALE_ELASTIC_EP`), and the assertion
@@ -63,6 +64,19 @@ The changes:
    the admin API's and the liveness watcher's work wait. Seen with two fast CPU engines: the first
    token of a stream reached the client after 10-30 s, and the liveness watcher, starved as long,
    declared a healthy rank dead. The cleanup in `BackgroundResources` still sees vLLM's socket.
+8. `install_public_route_filter` wraps `build_app` as `vllm.entrypoints.launchers.api_server.entry`
+   calls it (`build_and_serve`): the FastAPI app vLLM builds loses `/scale_elastic_ep` and
+   `/is_scaling_elastic_ep` (vllm/entrypoints/serve/elastic_ep/api_router.py, attached by
+   `register_api_routers` for every "generate" model). They take no authentication and are
+   served on the public port; a fleet's size is the operator's, changed through the frontend's
+   authenticated admin API. They answer 404.
+
+Not a change of vLLM's code but of how corefleet's client answers one of its methods:
+`KubeDPLBClient.call_utility_all_async` overrides `AsyncMPClient.call_utility_all_async`
+(vllm/v1/engine/core_client.py), through which every utility of a DPLB client goes (its
+`call_utility_async` takes the first of them): `/reset_prefix_cache`, `/sleep`, `/wake_up`,
+`/is_sleeping`, collective RPCs. vLLM gathers an answer from every engine and waits forever on a
+hung one; the override skips Dead and Unresponsive ranks.
 """
 
 from __future__ import annotations
@@ -85,6 +99,10 @@ from vllm.v1.engine.core_client import DPAsyncMPClient, EngineCoreClient
 _ORIGINAL_FACTORY = EngineCoreClient.make_async_mp_client
 _ORIGINAL_CHECK_HEALTH = AsyncLLM.check_health
 _ORIGINAL_ASYNC_LLM_INIT = AsyncLLM.__init__
+
+
+# vLLM's routes corefleet does not serve on the public port (change 8).
+UNSERVED_ROUTES = ("/scale_elastic_ep", "/is_scaling_elastic_ep")
 
 
 def use_client_class(dp_client: type) -> None:
@@ -224,3 +242,28 @@ def yielding_output_socket(resources: Any) -> Iterator[None]:
         yield
     finally:
         resources.output_socket = real
+
+
+def remove_routes(app: Any, paths: Iterable[str]) -> list[str]:
+    """Remove the routes with these paths from a FastAPI/Starlette app; the paths removed."""
+    unserved = set(paths)
+    routes = app.router.routes
+    removed = [r.path for r in routes if getattr(r, "path", None) in unserved]
+    routes[:] = [r for r in routes if getattr(r, "path", None) not in unserved]
+    return removed
+
+
+def install_public_route_filter() -> None:
+    """Make the API server's app serve none of `UNSERVED_ROUTES` (change 8): they answer 404."""
+    from vllm.entrypoints.launchers.api_server import entry
+
+    original = getattr(entry.build_app, "__wrapped__", entry.build_app)
+
+    @functools.wraps(original)
+    def build_app(*args: Any, **kwargs: Any) -> Any:
+        app = original(*args, **kwargs)
+        remove_routes(app, UNSERVED_ROUTES)
+        return app
+
+    entry.build_app = build_app
+

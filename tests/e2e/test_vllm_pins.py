@@ -302,3 +302,36 @@ def test_engine_core_runs_in_process_as_the_manager_would_spawn_it(engine_utils:
     for name in ("vllm_config", "local_client", "handshake_address", "executor_class", "log_stats",
                  "tensor_queue"):
         assert name in params, name
+
+
+def test_utility_calls_and_fan_out_pinned(core_client: ModuleType) -> None:
+    """The liveness watcher and KubeDPLBClient.call_utility_all_async stand on these.
+
+    vLLM's output task pops a utility answer's call id without a default (a KeyError for an id
+    nobody registered takes the whole output task down): the watcher never removes an entry.
+    Every utility of a DPLB client goes through `call_utility_all_async`, which gathers an answer
+    from every engine: the override skips Dead and Unresponsive ranks.
+    """
+    assert "utility_results.pop(output.call_id)" in inspect.getsource(core_client._process_utility_output)
+    call = inspect.getsource(core_client.AsyncMPClient._call_utility_async)
+    assert "self.utility_results[call_id] = future" in call
+    assert "(self.client_index, call_id, method, args)" in call
+    fan_out = inspect.getsource(core_client.AsyncMPClient.call_utility_all_async)
+    assert "asyncio.gather" in fan_out
+    assert "for engine in self.core_engines" in fan_out
+    assert "self.call_utility_all_async(method, *args)" in inspect.getsource(
+        core_client.DPLBAsyncMPClient.call_utility_async)
+    for method in ("reset_prefix_cache_async", "wake_up_async", "compute_weight_checksums_async"):
+        assert "call_utility_all_async" in inspect.getsource(getattr(core_client.AsyncMPClient, method))
+    # The connection check: an abort of ids the scheduler does not know is a no-op.
+    scheduler = importlib.import_module("vllm.v1.core.sched.scheduler")
+    finish = inspect.getsource(scheduler.Scheduler.finish_requests)
+    assert "if request is None or request.is_finished():" in finish
+
+
+def test_elastic_ep_routes_pinned() -> None:
+    """vllm_compat change 8: the API server builds its app through `entry.build_app`, with these routes."""
+    entry = importlib.import_module("vllm.entrypoints.launchers.api_server.entry")
+    assert "app = build_app(args, supported_tasks, model_config)" in inspect.getsource(entry.build_and_serve)
+    router = importlib.import_module("vllm.entrypoints.serve.elastic_ep.api_router")
+    assert {r.path for r in router.router.routes} == {"/scale_elastic_ep", "/is_scaling_elastic_ep"}

@@ -71,6 +71,15 @@ def server() -> Iterator[AdminServer]:
         srv.stop()
 
 
+def test_rank_status_reads_what_an_older_or_newer_frontend_writes() -> None:
+    unresponsive = RankStatus(rank=1, identity="0100", state=RankState.UNRESPONSIVE, message="no answer", since=12.5)
+    wire = json.loads(json.dumps(unresponsive.__dict__ | {"state": "Unresponsive"}))
+    assert RankStatus.from_json(wire) == unresponsive
+    older = {k: v for k, v in wire.items() if k != "since"}
+    assert RankStatus.from_json(older).since is None
+    assert RankStatus.from_json(wire | {"a_later_field": 1}) == unresponsive
+
+
 def test_status_round_trips_through_json() -> None:
     wire = json.loads(json.dumps(STATUS.to_json()))
     assert FleetStatus.from_json(wire) == STATUS

@@ -10,6 +10,7 @@ tests/e2e.
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -19,6 +20,8 @@ from typing import Any
 import pytest
 
 from corefleet_client.admin import (
+    LIVE_PATH,
+    LOOP_STALL_LIMIT_S,
     AdminClient,
     AdminError,
     FleetState,
@@ -173,6 +176,26 @@ def test_a_fleet_with_a_dead_rank_cannot_resize(setup: Setup) -> None:
     assert setup.client.fleet().state == FleetState.DEGRADED
 
 
+def test_an_unresponsive_rank_is_shown_with_since_when(setup: Setup) -> None:
+    setup.serve()
+    before = time.time()
+    setup.fleet.set_rank(1, RankState.UNRESPONSIVE, "no answer to a liveness call sent at 02:40:01 UTC within 30s")
+    status = setup.client.fleet()  # through the admin API, as the operator reads it
+    assert status.state == FleetState.DEGRADED
+    assert status.message == "rank 1 Unresponsive: no answer to a liveness call sent at 02:40:01 UTC within 30s"
+    assert status.rank(1).state == RankState.UNRESPONSIVE
+    since = status.rank(1).since
+    assert since is not None
+    assert before <= since <= time.time()
+    assert status.rank(0).state == RankState.SERVING
+    setup.fleet.set_rank(1, RankState.UNRESPONSIVE, "still no answer")  # the same state: the same since
+    assert setup.client.fleet().rank(1).since == since
+    setup.fleet.set_rank(1, RankState.SERVING)
+    status = setup.client.fleet()
+    assert status.state == FleetState.SERVING
+    assert (status.rank(1).since or 0) >= since
+
+
 @pytest.mark.parametrize(("body", "message"), [
     ({"id": "bad id!", "replicas": 3}, "must match"),
     ({"id": "x", "replicas": 0}, "at least 1"),
@@ -249,3 +272,25 @@ def test_operations_round_trip_through_json() -> None:
     assert not final.fleet_intact
     assert final.rank(2).state == RankState.DRAINING
     assert ResizeRequest.from_json(ResizeRequest(id="a", replicas=2).to_json()) == ResizeRequest(id="a", replicas=2)
+
+
+def test_livez_fails_only_once_the_serving_event_loop_stalls(setup: Setup) -> None:
+    """The frontend pod's livenessProbe (admin /livez, no token): a frontend blocked in vLLM's startup
+    handshake is alive; a serving one is alive while its liveness watcher ticks (each tick beats)."""
+    def livez() -> tuple[int, dict[str, Any]]:
+        try:
+            with urllib.request.urlopen(f"{setup.url}{LIVE_PATH}", timeout=5) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    assert livez()[0] == 200  # starting: no beat yet
+    setup.serve()
+    setup.fleet.beat()
+    assert livez()[0] == 200
+    setup.fleet._beat = time.monotonic() - LOOP_STALL_LIMIT_S - 1  # the loop's last tick, long ago
+    code, body = livez()
+    assert code == 503
+    assert "made no progress" in body["error"]
+    setup.fleet.beat()
+    assert livez()[0] == 200

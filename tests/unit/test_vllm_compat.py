@@ -1,12 +1,31 @@
 # SPDX-License-Identifier: Apache-2.0
-"""corefleet_client.vllm_compat's changes that can be shown without an engine."""
+"""corefleet_client.vllm_compat's changes, and corefleet's client over vLLM's utility calls, shown without an engine."""
 
 from __future__ import annotations
 
 import asyncio
+import errno
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from http import HTTPStatus
+from types import SimpleNamespace
 from typing import Any
 
+import msgspec
+import pytest
+import zmq
+from vllm.exceptions import GracefulHTTPError
+from vllm.v1.engine import EngineCoreRequestType, UtilityOutput
+from vllm.v1.engine.core_client import _process_utility_output
+from vllm.v1.engine.exceptions import EngineDeadError
+from vllm.v1.serial_utils import MsgpackEncoder, UtilityResult
+
 from corefleet_client import vllm_compat
+from corefleet_client.admin import FleetState, RankState
+from corefleet_client.frontend.client import FleetOptions, KubeDPLBClient
+from corefleet_client.frontend.fleet import Fleet, identity
 
 
 class AlwaysReady:
@@ -64,3 +83,335 @@ def test_yielding_output_socket_is_seen_only_by_the_task_created_inside() -> Non
         seen.close()  # anything but recv_multipart reaches the real socket
     assert resources.output_socket is real
     assert real.closed
+
+
+# ---- corefleet's client over vLLM's utility calls: liveness and fan-out, engines played by the test ----------
+
+
+class Engines:
+    """The requests ROUTER as the client sees it, with the engines behind it played by the test.
+
+    A running engine answers every utility call at once, as vLLM's output task would take the
+    answer: through vLLM's own `_process_utility_output` (a KeyError there is what took the
+    frontend down). A stopped engine (SIGSTOP) holds its calls until it is continued; a lost one
+    refuses every send as the ROUTER does in ROUTER_MANDATORY mode.
+    """
+
+    def __init__(self) -> None:
+        self.client: Any = None
+        self.stopped: set[int] = set()
+        self.lost: set[int] = set()
+        self.held: dict[int, list[int]] = {}
+        self.sent: list[tuple[int, bytes, Any]] = []  # (rank, request type, decoded request)
+        self.errors: list[BaseException] = []
+
+    def setsockopt(self, *args: Any) -> None:
+        pass
+
+    async def send_multipart(self, frames: Any, copy: bool = True) -> None:
+        rank = int.from_bytes(frames[0], "little")
+        if rank in self.lost:
+            raise zmq.ZMQError(errno.EHOSTUNREACH, "Host unreachable")
+        request = msgspec.msgpack.decode(bytes(frames[2]))
+        self.sent.append((rank, bytes(frames[1]), request))
+        if bytes(frames[1]) == EngineCoreRequestType.UTILITY.value:
+            if rank in self.stopped:
+                self.held.setdefault(rank, []).append(request[1])
+            else:
+                asyncio.get_running_loop().call_soon(self.answer, request[1])
+
+    def answer(self, call_id: int) -> None:
+        try:
+            _process_utility_output(UtilityOutput(call_id, result=UtilityResult(False)), self.client.utility_results)
+        except BaseException as e:  # vLLM's output task would die of it
+            self.errors.append(e)
+
+    def cont(self, rank: int) -> None:
+        self.stopped.discard(rank)
+        for call_id in self.held.pop(rank, []):
+            self.answer(call_id)
+
+    def utility_calls(self, rank: int, method: str) -> int:
+        return sum(1 for r, kind, req in self.sent
+                   if r == rank and kind == EngineCoreRequestType.UTILITY.value and req[2] == method)
+
+
+class Requests:
+    """AsyncLLM's output processor, as far as `vllm_compat.fail_requests` reaches it."""
+
+    def __init__(self) -> None:
+        self.request_states: dict[str, Any] = {}
+        self.errors: dict[str, Any] = {}
+
+    def add(self, request_id: str) -> None:
+        errors = self.errors
+
+        class Queue:
+            def put(self, item: Any) -> None:
+                errors[request_id] = item
+
+        self.request_states[request_id] = SimpleNamespace(queue=Queue())
+
+    def abort_requests(self, ids: list[str], internal: bool = False) -> list[str]:
+        return [i for i in ids if self.request_states.pop(i, None) is not None]
+
+
+def make_client(ranks: int, engines: Engines, interval: float = 0.01, timeout: float = 0.2) -> KubeDPLBClient:
+    """corefleet's client past its handshake (which needs engines), as `_fleet_started` leaves it."""
+    client = KubeDPLBClient.__new__(KubeDPLBClient)
+    engines.client = client
+    client._fleet_options = FleetOptions(coordinator_address="127.0.0.1", coordinator_front_publish_port=1,
+                                         coordinator_back_output_port=2, coordinator_back_publish_port=3,
+                                         liveness_interval_s=interval, liveness_timeout_s=timeout)
+    client._fleet = Fleet("tiny", ranks)
+    client.core_engines = [identity(r) for r in range(ranks)]
+    client.lb_engines = [[0, 0, 0.0] for _ in range(ranks)]
+    client.reqs_in_flight = {}
+    client.engine_inflight = Counter()
+    client.utility_results = {}
+    client.input_socket = engines
+    client.encoder = MsgpackEncoder()
+    client.client_index = 0
+    client.eng_start_index = 0
+    client.client_count = 1
+    client.outputs_queue = asyncio.Queue()
+    client._ensure_output_queue_task = lambda: None  # type: ignore[method-assign]  # no output socket here
+    client._fleet_started()
+    client._async_llm = SimpleNamespace(output_processor=Requests())
+    return client
+
+
+async def until(check: Callable[[], Any], what: str, within: float = 5.0) -> None:
+    deadline = time.monotonic() + within
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {within}s waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
+def stop_watching(client: KubeDPLBClient) -> None:
+    client._shutting_down = True
+    assert client._liveness_task is not None
+    client._liveness_task.cancel()
+
+
+def state(client: KubeDPLBClient, rank: int) -> RankState:
+    return client._fleet.snapshot().rank(rank).state
+
+
+def test_a_slow_rank_is_unresponsive_then_serving_again_and_its_late_answer_is_vllms_to_take() -> None:
+    async def main() -> None:
+        engines = Engines()
+        client = make_client(2, engines)
+        try:
+            await until(lambda: engines.utility_calls(1, "is_sleeping") >= 2, "rank 1 to answer liveness calls")
+            engines.stopped.add(1)  # SIGSTOP
+            await until(lambda: state(client, 1) != RankState.SERVING, "rank 1 to leave Serving")
+            assert state(client, 1) == RankState.UNRESPONSIVE
+            snapshot = client._fleet.snapshot()
+            assert snapshot.state == FleetState.DEGRADED
+            assert "rank 1 Unresponsive" in snapshot.message
+            assert snapshot.rank(1).since is not None
+            assert "liveness call" in snapshot.rank(1).message
+            held = list(engines.held[1])
+            assert held
+            assert all(call_id in client.utility_results for call_id in held)
+            client.check_fleet_health()  # /health: rank 0 serves
+            # New requests avoid it; one pinned to it gets a 503 naming the rank and its state, unsent.
+            unpinned = SimpleNamespace(request_id="free", data_parallel_rank=None, pooling_params=None)
+            assert [client.get_core_engine_for_request(unpinned) for _ in range(3)] == [identity(0)] * 3
+            client._async_llm.output_processor.add("pinned")
+            await client.add_request_async(SimpleNamespace(request_id="pinned", data_parallel_rank=1))
+            error = client._async_llm.output_processor.errors["pinned"]
+            assert isinstance(error, GracefulHTTPError)
+            assert error.http_status == HTTPStatus.SERVICE_UNAVAILABLE
+            assert "data_parallel_rank 1 takes no requests: rank 1 is Unresponsive" in error.message, error.message
+            assert not [s for s in engines.sent if s[1] == EngineCoreRequestType.ADD.value]
+            # Still unresponsive after many timeouts: one outstanding call, connection checks only.
+            await asyncio.sleep(0.5)
+            assert state(client, 1) == RankState.UNRESPONSIVE
+            assert engines.held[1] == held
+            assert any(r == 1 and kind == EngineCoreRequestType.ABORT.value for r, kind, _ in engines.sent)
+
+            engines.cont(1)  # SIGCONT: the late answers go through vLLM's output path
+            await until(lambda: state(client, 1) == RankState.SERVING, "rank 1 to serve again")
+            assert not engines.errors, engines.errors
+            assert not any(call_id in client.utility_results for call_id in held)
+            assert client.get_core_engine_for_request(
+                SimpleNamespace(request_id="after", data_parallel_rank=1, pooling_params=None)) == identity(1)
+        finally:
+            stop_watching(client)
+
+    asyncio.run(main())
+
+
+def test_a_lost_connection_makes_an_unresponsive_rank_dead() -> None:
+    async def main() -> None:
+        engines = Engines()
+        client = make_client(2, engines)
+        try:
+            engines.stopped.add(1)
+            await until(lambda: state(client, 1) == RankState.UNRESPONSIVE, "rank 1 Unresponsive")
+            client.reqs_in_flight["req"] = identity(1)
+            client.engine_inflight[identity(1)] += 1
+            client._async_llm.output_processor.add("req")
+            engines.lost.add(1)  # the process is gone: its connection goes with it
+            await until(lambda: state(client, 1) == RankState.DEAD, "rank 1 Dead")
+            assert isinstance(client._async_llm.output_processor.errors["req"], GracefulHTTPError)
+            client.check_fleet_health()  # rank 0 still serves
+            assert not engines.errors
+        finally:
+            stop_watching(client)
+
+    asyncio.run(main())
+
+
+def test_a_killed_rank_is_dead_within_an_interval_even_while_its_probe_is_out() -> None:
+    async def main() -> None:
+        engines = Engines()
+        client = make_client(2, engines, timeout=60)
+        try:
+            engines.stopped.add(1)
+            await until(lambda: engines.held.get(1), "a probe held by rank 1")
+            engines.lost.add(1)  # killed before it ever answered: no waiting for the 60 s timeout
+            await until(lambda: state(client, 1) == RankState.DEAD, "rank 1 Dead", within=2)
+            assert state(client, 0) == RankState.SERVING
+        finally:
+            stop_watching(client)
+
+    asyncio.run(main())
+
+
+def test_health_is_503_only_when_no_rank_serves() -> None:
+    async def main() -> None:
+        engines = Engines()
+        client = make_client(2, engines)
+        try:
+            engines.stopped.update({0, 1})
+            await until(lambda: state(client, 0) == state(client, 1) == RankState.UNRESPONSIVE, "both Unresponsive")
+            with pytest.raises(EngineDeadError):
+                client.check_fleet_health()
+            client._async_llm.output_processor.add("any")
+            await client.add_request_async(SimpleNamespace(request_id="any", data_parallel_rank=None))
+            error = client._async_llm.output_processor.errors["any"]
+            assert isinstance(error, GracefulHTTPError)
+            assert "no rank of the fleet takes requests" in error.message
+            engines.cont(0)
+            await until(lambda: state(client, 0) == RankState.SERVING, "rank 0 Serving")
+            client.check_fleet_health()
+        finally:
+            stop_watching(client)
+
+    asyncio.run(main())
+
+
+def test_a_stall_of_the_frontends_own_loop_blames_no_rank() -> None:
+    async def main() -> None:
+        engines = Engines()
+        client = make_client(2, engines, timeout=0.3)
+        transitions: list[tuple[int, RankState]] = []
+        set_rank = client._fleet.set_rank
+
+        def record(rank: int, new: RankState, message: str = "") -> None:
+            transitions.append((rank, new))
+            set_rank(rank, new, message)
+
+        client._fleet.set_rank = record  # type: ignore[method-assign]
+        try:
+            await until(lambda: len(client._probes) == 2 or engines.utility_calls(1, "is_sleeping") >= 2,
+                        "liveness calls going")
+            # The loop blocks longer than the timeout while the engines' answers wait to be read.
+            engines.stopped.update({0, 1})
+            await until(lambda: engines.held.get(0) and engines.held.get(1), "calls outstanding on both ranks")
+            time.sleep(0.6)  # noqa: ASYNC251  # the stall itself: a blocking call on the event loop
+            # The answers are read just after the watcher's first tick past the stall, as from a socket.
+            loop = asyncio.get_running_loop()
+            loop.call_later(0.02, engines.cont, 0)
+            loop.call_later(0.02, engines.cont, 1)
+            await asyncio.sleep(0.1)  # several liveness ticks after the stall
+            assert (state(client, 0), state(client, 1)) == (RankState.SERVING, RankState.SERVING)
+            assert not [t for t in transitions if t[1] != RankState.SERVING], transitions
+        finally:
+            stop_watching(client)
+
+    asyncio.run(main())
+
+
+def test_the_liveness_watcher_is_restarted_if_it_fails(caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> None:
+        engines = Engines()
+        client = make_client(2, engines)
+        try:
+            first = client._liveness_task
+            original = client._liveness_tick
+            failures = [RuntimeError("boom")]
+
+            async def failing_tick(now: float) -> None:
+                if failures:
+                    raise failures.pop()
+                await original(now)
+
+            client._liveness_tick = failing_tick  # type: ignore[method-assign]
+            await until(lambda: client._liveness_task is not first, "a new watcher task")
+            engines.stopped.add(1)
+            await until(lambda: state(client, 1) == RankState.UNRESPONSIVE, "detection by the new watcher")
+        finally:
+            stop_watching(client)
+
+    with caplog.at_level(logging.ERROR, logger="corefleet.frontend"):
+        asyncio.run(main())
+    assert "liveness watcher failed (boom); restarting it" in caplog.text
+
+
+def test_fan_out_utilities_skip_dead_and_unresponsive_ranks() -> None:
+    async def main() -> None:
+        engines = Engines()
+        client = make_client(3, engines)
+        try:
+            assert await client.call_utility_all_async("reset_prefix_cache") == [False, False, False]
+            engines.stopped.add(1)
+            await until(lambda: state(client, 1) == RankState.UNRESPONSIVE, "rank 1 Unresponsive")
+            engines.lost.add(2)
+            await until(lambda: state(client, 2) == RankState.DEAD, "rank 2 Dead")
+            before = engines.utility_calls(1, "reset_prefix_cache")
+            result = await asyncio.wait_for(client.call_utility_all_async("reset_prefix_cache"), 5)
+            assert result == [False]  # rank 0's answer only
+            assert engines.utility_calls(1, "reset_prefix_cache") == before  # never sent to it
+            # A rank that stops while the call waits is given up on once it is Unresponsive.
+            engines.cont(1)
+            await until(lambda: state(client, 1) == RankState.SERVING, "rank 1 Serving")
+            engines.stopped.add(0)
+            assert await asyncio.wait_for(client.call_utility_all_async("is_sleeping"), 5) == [False]
+            engines.stopped.add(1)
+            await until(lambda: state(client, 1) == RankState.UNRESPONSIVE, "rank 1 Unresponsive")
+            with pytest.raises(GracefulHTTPError) as refused:
+                await asyncio.wait_for(client.call_utility_all_async("wake_up", None), 5)
+            assert refused.value.http_status == HTTPStatus.SERVICE_UNAVAILABLE
+            assert "rank 2 is Dead" in refused.value.message
+            assert not engines.errors
+        finally:
+            stop_watching(client)
+
+    asyncio.run(main())
+
+
+def test_the_public_app_does_not_serve_vllms_elastic_ep_routes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Change 8, on the app vLLM's API server builds (`build_and_serve` calls `entry.build_app`)."""
+    from fastapi.testclient import TestClient
+    from vllm.entrypoints.launchers.api_server import entry
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    monkeypatch.setattr(entry, "build_app", entry.build_app)  # restored after the test
+    args = make_arg_parser(FlexibleArgumentParser(prog="vllm serve")).parse_args(["tiny"])
+    stock = {r.path for r in entry.build_app(args, ("generate",), None).router.routes}
+    assert set(vllm_compat.UNSERVED_ROUTES) <= stock  # what vLLM mounts
+
+    vllm_compat.install_public_route_filter()
+    app = entry.build_app(args, ("generate",), None)
+    paths = {r.path for r in app.router.routes}
+    assert not set(vllm_compat.UNSERVED_ROUTES) & paths
+    assert paths == stock - set(vllm_compat.UNSERVED_ROUTES)  # nothing else goes
+    http = TestClient(app)
+    for path in vllm_compat.UNSERVED_ROUTES:
+        assert http.post(path, json={"new_data_parallel_size": 4}).status_code == 404

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -22,7 +23,18 @@ from corefleet_client.argv import split_launcher_argv
 from corefleet_client.process import configure_logging, exit_promptly
 
 EXIT_USAGE = 2
+# The default of --liveness-timeout where the command line is not one's own (local fleets in tests).
+ENV_LIVENESS_TIMEOUT = "COREFLEET_LIVENESS_TIMEOUT"
 logger = logging.getLogger("corefleet.frontend")
+
+
+def _env_float(name: str, default: float) -> float:
+    value = os.environ.get(name, "").strip()
+    try:
+        return float(value) if value else default
+    except ValueError:
+        sys.stderr.write(f"corefleet frontend: ${name}={value!r} is not a number; using {default:g}\n")
+        return default
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,8 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MoE fleets: engine rank 0's address, advertised to the engines as the DP master")
     p.add_argument("--liveness-interval", type=float, default=1.0,
                    help="seconds between liveness calls to each engine")
-    p.add_argument("--liveness-timeout", type=float, default=30.0,
-                   help="an engine that does not answer a liveness call within this many seconds is dead")
+    p.add_argument("--liveness-timeout", type=float, default=_env_float(ENV_LIVENESS_TIMEOUT, 30.0),
+                   help="an engine that does not answer a liveness call within this many seconds is Unresponsive: "
+                        "it gets no new request until it answers (a lost connection makes it Dead) "
+                        f"(default ${ENV_LIVENESS_TIMEOUT}, else 30)")
     return p
 
 
@@ -112,6 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     vllm_compat.use_client_class(KubeDPLBClient)
     vllm_compat.install_fleet_health_check()
     vllm_compat.install_async_llm_hook()
+    vllm_compat.install_public_route_filter()
 
     try:
         admin = AdminServer(opts.admin_host, opts.admin_port, token, fleet)

@@ -21,6 +21,8 @@ from corefleet_client.admin import (
     AUTH_HEADER,
     FLEET_PATH,
     HEALTH_PATH,
+    LIVE_PATH,
+    LOOP_STALL_LIMIT_S,
     MAX_REQUEST_BYTES,
     RESIZES_PATH,
     FleetStatus,
@@ -52,6 +54,10 @@ class AdminBackend(Protocol):
         ...
 
     def resize(self, resize_id: str) -> ResizeOperation | None: ...
+
+    def stalled_for(self) -> float:
+        """Seconds since the serving frontend's event loop last showed progress (0 before it serves)."""
+        ...
 
     def resizes(self) -> list[ResizeOperation]: ...
 
@@ -108,6 +114,15 @@ class AdminServer:
                 path = self.path.split("?", 1)[0].rstrip("/") or "/"
                 if path == HEALTH_PATH:
                     self._send(HTTPStatus.OK, {"status": "ok"})
+                    return
+                if path == LIVE_PATH:  # answered from this thread: a wedged event loop cannot answer for itself
+                    stalled = server.backend.stalled_for()
+                    if stalled > LOOP_STALL_LIMIT_S:
+                        self._send(HTTPStatus.SERVICE_UNAVAILABLE,
+                                   {"status": "stalled", "error": f"the frontend's event loop made no progress "
+                                                                  f"for {stalled:.0f}s"})
+                    else:
+                        self._send(HTTPStatus.OK, {"status": "ok"})
                     return
                 if not self._authorized():
                     return

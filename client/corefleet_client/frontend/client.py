@@ -17,15 +17,34 @@ does the launch step differently and keeps everything else vLLM's:
 Routing (`get_core_engine_for_request`), abort routing by request (`reqs_in_flight`) and stats
 handling are vLLM's. What corefleet adds:
 
-* Dead-engine detection. vLLM watches only engine processes it started itself, so with external
-  engines a killed rank went unnoticed and requests routed to it hung. The requests ROUTER is put
-  in ROUTER_MANDATORY mode, so a send to a rank whose connection is gone fails at once
-  (EHOSTUNREACH) instead of being dropped, and a watcher sends every rank a cheap utility call
-  (`is_sleeping`) every `liveness_interval_s`: a failed send or no answer within
-  `liveness_timeout_s` marks the rank Dead. Its in-flight requests then end with an explicit error
-  (HTTP 503, or an error event in a stream), new requests avoid it, a request whose send fails is
-  routed again to a live rank, and `/health` is 503 (the operator recreates the fleet: a rank
-  cannot rejoin).
+* Rank liveness. vLLM watches only engine processes it started itself, so with external engines a
+  killed rank went unnoticed and requests routed to it hung. Two signals, two states:
+
+  - Dead: the rank's connection is lost. The requests ROUTER is put in ROUTER_MANDATORY mode, so a
+    send to a rank whose connection is gone fails at once (EHOSTUNREACH) instead of being dropped;
+    when the process exits, its connection goes with it. A Dead rank's in-flight requests end with
+    an explicit error (HTTP 503, or an error event in a stream), new requests avoid it, and a
+    request whose send fails is routed again to a live rank.
+  - Unresponsive: a watcher keeps one cheap utility call (`is_sleeping`, the probe) outstanding per
+    rank, sent every `liveness_interval_s` once the last one was answered. A probe unanswered for
+    `liveness_timeout_s` while the connection is up (a stopped, swapping or overloaded process)
+    makes the rank Unresponsive: new requests avoid it, a request pinned to it gets a 503 at once,
+    fan-out utilities skip it, its in-flight requests run on, and its first answer makes it Serving
+    again. Every interval, each rank gets a new probe or, while its probe is still out, a connection
+    check (an abort of a request id that never exists: no answer, no effect), so a process that
+    dies is Dead within an interval, answering or not.
+
+  Probes are vLLM utility calls: their futures live in vLLM's `utility_results`, and vLLM's output
+  task pops an entry when its answer comes (`_process_utility_output`, which raises KeyError for an
+  unknown call id and so takes the whole output task down). The watcher therefore never removes
+  or replaces an entry of a call it sent; an answer that comes late is processed as any other.
+  The watcher is stall-aware: when its own tick comes later than the liveness timeout allows, the
+  frontend's event loop itself stalled (the answers may be waiting unread), and the outstanding
+  probes' clocks restart instead of blaming the ranks. The watcher task is supervised: if it ever
+  fails, the failure is logged and the watcher restarted (its state lives on the client), so
+  detection never stops silently; exiting instead would fail every in-flight request on every rank.
+  `/health` is 503 only while no rank is Serving: one hung or lost rank never takes the endpoint
+  down.
 * Resizes of a dense fleet in place, as operations with an id (`Fleet.start_resize`, the admin
   API). Dense ranks are independent engines, so a resize is a change of this client's membership
   (docs/vllm-protocol.md §10.1), run as numbered phases on vLLM's event loop:
@@ -54,6 +73,9 @@ handling are vLLM's. What corefleet adds:
        and `SCALE_ELASTIC_EP(N)` shrinks the stats task's and the coordinator's view.
     3. The leaving ranks are forgotten by the liveness watcher and reported Retired: their pods
        may now be deleted.
+
+  Replacement of Dead ranks, same size (`_replace`, `frontend.replace.RankReplacement`): a new
+  engine for each handshakes as in a scale-up, and the rank serves again; the others serve on.
 """
 
 from __future__ import annotations
@@ -72,6 +94,7 @@ from typing import Any, ClassVar
 
 import msgspec
 import zmq
+from vllm.exceptions import GracefulHTTPError
 from vllm.utils.network_utils import get_tcp_uri, zmq_socket_ctx
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreReadyResponse, EngineCoreRequestType
 from vllm.v1.engine import FinishReason as VllmFinishReason
@@ -89,6 +112,7 @@ from vllm.v1.engine.utils import (
 from corefleet_client import vllm_compat
 from corefleet_client.admin import RankState, ResizeOperation, ResizePhase
 from corefleet_client.frontend.fleet import Fleet, RankRecord, describe, identity
+from corefleet_client.frontend.replace import RankReplacement
 from corefleet_client.frontend.stats import FleetStatLoggers
 
 logger = logging.getLogger("corefleet.frontend")
@@ -97,6 +121,8 @@ logger = logging.getLogger("corefleet.frontend")
 _UNROUTABLE = 1 << 60
 # The utility the liveness watcher calls: answered between engine steps, no side effects.
 LIVENESS_UTILITY = "is_sleeping"
+# What a connection check aborts: no request ever has this id, so it does nothing.
+CONNECTION_CHECK_REQUEST_ID = "corefleet-connection-check"
 # How long the stats task may take to apply a SCALE_ELASTIC_EP (it runs on this event loop).
 ANNOUNCE_TIMEOUT_S = 10.0
 # How long a new rank's ready response may lag behind its READY (sent before it, on another socket).
@@ -141,6 +167,14 @@ class FleetOptions:
         return str(get_tcp_uri(self.coordinator_address, self.coordinator_back_publish_port))
 
 
+@dataclass
+class _Probe:
+    """A rank's outstanding liveness call."""
+
+    future: asyncio.Future[Any]
+    sent_at: float  # loop time; moved on when the frontend's own loop stalled
+
+
 class ResizeFailed(Exception):
     def __init__(self, message: str, *, fleet_intact: bool = True) -> None:
         super().__init__(message)
@@ -178,7 +212,7 @@ class HandshakeAbort:
                 os.close(fd)
 
 
-class KubeDPLBClient(DPLBAsyncMPClient):  # type: ignore[misc]  # vLLM is not type-checked
+class KubeDPLBClient(RankReplacement, DPLBAsyncMPClient):  # type: ignore[misc]  # vLLM is not type-checked
     """vLLM's DPLB client over engines in other pods, for fleets of any size (see the module docstring)."""
 
     options: ClassVar[FleetOptions | None] = None
@@ -209,12 +243,14 @@ class KubeDPLBClient(DPLBAsyncMPClient):  # type: ignore[misc]  # vLLM is not ty
             raise RuntimeError("corefleet's client needs FleetOptions and a Fleet (set by the entrypoint)")
         self._fleet_options: FleetOptions = options
         self._fleet: Fleet = fleet
+        fleet.moe = bool(vllm_config.model_config.is_moe)
         addresses = self._fleet_client_addresses(vllm_config)
         vllm_compat.init_dplb_client(self, vllm_config, executor_class, log_stats, addresses, client_count,
                                      client_index, renderer)
         self._fleet_started()
 
     def shutdown(self, timeout: float | None = None) -> None:
+        self._shutting_down = True
         for task in (getattr(self, "_liveness_task", None), *getattr(self, "_resize_tasks", ())):
             if task is not None and not task.done():
                 task.cancel()
@@ -292,12 +328,15 @@ class KubeDPLBClient(DPLBAsyncMPClient):  # type: ignore[misc]  # vLLM is not ty
         self._async_llm: Any = None
         self._stat_loggers: FleetStatLoggers | None = None
         self._liveness_task: asyncio.Task[None] | None = None
+        self._probes: dict[int, _Probe] = {}  # rank -> its outstanding liveness call
+        self._last_tick: float | None = None  # when the liveness watcher last ran (loop time)
+        self._shutting_down = False
         self._loop = asyncio.get_running_loop()
         self._fleet.serving(self, self)
         for rank in range(len(self.core_engines)):
             self._records[rank] = self._fleet.record(rank)
         logger.info("All %d engine(s) joined; serving", len(self.core_engines))
-        self._liveness_task = asyncio.create_task(self._watch_engines(), name="corefleet-engine-liveness")
+        self._start_liveness_watcher()
 
     def _ensure_output_queue_task(self) -> None:
         # vllm_compat change 7: the task that reads engine outputs yields after every message.
@@ -334,6 +373,7 @@ class KubeDPLBClient(DPLBAsyncMPClient):  # type: ignore[misc]  # vLLM is not ty
             for rank in self._unroutable:
                 if rank < len(self.lb_engines):
                     self.lb_engines[rank] = [_UNROUTABLE, _UNROUTABLE, 0.0]
+        self._ignore_stale_loads()  # a replaced rank's load is not its lost engine's (frontend.replace)
         known = request.request_id in self.reqs_in_flight
         engine: bytes = super().get_core_engine_for_request(request)
         if not known:
@@ -345,6 +385,11 @@ class KubeDPLBClient(DPLBAsyncMPClient):  # type: ignore[misc]  # vLLM is not ty
         if pinned is not None and pinned in self._unroutable and request.request_id not in self.reqs_in_flight:
             self._fail_requests([request.request_id], f"data_parallel_rank {pinned} takes no requests: "
                                 f"{self._unroutable[pinned]}")
+            return
+        if (pinned is None and request.request_id not in self.reqs_in_flight
+                and all(rank in self._unroutable for rank in range(len(self.core_engines)))):
+            self._fail_requests([request.request_id], "no rank of the fleet takes requests: "
+                                + "; ".join(self._unroutable.values()))
             return
         # A rank whose connection is gone refuses the send (ROUTER_MANDATORY): mark it dead and
         # route the request again; no engine has seen it yet.
@@ -400,59 +445,163 @@ class KubeDPLBClient(DPLBAsyncMPClient):  # type: ignore[misc]  # vLLM is not ty
 
     # ---- liveness ------------------------------------------------------------------------------
     def check_fleet_health(self) -> None:
-        """Called by `/health` (vllm_compat change 3): 503 while a rank is dead."""
-        if any(r.state == RankState.DEAD for r in self._records.values()):
+        """Called by `/health` (vllm_compat change 3): 503 only while no rank is Serving."""
+        if not any(r.state == RankState.SERVING for r in self._records.values()):
             raise EngineDeadError()
 
+    def _start_liveness_watcher(self) -> None:
+        task = asyncio.create_task(self._watch_engines(), name="corefleet-engine-liveness")
+        task.add_done_callback(self._liveness_watcher_done)
+        self._liveness_task = task
+
+    def _liveness_watcher_done(self, task: asyncio.Task[None]) -> None:
+        """The watcher never ends on its own: a failure is logged and the watcher restarted."""
+        if task.cancelled() or self._shutting_down:
+            return
+        error = task.exception()
+        logger.error("The engine liveness watcher failed (%s); restarting it", error or "it returned",
+                     exc_info=error)
+        self._start_liveness_watcher()
+
     async def _watch_engines(self) -> None:
-        """Every interval, send each live rank a liveness call; never wait on one rank's answer.
-
-        A send that fails means the connection is gone (detected within one interval); the oldest
-        unanswered call of a rank growing older than the timeout means a hung engine. Answers
-        resolve futures in vLLM's `utility_results`, like any utility call.
-        """
-        options = self._fleet_options
+        """Every interval, probe each rank (see the module docstring); never wait on one rank's answer."""
         loop = asyncio.get_running_loop()
-        pending: dict[int, list[tuple[float, asyncio.Future[Any]]]] = {}
         while True:
-            await asyncio.sleep(options.liveness_interval_s)
-            now = loop.time()
-            members = dict(enumerate(self.core_engines))
-            for rank in [r for r in pending if r not in members]:
-                del pending[rank]  # retired: its answers, if any come, resolve futures nobody awaits
-            for rank, engine in members.items():
-                record = self._records.get(rank)
-                if record is None or record.state == RankState.DEAD or rank in self._lost:
-                    pending.pop(rank, None)
-                    continue
-                calls = [c for c in pending.get(rank, []) if not c[1].done()]
-                future = None
-                if calls and now - calls[0][0] > options.liveness_timeout_s:
-                    reason: str | None = f"no answer to a liveness call within {options.liveness_timeout_s:g}s"
-                else:
-                    reason, future = await self._send_liveness_call(engine)
-                if reason is None:
-                    assert future is not None
-                    pending[rank] = [*calls, (now, future)]
-                    continue
-                for _, f in pending.pop(rank, []):
-                    f.cancel()  # an answer that still comes finds a cancelled future: vLLM ignores it
-                self._rank_died(rank, reason)
+            await asyncio.sleep(self._fleet_options.liveness_interval_s)
+            await self._liveness_tick(loop.time())
 
-    async def _send_liveness_call(self, engine: bytes) -> tuple[str | None, asyncio.Future[Any] | None]:
+    async def _liveness_tick(self, now: float) -> None:
+        options = self._fleet_options
+        self._fleet.beat()  # the pod's livenessProbe (admin /livez) reads it
+        last, self._last_tick = self._last_tick, now
+        if last is not None and now - last > options.liveness_interval_s + options.liveness_timeout_s:
+            logger.warning("The frontend's event loop stalled for %.1fs (over the liveness timeout of %gs): "
+                           "no rank is blamed for it, the liveness clocks restart",
+                           now - last - options.liveness_interval_s, options.liveness_timeout_s)
+            for outstanding in self._probes.values():
+                outstanding.sent_at = now
+        members = dict(enumerate(self.core_engines))
+        for rank in [r for r in self._probes if r not in members]:
+            del self._probes[rank]  # retired: vLLM still takes an answer that comes (nobody awaits it)
+        for rank, engine in members.items():
+            record = self._records.get(rank)
+            if record is None or record.state == RankState.DEAD or rank in self._lost:
+                self._probes.pop(rank, None)
+                continue
+            probe = self._probes.get(rank)
+            try:
+                if probe is None:
+                    self._probes[rank] = await self._send_probe(rank, engine, now)
+                    continue
+                if record.state == RankState.SERVING and now - probe.sent_at > options.liveness_timeout_s:
+                    self._rank_unresponsive(rank, probe)
+                # Its probe is still out: check only that the connection is up (a killed process is
+                # Dead within an interval, whether or not it was answering).
+                await self._send_connection_check(engine)
+            except zmq.ZMQError as e:
+                self._rank_died(rank, _connection_lost(e))
+
+    async def _send_probe(self, rank: int, engine: bytes, now: float) -> _Probe:
+        future = await self._send_utility_call(engine, LIVENESS_UTILITY, ())
+        probe = _Probe(future, now)
+        future.add_done_callback(lambda f: self._probe_answered(rank, probe))
+        return probe
+
+    async def _send_utility_call(self, engine: bytes, method: str, args: tuple[Any, ...]) -> asyncio.Future[Any]:
+        """Send a utility call to one engine; the future its answer resolves. Raises zmq.ZMQError if not sent.
+
+        The future is registered in vLLM's `utility_results` as vLLM's own `_call_utility_async`
+        does, and stays there until vLLM's output task pops it with the answer (only a call that
+        was never sent is removed again).
+        """
         call_id = uuid.uuid1().int >> 64
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        # An error answer is still an answer (the engine is alive): keep it from being logged as unretrieved.
+        # An error answer is still an answer: keep it from being logged as never retrieved.
         future.add_done_callback(lambda f: f.cancelled() or f.exception())
         self.utility_results[call_id] = future
         message = (EngineCoreRequestType.UTILITY.value,
-                   *self.encoder.encode((self.client_index, call_id, LIVENESS_UTILITY, ())))
+                   *self.encoder.encode((self.client_index, call_id, method, args)))
         try:
             await self.input_socket.send_multipart((engine, *message), copy=False)
-        except zmq.ZMQError as e:
+        except zmq.ZMQError:
             self.utility_results.pop(call_id, None)
-            return _connection_lost(e), None
-        return None, future
+            raise
+        self._ensure_output_queue_task()
+        return future
+
+    async def _send_connection_check(self, engine: bytes) -> None:
+        """A message that fails (EHOSTUNREACH) only if the connection is gone: an abort of an id never used."""
+        message = (EngineCoreRequestType.ABORT.value, *self.encoder.encode([CONNECTION_CHECK_REQUEST_ID]))
+        await self.input_socket.send_multipart((engine, *message), copy=False)
+
+    def _probe_answered(self, rank: int, probe: _Probe) -> None:
+        if probe.future.cancelled():
+            return
+        if self._probes.get(rank) is probe:
+            del self._probes[rank]
+        record = self._records.get(rank)
+        if record is None or record.state != RankState.UNRESPONSIVE:
+            return
+        waited = self._loop.time() - probe.sent_at
+        self._unroutable.pop(rank, None)
+        if rank < len(self.lb_engines) and self.lb_engines[rank][0] >= _UNROUTABLE:
+            self.lb_engines[rank] = [0, 0, 0.0]  # until the coordinator's next stats
+        self._fleet.set_rank(rank, RankState.SERVING)
+        logger.warning("Engine rank %d answered its liveness call after %.1fs: Serving again", rank, waited)
+
+    def _rank_unresponsive(self, rank: int, probe: _Probe) -> None:
+        timeout = self._fleet_options.liveness_timeout_s
+        since = time.strftime("%H:%M:%S UTC", time.gmtime(time.time() - (self._loop.time() - probe.sent_at)))
+        reason = f"no answer to a liveness call sent at {since} within {timeout:g}s; its connection is up"
+        self._unroutable[rank] = f"rank {rank} is {RankState.UNRESPONSIVE}: {reason}"
+        self._fleet.set_rank(rank, RankState.UNRESPONSIVE, reason)
+        logger.error("Engine rank %d is unresponsive (%s): no new requests go to it, its %d in-flight "
+                     "request(s) wait for it", rank, reason, len(self._requests_on(rank)))
+
+    # ---- vLLM's fan-out utilities ----------------------------------------------------------------
+    async def call_utility_all_async(self, method: str, *args: Any) -> list[Any]:
+        """vLLM's `call_utility_all_async` (every utility of a DPLB client goes through it), over the live ranks.
+
+        vLLM sends the call to every engine and gathers every answer, so one hung rank made
+        `/reset_prefix_cache`, `/sleep`, `/wake_up`, `/is_sleeping`, collective RPCs ... wait
+        forever. Here Dead and Unresponsive ranks are skipped, and a rank that turns so while the
+        call waits is given up on (its late answer is still taken by vLLM's output task). The
+        answers are those of the ranks that gave one, in rank order; a 503 if no rank can answer.
+        """
+        if not hasattr(self, "_records"):  # during vLLM's own startup, before every rank joined
+            results: list[Any] = await super().call_utility_all_async(method, *args)
+            return results
+        calls: dict[int, asyncio.Future[Any]] = {}
+        skipped: dict[int, str] = {}
+        for rank, engine in enumerate(self.core_engines):
+            record = self._records.get(rank)
+            if record is not None and record.state in (RankState.DEAD, RankState.UNRESPONSIVE):
+                skipped[rank] = str(record.state)
+                continue
+            try:
+                calls[rank] = await self._send_utility_call(engine, method, args)
+            except zmq.ZMQError as e:
+                self._rank_died(rank, _connection_lost(e))
+                skipped[rank] = str(RankState.DEAD)
+        waiting = dict(calls)
+        while waiting:
+            await asyncio.wait(waiting.values(), timeout=self._fleet_options.liveness_interval_s,
+                               return_when=asyncio.FIRST_COMPLETED)
+            for rank in list(waiting):
+                record = self._records.get(rank)
+                if waiting[rank].done():
+                    del waiting[rank]
+                elif record is not None and record.state in (RankState.DEAD, RankState.UNRESPONSIVE):
+                    skipped[rank] = str(record.state)
+                    del calls[rank], waiting[rank]
+        if skipped:
+            logger.warning("Utility %s skipped %s", method,
+                           ", ".join(f"rank {r} ({state})" for r, state in sorted(skipped.items())))
+        if not calls:
+            raise GracefulHTTPError(f"no rank of the fleet can answer {method}: "
+                                    + ", ".join(f"rank {r} is {state}" for r, state in sorted(skipped.items())),
+                                    HTTPStatus.SERVICE_UNAVAILABLE)
+        return [calls[rank].result() for rank in sorted(calls)]
 
     def _rank_died(self, rank: int, reason: str) -> None:
         record = self._records.get(rank)
@@ -469,10 +618,12 @@ class KubeDPLBClient(DPLBAsyncMPClient):  # type: ignore[misc]  # vLLM is not ty
                          rank, reason, len(lost))
             self._fail_requests(lost, f"rank {rank} died while it was being retired by {what}: {reason}", rank)
             return
+        self._probes.pop(rank, None)
         self._fleet.set_rank(rank, RankState.DEAD, reason)
-        self._unroutable[rank] = f"rank {rank} is dead: {reason}"
-        logger.error("Engine rank %d is dead (%s); failing its %d in-flight request(s); /health is 503",
-                     rank, reason, len(lost))
+        self._unroutable[rank] = f"rank {rank} is {RankState.DEAD}: {reason}"
+        serving = self._fleet.ranks_in(RankState.SERVING)
+        logger.error("Engine rank %d is dead (%s); failing its %d in-flight request(s); %s", rank, reason, len(lost),
+                     f"{describe(serving)} serve on" if serving else "no rank serves: /health is 503")
         self._fail_requests(lost, f"rank {rank} of the fleet died: {reason}", rank)
 
     # ---- resizes: entry points (any thread) -----------------------------------------------------
@@ -502,7 +653,9 @@ class KubeDPLBClient(DPLBAsyncMPClient):  # type: ignore[misc]  # vLLM is not ty
         op = self._fleet.resize(resize_id)
         assert op is not None
         try:
-            if op.scale_up:
+            if op.replace:
+                await self._replace(op)
+            elif op.scale_up:
                 await self._scale_up(op)
             else:
                 await self._scale_down(op)

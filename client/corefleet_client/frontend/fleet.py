@@ -9,7 +9,9 @@ ints bumped on the event loop (an int read from another thread is atomic under t
 A resize is an operation with an id (`admin.ResizeOperation`). `start_resize` checks the request
 against what runs (idempotent for the same id and target, 409 for anything else while one runs),
 records it as Pending and hands its id to the event loop (`ResizeRunner`); from then on only the
-event loop moves it on (`update_resize`, `finish_resize`), and every transition is logged.
+event loop moves it on (`update_resize`, `finish_resize`), and every transition is logged. A
+replacement (`ResizeRequest.replace`: new engines for Dead ranks, same size) is such an operation
+too; only a dense fleet's Dead ranks can be replaced (`frontend.replace`).
 
 Standard library only: it is tested without vLLM.
 """
@@ -74,6 +76,7 @@ class RankRecord:
     requests_total: int = 0
     aborts_total: int = 0
     failed_total: int = 0
+    since: float = dataclasses.field(default_factory=time.time)  # when it entered its state
 
 
 class Fleet:
@@ -92,6 +95,19 @@ class Fleet:
         self._join_progress: Callable[[], dict[int, str]] | None = None
         self._ops: collections.OrderedDict[str, ResizeOperation] = collections.OrderedDict()
         self._current: str | None = None
+        # Set by the client before any rank joins: an MoE fleet's ranks share collectives, none is replaced alone.
+        self.moe = False
+        self._beat: float | None = None  # when the serving event loop last showed progress (monotonic)
+
+    # ---- liveness of the frontend itself ----------------------------------------------------------
+    def beat(self) -> None:
+        """The event loop made progress (called by the liveness watcher on every tick)."""
+        self._beat = time.monotonic()
+
+    def stalled_for(self) -> float:
+        """Seconds since the last beat; 0 until the loop serves (it blocks in vLLM's startup handshake)."""
+        beat = self._beat
+        return 0.0 if beat is None else max(0.0, time.monotonic() - beat)
 
     # ---- ranks ---------------------------------------------------------------------------------
     @property
@@ -113,6 +129,8 @@ class Fleet:
                 changed = True
             else:
                 changed = (rec.state, rec.message) != (state, message)
+                if rec.state != state:
+                    rec.since = time.time()
                 rec.state, rec.message = state, message
             op = self._ops.get(self._current) if self._current else None
             if op is not None and any(r.rank == rank for r in op.ranks):
@@ -155,12 +173,15 @@ class Fleet:
         """Record a resize and hand it to the event loop; (started now, the operation). Raises ResizeRefused."""
         with self._lock:
             existing = self._ops.get(request.id)
+            replace = tuple(sorted(request.replace))
             if existing is not None:
-                if existing.to_replicas == request.replicas:
+                if existing.to_replicas == request.replicas and existing.replace == replace:
                     return False, existing
                 raise ResizeRefused(HTTPStatus.CONFLICT,
-                                    f"resize {request.id!r} exists with target {existing.to_replicas}, "
-                                    f"not {request.replicas}", existing)
+                                    f"resize {request.id!r} exists with target {existing.to_replicas}"
+                                    f"{f' replacing {list(existing.replace)}' if existing.replace else ''}, not "
+                                    f"{request.replicas}{f' replacing {list(replace)}' if replace else ''}",
+                                    existing)
             current = self._ops.get(self._current) if self._current else None
             if current is not None and not current.phase.terminal:
                 raise ResizeRefused(HTTPStatus.CONFLICT,
@@ -169,35 +190,60 @@ class Fleet:
             if self._runner is None:
                 raise ResizeRefused(HTTPStatus.SERVICE_UNAVAILABLE, "the fleet is still starting: its ranks are "
                                     "joining")
-            dead = sorted(r.rank for r in self._ranks.values() if r.state == RankState.DEAD)
-            if dead:
-                raise ResizeRefused(HTTPStatus.SERVICE_UNAVAILABLE,
-                                    f"rank(s) {dead} are dead: the fleet must be recreated before it can resize")
-            frm, to = self._size, request.replicas
-            now = time.time()
-            if to == frm:
-                op = ResizeOperation(id=request.id, from_replicas=frm, to_replicas=to, phase=ResizePhase.COMPLETED,
-                                     started_at=now, finished_at=now, drain_timeout_s=request.drain_timeout_s,
-                                     join_timeout_s=request.join_timeout_s,
-                                     message=f"the fleet already has {to} rank(s)")
-                self._remember(op)
-                logger.info("Resize %s: %d -> %d: nothing to do", op.id, frm, to)
-                return True, op
-            if to > frm:
-                ranks = tuple(ResizeRank(r, RankState.JOINING, "waiting for the engine's HELLO")
-                              for r in range(frm, to))
-            else:
-                ranks = tuple(ResizeRank(r, RankState.SERVING) for r in range(to, frm))
-            op = ResizeOperation(id=request.id, from_replicas=frm, to_replicas=to, phase=ResizePhase.PENDING,
-                                 ranks=ranks, started_at=now, drain_timeout_s=request.drain_timeout_s,
-                                 join_timeout_s=request.join_timeout_s, message="accepted")
+            op = self._replace_op(request, replace) if replace else self._resize_op(request)
             self._remember(op)
+            if op.phase.terminal:  # nothing to do
+                return True, op
             self._current = op.id
             runner = self._runner
-        logger.info("Resize %s: %d -> %d accepted (drain timeout %gs, join timeout %gs)", op.id, frm, to,
-                    request.drain_timeout_s, request.join_timeout_s)
+        if op.replace:
+            logger.info("Resize %s: replacement of %s accepted (join timeout %gs)", op.id, describe(op.replace),
+                        op.join_timeout_s)
+        else:
+            logger.info("Resize %s: %d -> %d accepted (drain timeout %gs, join timeout %gs)", op.id,
+                        op.from_replicas, op.to_replicas, op.drain_timeout_s, op.join_timeout_s)
         runner.run_resize(op.id)
         return True, op
+
+    def _resize_op(self, request: ResizeRequest) -> ResizeOperation:
+        """A resize's operation: Pending, or Completed if the size is already right (under the lock)."""
+        dead = sorted(r.rank for r in self._ranks.values() if r.state == RankState.DEAD)
+        if dead:
+            raise ResizeRefused(HTTPStatus.SERVICE_UNAVAILABLE,
+                                f"rank(s) {dead} are dead: the fleet must be recreated before it can resize")
+        frm, to = self._size, request.replicas
+        now = time.time()
+        if to == frm:
+            logger.info("Resize %s: %d -> %d: nothing to do", request.id, frm, to)
+            return ResizeOperation(id=request.id, from_replicas=frm, to_replicas=to, phase=ResizePhase.COMPLETED,
+                                   started_at=now, finished_at=now, drain_timeout_s=request.drain_timeout_s,
+                                   join_timeout_s=request.join_timeout_s, message=f"the fleet already has {to} rank(s)")
+        if to > frm:
+            ranks = tuple(ResizeRank(r, RankState.JOINING, "waiting for the engine's HELLO") for r in range(frm, to))
+        else:
+            ranks = tuple(ResizeRank(r, RankState.SERVING) for r in range(to, frm))
+        return ResizeOperation(id=request.id, from_replicas=frm, to_replicas=to, phase=ResizePhase.PENDING,
+                               ranks=ranks, started_at=now, drain_timeout_s=request.drain_timeout_s,
+                               join_timeout_s=request.join_timeout_s, message="accepted")
+
+    def _replace_op(self, request: ResizeRequest, replace: tuple[int, ...]) -> ResizeOperation:
+        """A replacement's operation, Pending, once its preconditions hold (under the lock); raises ResizeRefused."""
+        if self.moe:
+            raise ResizeRefused(HTTPStatus.BAD_REQUEST, "an MoE fleet's ranks cannot be replaced one by one (their "
+                                "collectives cannot lose a member): the fleet is recreated instead")
+        if request.replicas != self._size:
+            raise ResizeRefused(HTTPStatus.CONFLICT, f"a replacement keeps the fleet's size: replicas must be "
+                                f"{self._size}, not {request.replicas}")
+        states = {r: self._ranks[r].state if r in self._ranks else None for r in replace}
+        alive = {r: state for r, state in states.items() if state != RankState.DEAD}
+        if alive:
+            raise ResizeRefused(HTTPStatus.CONFLICT, "only a Dead rank can be replaced: " + ", ".join(
+                f"rank {r} is {state or 'not a member'}" for r, state in sorted(alive.items())))
+        ranks = tuple(ResizeRank(r, RankState.DEAD, "waiting for a new engine") for r in replace)
+        return ResizeOperation(id=request.id, from_replicas=self._size, to_replicas=self._size,
+                               phase=ResizePhase.PENDING, ranks=ranks, started_at=time.time(),
+                               drain_timeout_s=request.drain_timeout_s, join_timeout_s=request.join_timeout_s,
+                               message="accepted", replace=replace)
 
     def _remember(self, op: ResizeOperation) -> None:
         self._ops[op.id] = op
@@ -288,12 +334,12 @@ class Fleet:
                 rank=rec.rank, identity=identity(rec.rank).hex(), state=rec.state, waiting=int(waiting),
                 running=int(running), kv_cache_usage=float(kv), in_flight=in_flight,
                 requests_total=rec.requests_total, aborts_total=rec.aborts_total, failed_total=rec.failed_total,
-                message=rec.message,
+                message=rec.message, since=rec.since,
             ))
-        dead = [r for r in ranks if r.state == RankState.DEAD]
-        if dead:
+        troubled = [r for r in ranks if r.state in (RankState.DEAD, RankState.UNRESPONSIVE)]
+        if troubled:
             state = FleetState.DEGRADED
-            message = "; ".join(f"rank {r.rank}: {r.message}" for r in dead)
+            message = "; ".join(f"rank {r.rank} {r.state}: {r.message}" for r in troubled)
         elif view is not None:
             state, message = FleetState.SERVING, ""
         else:

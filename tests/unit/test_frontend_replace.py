@@ -1,0 +1,398 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Replacing a Dead rank in place: the request, the registry's checks and the client's bookkeeping.
+
+1. `ResizeRequest.replace` on the wire (validation, JSON both ways, a plain resize unchanged).
+2. `Fleet.start_resize` for a replacement, behind a real AdminServer: only Dead ranks, same size,
+   dense fleets, one operation at a time, idempotent by id.
+3. `RankReplacement._replace`, run through the client's own `_resize` (the dispatch) on a stand-in
+   for the client whose handshake and ready responses the test plays: what the commit changes
+   (routing counters, unroutable, Serving, the KV block total) and what a failure leaves (the rank
+   Dead and unroutable, the operation Failed, the fleet intact). The handshake itself runs against
+   real engine processes in tests/e2e/test_frontend_replace.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from corefleet_client.admin import (
+    AdminClient,
+    AdminError,
+    FleetState,
+    RankState,
+    ResizeOperation,
+    ResizePhase,
+    ResizeRequest,
+)
+from corefleet_client.frontend.adminserver import AdminServer
+from corefleet_client.frontend.client import KubeDPLBClient, ResizeFailed
+from corefleet_client.frontend.fleet import Fleet, RankRecord, identity
+from corefleet_client.frontend.replace import RankReplacement
+
+TOKEN = "t0ken"
+
+
+# ---- 1. the request -------------------------------------------------------------------------------
+def test_a_replacement_request_round_trips_and_a_plain_one_reads_as_before() -> None:
+    req = ResizeRequest(id="rep-1", replicas=3, join_timeout_s=60, replace=(2, 0))
+    assert req.validate() is None
+    data = json.loads(json.dumps(req.to_json()))
+    assert data["replace"] == [2, 0]
+    assert ResizeRequest.from_json(data) == req
+    plain = ResizeRequest(id="up-1", replicas=3).to_json()
+    assert "replace" not in plain  # a frontend that predates replacements refuses unknown fields
+    assert ResizeRequest.from_json(plain).replace == ()
+
+
+@pytest.mark.parametrize(("replace", "message"), [
+    ((3,), "outside the fleet's ranks 0..2"),
+    ((-1,), "outside the fleet's ranks 0..2"),
+    ((1, 1), "names a rank twice"),
+])
+def test_replacement_requests_are_validated(replace: tuple[int, ...], message: str) -> None:
+    problem = ResizeRequest(id="rep-1", replicas=3, replace=replace).validate()
+    assert problem is not None
+    assert message in problem
+
+
+@pytest.mark.parametrize("value", [1, "1", [True], ["0"], [0.5]])
+def test_replace_must_be_a_list_of_ranks(value: Any) -> None:
+    with pytest.raises(ValueError, match="replace must be a list of rank numbers"):
+        ResizeRequest.from_json({"id": "rep-1", "replicas": 2, "replace": value})
+
+
+def test_a_replacement_operation_round_trips_through_json() -> None:
+    op = ResizeOperation(id="rep-1", from_replicas=2, to_replicas=2, phase=ResizePhase.PENDING, replace=(1,))
+    assert ResizeOperation.from_json(json.loads(json.dumps(op.to_json()))) == op
+    assert not op.scale_up
+    legacy = op.to_json()
+    del legacy["replace"]  # an operation from a frontend that predates replacements
+    assert ResizeOperation.from_json(legacy).replace == ()
+
+
+# ---- 2. the registry ------------------------------------------------------------------------------
+@dataclass
+class Runner:
+    runs: list[str] = field(default_factory=list)
+
+    def run_resize(self, resize_id: str) -> None:
+        self.runs.append(resize_id)
+
+    def cancel_resize(self, resize_id: str, reason: str) -> None:
+        pass
+
+
+class View:
+    def lb_counts(self, rank: int) -> tuple[int, int, float]:
+        return 0, 0, 0.0
+
+    def in_flight(self, rank: int) -> int:
+        return 0
+
+
+@dataclass
+class Setup:
+    fleet: Fleet
+    runner: Runner
+    client: AdminClient
+    url: str
+
+    def post(self, body: Any) -> tuple[int, dict[str, Any]]:
+        req = urllib.request.Request(self.url + "/v1/resizes", data=json.dumps(body).encode(), method="POST",
+                                     headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=5) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def refused(self, request: ResizeRequest) -> AdminError:
+        with pytest.raises(AdminError) as err:
+            self.client.start_resize(request)
+        return err.value
+
+
+@pytest.fixture
+def setup() -> Iterator[Setup]:
+    fleet = Fleet("tiny", 3, vllm_version="0.32.0")
+    server = AdminServer("127.0.0.1", 0, TOKEN, fleet)
+    server.start()
+    url = f"http://127.0.0.1:{server.port}"
+    try:
+        s = Setup(fleet, Runner(), AdminClient(url, TOKEN), url)
+        fleet.serving(View(), s.runner)
+        yield s
+    finally:
+        server.stop()
+
+
+def test_a_dead_rank_is_replaced_once_by_id(setup: Setup) -> None:
+    setup.fleet.set_rank(1, RankState.DEAD, "connection to the engine lost")
+    started, op = setup.client.start_resize(ResizeRequest(id="rep-1", replicas=3, join_timeout_s=60, replace=(1,)))
+    assert started
+    assert (op.from_replicas, op.to_replicas, op.phase, op.replace) == (3, 3, ResizePhase.PENDING, (1,))
+    assert [(r.rank, r.state) for r in op.ranks] == [(1, RankState.DEAD)]
+    assert setup.runner.runs == ["rep-1"]
+    # The same request again (an operator that restarted): the same operation, not a second one.
+    again, same = setup.client.start_resize(ResizeRequest(id="rep-1", replicas=3, replace=(1,)))
+    assert (again, same.id, setup.runner.runs) == (False, "rep-1", ["rep-1"])
+    # The same id for another replacement, or for a plain resize: a conflict.
+    assert setup.refused(ResizeRequest(id="rep-1", replicas=3, replace=(2,))).status == 409
+    assert setup.refused(ResizeRequest(id="rep-1", replicas=3)).status == 409
+    # One operation at a time: a resize waits for the replacement.
+    err = setup.refused(ResizeRequest(id="up-1", replicas=4))
+    assert err.status == 409
+    assert "one resize runs at a time" in err.body
+    # The fleet's view follows the replaced rank until the event loop commits it.
+    setup.fleet.set_rank(1, RankState.SERVING)
+    setup.fleet.finish_resize("rep-1", message="rank 1 replaced in place")
+    status = setup.client.fleet()
+    assert status.state == FleetState.SERVING
+    assert status.resize is not None
+    assert (status.resize.id, status.resize.phase, status.resize.rank(1).state) == (
+        "rep-1", ResizePhase.COMPLETED, RankState.SERVING)
+
+
+def test_only_dead_ranks_are_replaced(setup: Setup) -> None:
+    setup.fleet.set_rank(2, RankState.UNRESPONSIVE, "no answer to a liveness call")
+    setup.fleet.set_rank(0, RankState.DEAD, "connection to the engine lost")
+    err = setup.refused(ResizeRequest(id="rep-1", replicas=3, replace=(0, 1, 2)))
+    assert err.status == 409
+    assert "only a Dead rank can be replaced: rank 1 is Serving, rank 2 is Unresponsive" in err.body
+    assert setup.runner.runs == []
+    assert setup.client.resizes() == []
+
+
+def test_a_replacement_keeps_the_size(setup: Setup) -> None:
+    setup.fleet.set_rank(1, RankState.DEAD, "connection to the engine lost")
+    err = setup.refused(ResizeRequest(id="rep-1", replicas=2, replace=(1,)))
+    assert err.status == 409
+    assert "replicas must be 3, not 2" in err.body
+
+
+def test_a_bad_replacement_is_400(setup: Setup) -> None:
+    code, body = setup.post({"id": "rep-1", "replicas": 3, "replace": [1, 1]})
+    assert code == 400
+    assert "names a rank twice" in body["error"]
+    code, body = setup.post({"id": "rep-1", "replicas": 3, "replace": [3]})
+    assert code == 400
+    assert "outside the fleet's ranks" in body["error"]
+    assert setup.runner.runs == []
+
+
+def test_an_moe_fleet_replaces_no_rank() -> None:
+    fleet = Fleet("tiny-moe", 2)
+    fleet.moe = True  # what the client sets for an MoE model
+    runner = Runner()
+    fleet.serving(View(), runner)
+    fleet.set_rank(1, RankState.DEAD, "connection to the engine lost")
+    server = AdminServer("127.0.0.1", 0, TOKEN, fleet)
+    server.start()
+    try:
+        with pytest.raises(AdminError) as err:
+            AdminClient(f"http://127.0.0.1:{server.port}", TOKEN).start_resize(
+                ResizeRequest(id="rep-1", replicas=2, replace=(1,)))
+    finally:
+        server.stop()
+    assert err.value.status == 400
+    assert "MoE" in err.value.body
+    assert runner.runs == []
+
+
+def test_a_dead_rank_still_blocks_a_plain_resize_but_not_its_replacement(setup: Setup) -> None:
+    setup.fleet.set_rank(1, RankState.DEAD, "connection to the engine lost")
+    setup.fleet.set_rank(2, RankState.DEAD, "connection to the engine lost")
+    assert setup.refused(ResizeRequest(id="up-1", replicas=4)).status == 503
+    started, _ = setup.client.start_resize(ResizeRequest(id="rep-2", replicas=3, replace=(2,)))  # rank 1 waits
+    assert started
+
+
+# ---- 3. the client's side -------------------------------------------------------------------------
+class FakeClient(RankReplacement):
+    """The attributes and methods `_replace` and the client's `_resize` use; the handshake played by the test."""
+
+    _resize = KubeDPLBClient._resize
+
+    def __init__(self, fleet: Fleet, handshake_error: Exception | None = None,
+                 ready_error: Exception | None = None) -> None:
+        self._fleet = fleet
+        self.vllm_config = SimpleNamespace(
+            parallel_config=SimpleNamespace(data_parallel_master_ip="127.0.0.1", data_parallel_rpc_port=29550),
+            cache_config=SimpleNamespace(num_gpu_blocks=200))
+        self.core_engines = [identity(r) for r in range(fleet.size)]
+        self.lb_engines: list[list[int | float]] = [[0, 1, 0.1] for _ in range(fleet.size)]
+        self.engine_inflight: Counter[bytes] = Counter({identity(r): 1 for r in range(fleet.size)})
+        self.reqs_in_flight: dict[str, bytes] = {}
+        self._records: dict[int, RankRecord] = {r: fleet.record(r) for r in range(fleet.size)}
+        self._unroutable: dict[int, str] = {}
+        self._probes: dict[int, Any] = {}
+        self._cancels: dict[str, str] = {}
+        self.handshakes: list[tuple[list[int], str]] = []
+        self.failed: list[tuple[list[str], str]] = []
+        self.handshake_error, self.ready_error = handshake_error, ready_error
+
+    def kill(self, rank: int) -> None:
+        """What `_rank_died` leaves: Dead, unroutable, its requests failed."""
+        self._fleet.set_rank(rank, RankState.DEAD, "connection to the engine lost")
+        self._unroutable[rank] = f"rank {rank} is Dead"
+        self.engine_inflight[identity(rank)] = 0
+        self.lb_engines[rank] = [1 << 60, 1 << 60, 0.0]
+
+    def _check_cancel(self, op: ResizeOperation) -> None:
+        if op.id in self._cancels:
+            raise ResizeFailed(f"cancelled: {self._cancels[op.id]}")
+
+    def _discard_stale_ready_responses(self) -> None:
+        pass
+
+    async def _run_handshake(self, op: ResizeOperation, engines: list[Any], address: str) -> None:
+        self.handshakes.append(([int.from_bytes(e.identity, "little") for e in engines], address))
+        if self.handshake_error is not None:
+            raise self.handshake_error
+
+    async def _read_ready_responses(self, ranks: list[int]) -> None:
+        if self.ready_error is not None:
+            raise self.ready_error
+        self.vllm_config.cache_config.num_gpu_blocks += 100 * len(ranks)  # what vLLM's _apply_ready_response does
+
+    def _requests_on(self, rank: int) -> list[str]:
+        return [rid for rid, engine in self.reqs_in_flight.items() if engine == identity(rank)]
+
+    def _fail_requests(self, request_ids: list[str], message: str, rank: int | None = None) -> None:
+        for rid in request_ids:
+            self.reqs_in_flight.pop(rid, None)
+        self.failed.append((list(request_ids), message))
+
+
+def _replace(client: FakeClient, ranks: tuple[int, ...], resize_id: str = "rep-1") -> ResizeOperation:
+    started, op = client._fleet.start_resize(ResizeRequest(id=resize_id, replicas=client._fleet.size,
+                                                           join_timeout_s=30, replace=ranks))
+    assert started
+    asyncio.run(client._resize(op.id))
+    done = client._fleet.resize(op.id)
+    assert done is not None
+    return done
+
+
+def test_a_replaced_rank_serves_again_with_fresh_routing_counters() -> None:
+    fleet = Fleet("tiny", 3)
+    client = FakeClient(fleet)
+    fleet.serving(View(), Runner())
+    client.kill(1)
+    op = _replace(client, (1,))
+    assert (op.phase, op.error, op.rank(1).state) == (ResizePhase.COMPLETED, "", RankState.SERVING)
+    assert "rank 1 replaced in place" in op.message
+    # The handshake was for exactly the replaced rank, on the fleet's handshake address.
+    assert client.handshakes == [([1], "tcp://127.0.0.1:29550")]
+    assert fleet.ranks_in(RankState.SERVING) == [0, 1, 2]
+    assert client._unroutable == {}
+    assert client.lb_engines[1] == [0, 0, 0.0]
+    assert client.engine_inflight[identity(1)] == 0
+    assert client._records[1] is fleet.record(1)
+    # The others were not touched; neither was the size, nor the fleet's KV-cache total.
+    assert client.lb_engines[0] == client.lb_engines[2] == [0, 1, 0.1]
+    assert client.engine_inflight[identity(0)] == client.engine_inflight[identity(2)] == 1
+    assert (fleet.size, client.core_engines) == (3, [identity(r) for r in range(3)])
+    assert client.vllm_config.cache_config.num_gpu_blocks == 200
+
+
+def test_a_request_left_on_the_replaced_rank_ends_with_an_error() -> None:
+    fleet = Fleet("tiny", 2)
+    client = FakeClient(fleet)
+    fleet.serving(View(), Runner())
+    client.kill(1)
+    client.reqs_in_flight = {"a": identity(0), "b": identity(1)}
+    _replace(client, (1,))
+    assert client.failed == [(["b"], "rank 1 was replaced by rep-1 before this request finished: retry the request")]
+    assert client.reqs_in_flight == {"a": identity(0)}
+
+
+@pytest.mark.parametrize(("handshake_error", "ready_error", "error"), [
+    (ResizeFailed("rank 1 did not join within the join timeout of 30s"), None, "did not join within the join timeout"),
+    (None, ResizeFailed("rank 1 runs vLLM 0.31.0, the fleet 0.32.0"), "runs vLLM 0.31.0"),
+    (RuntimeError("Unexpected READY message"), None, "handshake failed: RuntimeError: Unexpected READY message"),
+])
+def test_a_failed_replacement_leaves_the_rank_dead_and_the_fleet_intact(
+        handshake_error: Exception | None, ready_error: Exception | None, error: str) -> None:
+    fleet = Fleet("tiny", 2)
+    client = FakeClient(fleet, handshake_error=handshake_error, ready_error=ready_error)
+    fleet.serving(View(), Runner())
+    client.kill(1)
+    op = _replace(client, (1,))
+    assert op.phase == ResizePhase.FAILED
+    assert op.fleet_intact
+    assert error in op.error
+    assert fleet.ranks_in(RankState.DEAD) == [1]
+    assert fleet.ranks_in(RankState.SERVING) == [0]
+    assert f"replacement rep-1 failed: {op.error}" == fleet.record(1).message
+    assert 1 in client._unroutable
+    assert client.vllm_config.cache_config.num_gpu_blocks == 200
+    # A second try with a new engine may come.
+    client.handshake_error = client.ready_error = None
+    assert _replace(client, (1,), "rep-2").phase == ResizePhase.COMPLETED
+    assert fleet.ranks_in(RankState.SERVING) == [0, 1]
+
+
+def test_a_cancelled_replacement_leaves_the_rank_dead() -> None:
+    fleet = Fleet("tiny", 2)
+    client = FakeClient(fleet)
+    fleet.serving(View(), Runner())
+    client.kill(1)
+    client._cancels["rep-1"] = "the operator gave up"
+    op = _replace(client, (1,))
+    assert (op.phase, op.error) == (ResizePhase.FAILED, "cancelled: the operator gave up")
+    assert client.handshakes == []
+    assert fleet.ranks_in(RankState.DEAD) == [1]
+
+
+def test_the_lost_engines_load_is_ignored_until_the_new_engine_gets_a_request() -> None:
+    fleet = Fleet("tiny", 2)
+    client = FakeClient(fleet)
+    fleet.serving(View(), Runner())
+    client.kill(1)
+    _replace(client, (1,))
+    # The coordinator still publishes the lost engine's last counts for rank 1 (a new list each time).
+    client.lb_engines = [[0, 0, 0.0], [0, 3, 0.4]]
+    client._ignore_stale_loads()
+    assert client.lb_engines == [[0, 0, 0.0], [0, 0, 0.0]]
+    # Its first request: from then on its engine publishes its own counts, and they are taken as they come.
+    fleet.record(1).requests_total += 1
+    client.lb_engines = [[0, 0, 0.0], [0, 1, 0.1]]
+    client._ignore_stale_loads()
+    assert client.lb_engines == [[0, 0, 0.0], [0, 1, 0.1]]
+    assert client._stale_loads == {}
+
+
+def test_a_replaced_rank_that_dies_again_is_left_unroutable() -> None:
+    fleet = Fleet("tiny", 2)
+    client = FakeClient(fleet)
+    fleet.serving(View(), Runner())
+    client.kill(1)
+    _replace(client, (1,))
+    client.kill(1)
+    client._ignore_stale_loads()
+    assert client.lb_engines[1] == [1 << 60, 1 << 60, 0.0]
+    assert client._stale_loads == {}
+
+
+def test_two_dead_ranks_are_replaced_in_one_operation() -> None:
+    fleet = Fleet("tiny", 3)
+    client = FakeClient(fleet)
+    fleet.serving(View(), Runner())
+    client.kill(2)
+    client.kill(0)
+    op = _replace(client, (2, 0))
+    assert (op.phase, op.replace, [r.rank for r in op.ranks]) == (ResizePhase.COMPLETED, (0, 2), [0, 2])
+    assert client.handshakes == [([0, 2], "tcp://127.0.0.1:29550")]
+    assert fleet.ranks_in(RankState.SERVING) == [0, 1, 2]
+    assert client._unroutable == {}
