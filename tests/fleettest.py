@@ -205,6 +205,7 @@ class Load:
     outcomes: list[Outcome] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
+    headers: dict[str, str] = field(default_factory=dict)  # on every request, e.g. X-data-parallel-rank
 
     def start(self) -> Load:
         for i in range(self.workers):
@@ -238,7 +239,7 @@ class Load:
 
     def _plain(self, i: int) -> tuple[bool, str]:
         req = urllib.request.Request(f"{self.url}/v1/completions", data=self._body(i, False),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **self.headers})
         try:
             with urllib.request.urlopen(req, timeout=120) as r:
                 body = json.loads(r.read())
@@ -251,7 +252,8 @@ class Load:
         host, port = self.url.removeprefix("http://").split(":")
         conn = http.client.HTTPConnection(host, int(port), timeout=120)
         try:
-            conn.request("POST", "/v1/completions", self._body(i, True), {"Content-Type": "application/json"})
+            conn.request("POST", "/v1/completions", self._body(i, True),
+                         {"Content-Type": "application/json", **self.headers})
             resp = conn.getresponse()
             if resp.status != 200:
                 return False, f"HTTP {resp.status}: {resp.read()[:300]!r}"

@@ -12,28 +12,50 @@ scheduler bound to a node, does what a kubelet and a cluster's DNS would:
    replaced by addresses; Secret volumes written to a directory whose path replaces the mount
    path in args; the launchers' own listeners (`--health-host`, `--admin-host`) put on the pod's
    address. Each process gets its own session and a log file `<work_dir>/logs/<pod>-<uid>.log`;
-3. reports the pod Running with its address, and Ready as its readinessProbe (httpGet or
-   tcpSocket) answers; Failed or Succeeded with the exit code when the process exits (whatever
-   else is left in its process group is killed, as a container's processes die with it);
+3. runs the container's probes as the kubelet's prober does (below), and reports the pod Running
+   with its address, `started` from the startupProbe, and Ready (`ContainersReady`, `Ready`,
+   `containerStatuses[].ready`) from the readinessProbe; Failed or Succeeded with the exit code
+   when the process exits (whatever else is left in its process group is killed, as a
+   container's processes die with it);
 4. on deletion, SIGTERMs the process group, SIGKILLs it after the grace period, and then removes
    the pod (a pod that vanished from the API is stopped the same way).
+
+Probes (kubelet `pkg/kubelet/prober/worker.go` semantics): each of the container's
+`startupProbe`, `readinessProbe` and `livenessProbe` (`httpGet`, `tcpSocket` or `exec`) gets its own
+thread, so that a probe waiting out its `timeoutSeconds` blocks neither the pod's other probes nor
+the runner. A probe runs first `initialDelaySeconds` after the container started, then every
+`periodSeconds`, each attempt bounded by `timeoutSeconds`; its result changes only after
+`successThreshold` (or `failureThreshold`) consecutive attempts agree. Readiness and liveness run
+only once the startup probe has succeeded (the startup probe then stops); until readiness succeeds
+the container is not ready (with no readinessProbe it is ready once started). A liveness or startup
+probe that fails `failureThreshold` times in a row kills the container: SIGTERM to its process
+group, SIGKILL after the pod's `terminationGracePeriodSeconds` (or the probe's own, capped by
+`grace`), so a hung process ends with exit code 137; pods are `restartPolicy: Never` (no
+container restarts here), so the pod ends Failed (Succeeded if the process exits 0 on SIGTERM).
+`httpGet` succeeds on a status in 200..399 (redirects are not followed), `tcpSocket` on a
+connection, `exec` (run on this host with the container's env; `python` is this interpreter) on
+exit status 0. Each attempt is logged in `probe_log`; state changes and kills are also posted as
+the kubelet's `Unhealthy` and `Killing` Events on the pod.
 
 Test-only knobs: `engine` runs another module in place of an engine container's
 `corefleet_client.engine` (the emulator: as another image would), and the pods named in `hold` are
 bound but never started (as if their image never pulled).
 
-`close()` stops everything it started. Errors of the loop are kept in `errors`.
+`close()` stops everything it started. Errors of the loop and of the probe threads are kept in
+`errors`; `exits` records when each container's exit was reported, and with which code.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import http.client
 import logging
 import os
 import re
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -57,6 +79,51 @@ LAUNCHER_HOST_FLAGS = {  # the launchers' own listeners bind 0.0.0.0 unless told
 }
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)|\$\$")
 
+STARTUP, READINESS, LIVENESS = "startup", "readiness", "liveness"
+PROBE_FIELDS = {STARTUP: "startupProbe", READINESS: "readinessProbe", LIVENESS: "livenessProbe"}
+PROBE_LOG_MAX = 10000  # attempts kept in `probe_log` (the oldest are dropped)
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One container probe with the API's defaults filled in."""
+
+    kind: str  # startup, readiness or liveness
+    action: Mapping[str, Any]  # {"httpGet": ...}, {"tcpSocket": ...} or {"exec": ...}
+    initial_delay: float = 0.0
+    period: float = 10.0
+    timeout: float = 1.0
+    success_threshold: int = 1
+    failure_threshold: int = 3
+    grace: float | None = None  # the probe's own terminationGracePeriodSeconds
+
+    @classmethod
+    def parse(cls, kind: str, probe: Mapping[str, Any]) -> Probe:
+        actions = [k for k in ("httpGet", "tcpSocket", "exec", "grpc") if k in probe]
+        if len(actions) != 1 or actions[0] == "grpc":
+            raise ValueError(f"unsupported {PROBE_FIELDS[kind]} {dict(probe)}: one of httpGet, tcpSocket, exec")
+        grace = probe.get("terminationGracePeriodSeconds")
+        return cls(kind, {actions[0]: probe[actions[0]]},
+                   initial_delay=float(probe.get("initialDelaySeconds", 0)),
+                   period=float(probe.get("periodSeconds", 10)),
+                   timeout=float(probe.get("timeoutSeconds", 1)),
+                   success_threshold=int(probe.get("successThreshold", 1)),
+                   failure_threshold=int(probe.get("failureThreshold", 3)),
+                   grace=None if grace is None else float(grace))
+
+
+@dataclass(frozen=True)
+class ProbeAttempt:
+    """One probe run, as `PodRunner.probe_log` keeps it."""
+
+    at: float  # time.monotonic() when it ended (before its result was applied)
+    pod: str
+    uid: str
+    kind: str
+    ok: bool
+    detail: str
+    changed: bool  # the probe's result changed with this attempt (its threshold was reached)
+
 
 @dataclass
 class _Pod:
@@ -69,11 +136,22 @@ class _Pod:
     log: Path | None = None
     logfile: IO[bytes] | None = None
     started_at: str = ""
-    ready: bool = False
+    started_mono: float = 0.0
     exit_reported: bool = False
     term_sent_at: float | None = None
-    last_probe: float = 0.0
+    env: dict[str, str] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    # Written by the probe threads under `lock`, read by the runner's loop.
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    started: bool = False  # the startup probe succeeded (or there is none)
+    ready: bool = False  # the readiness probe's result (with none: started)
+    kill_reason: str = ""  # a liveness or startup probe failed: the container is being killed
+    kill_grace: float = 0.0
+    events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message) to post
+    reported: tuple[bool, bool] | None = None  # (started, ready) last written to the pod's status
+    probes_stop: threading.Event = field(default_factory=threading.Event)
+    started_event: threading.Event = field(default_factory=threading.Event)
+    probe_threads: list[threading.Thread] = field(default_factory=list)
 
 
 def _now() -> str:
@@ -102,6 +180,8 @@ class PodRunner:
         self.pods: dict[str, _Pod] = {}  # by uid
         self.names: dict[str, str] = {}  # pod DNS name -> address
         self.errors: list[BaseException] = []
+        self.probe_log: list[ProbeAttempt] = []  # every probe attempt, in order
+        self.exits: dict[str, tuple[float, int]] = {}  # pod uid -> (time.monotonic(), exit code) as reported
         self._next_host = 2
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="pod-runner", daemon=True)
@@ -124,6 +204,7 @@ class PodRunner:
         if self._thread.is_alive():
             self._thread.join(30)
         for p in self.pods.values():
+            p.probes_stop.set()
             self._signal(p, signal.SIGTERM)
         deadline = time.monotonic() + self._grace
         for p in self.pods.values():
@@ -135,11 +216,19 @@ class PodRunner:
                 p.popen.wait()
             if p.logfile is not None:
                 p.logfile.close()
+        for p in self.pods.values():
+            for t in p.probe_threads:
+                t.join(10)  # an attempt in flight ends within its timeout
 
     def pod(self, name: str) -> _Pod:
         """The live (not terminating) pod of that name that this runner started."""
         return next(p for p in self.pods.values()
                     if p.name == name and p.popen is not None and not p.pod["metadata"].get("deletionTimestamp"))
+
+    def pod_log(self, name: str) -> str:
+        """The log of the last pod of that name that this runner started."""
+        logs = [p.log for p in self.pods.values() if p.name == name and p.log is not None]
+        return logs[-1].read_text(errors="replace") if logs else ""
 
     def log_tails(self, lines: int = 30) -> str:
         out = []
@@ -213,14 +302,18 @@ class PodRunner:
             args = [*self._engine[1:], *args]
         if module in LAUNCHER_HOST_FLAGS and "--" in args:
             args = [LAUNCHER_HOST_FLAGS[module], p.ip, *args]
+        probes = {kind: Probe.parse(kind, container[f]) for kind, f in PROBE_FIELDS.items() if f in container}
         p.log = self.work_dir / "logs" / f"{p.name}-{p.uid[:8]}.log"
         p.logfile = p.log.open("wb")
         p.popen = subprocess.Popen([*command, *args], stdout=p.logfile, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, env=env, start_new_session=True, close_fds=True)
         p.started_at = _now()
+        p.started_mono = time.monotonic()
+        p.env = env
         p.extra["started_wall"] = time.time()
         logger.info("started pod %s on %s: pid %d", p.name, p.ip, p.popen.pid)
-        self._patch_status(p, self._running_status(p, ready=False))
+        self._start_probes(p, probes, container)
+        self._sync_status(p)
 
     def _env(self, p: _Pod, container: Mapping[str, Any]) -> dict[str, str]:
         fields = {"status.podIP": p.ip, "metadata.name": p.name, "metadata.namespace": self.ns,
@@ -265,43 +358,127 @@ class PodRunner:
         rc = p.popen.poll()
         if rc is not None:
             if not p.exit_reported:
+                p.probes_stop.set()
                 self._signal(p, signal.SIGKILL)  # the container's other processes die with it
+                self._post_events(p)
                 self._report_exit(p, rc)
             return
-        now = time.monotonic()
-        if now - p.last_probe < 0.5:
-            return
-        p.last_probe = now
-        ready = self._probe(p)
-        if ready != p.ready:
-            p.ready = ready
-            self._patch_status(p, self._running_status(p, ready))
+        with p.lock:
+            kill_reason, kill_grace = p.kill_reason, p.kill_grace
+        if kill_reason:  # as the kubelet kills a container that failed its liveness or startup probe
+            if p.term_sent_at is None:
+                p.term_sent_at = time.monotonic()
+                logger.info("pod %s: %s; killing it (grace %.0f s)", p.name, kill_reason, kill_grace)
+                self._signal(p, signal.SIGTERM)
+            elif time.monotonic() - p.term_sent_at >= kill_grace:
+                self._signal(p, signal.SIGKILL)
+        self._post_events(p)
+        self._sync_status(p)
 
-    def _probe(self, p: _Pod) -> bool:
-        container = p.pod["spec"]["containers"][0]
-        probe = container.get("readinessProbe")
-        if probe is None:
-            return True
-        named = {port.get("name"): port["containerPort"] for port in container.get("ports", [])}
-        if "httpGet" in probe:
-            get = probe["httpGet"]
-            port = named.get(get["port"], get["port"])
+    def _sync_status(self, p: _Pod) -> None:
+        with p.lock:
+            now = (p.started, p.ready)
+        if now != p.reported:
+            self._patch_status(p, self._running_status(p, started=now[0], ready=now[1]))
+            p.reported = now
+
+    # ---- probes -------------------------------------------------------------------------------
+    def _start_probes(self, p: _Pod, probes: Mapping[str, Probe], container: Mapping[str, Any]) -> None:
+        ports = {port["name"]: int(port["containerPort"]) for port in container.get("ports", []) if "name" in port}
+        pod_grace = float(p.pod["spec"].get("terminationGracePeriodSeconds", 30))
+        with p.lock:
+            p.started = STARTUP not in probes
+            p.ready = p.started and READINESS not in probes
+        if p.started:
+            p.started_event.set()
+        for probe in probes.values():
+            grace = min(self._grace, probe.grace if probe.grace is not None else pod_grace)
+            t = threading.Thread(target=self._probe_worker, args=(p, probe, ports, grace, READINESS in probes),
+                                 name=f"probe-{p.name}-{probe.kind}", daemon=True)
+            p.probe_threads.append(t)
+            t.start()
+
+    def _probe_worker(self, p: _Pod, probe: Probe, ports: Mapping[str, int], grace: float,
+                      has_readiness: bool) -> None:
+        """One probe of one container, as a kubelet prober worker runs it (until the container stops,
+        its startup probe succeeds, or its liveness/startup probe has it killed)."""
+        try:
+            if probe.kind != STARTUP:
+                # Readiness and liveness wait for the startup probe (kubelet: readiness is then triggered at once).
+                while not p.started_event.wait(0.1):
+                    if p.probes_stop.is_set():
+                        return
+            next_at = max(p.started_mono + probe.initial_delay, time.monotonic())
+            last: bool | None = None
+            run = 0
+            while not p.probes_stop.wait(max(0.0, next_at - time.monotonic())):
+                next_at = max(next_at + probe.period, time.monotonic())  # a ticker drops the ticks it missed
+                ok, detail = run_probe(probe.action, p.ip, ports, p.env, probe.timeout)
+                at = time.monotonic()
+                if p.probes_stop.is_set():
+                    return  # the container stopped meanwhile: the result no longer counts
+                run = run + 1 if ok == last else 1
+                last = ok
+                done = changed = False
+                if run >= (probe.success_threshold if ok else probe.failure_threshold):
+                    done, changed = self._probe_result(p, probe, ok, detail, grace, has_readiness)
+                self.probe_log.append(ProbeAttempt(at, p.name, p.uid, probe.kind, ok, detail, changed))
+                if len(self.probe_log) > PROBE_LOG_MAX:
+                    del self.probe_log[:len(self.probe_log) - PROBE_LOG_MAX]
+                if done:
+                    return
+        except Exception as e:  # kept for the test, as the loop's own
+            logger.exception("pod %s: %s probe worker failed", p.name, probe.kind)
+            self.errors.append(e)
+
+    def _probe_result(self, p: _Pod, probe: Probe, ok: bool, detail: str, grace: float,
+                      has_readiness: bool) -> tuple[bool, bool]:
+        """Apply a probe's result once its threshold is reached: (its worker is done, the pod changed)."""
+        with p.lock:
+            if probe.kind == STARTUP and ok:
+                p.started = True
+                p.ready = p.ready or not has_readiness
+                p.started_event.set()
+                return True, True
+            if probe.kind == READINESS:
+                changed = p.ready != ok
+                if changed and not ok:
+                    p.events.append(("Warning", "Unhealthy", f"Readiness probe failed: {detail}"))
+                p.ready = ok
+                return False, changed
+            if ok:
+                return False, False  # liveness: healthy
+            what = "Liveness" if probe.kind == LIVENESS else "Startup"
+            p.events.append(("Warning", "Unhealthy", f"{what} probe failed: {detail}"))
+            if not p.kill_reason:
+                p.kill_reason = f"failed {probe.kind} probe ({probe.failure_threshold} in a row: {detail})"
+                p.kill_grace = grace
+                container = p.pod["spec"]["containers"][0]["name"]
+                p.events.append(("Normal", "Killing", f"Container {container} failed {probe.kind} probe, "
+                                                      "will be restarted"))
+            return True, True  # kubelet: on hold until the container is replaced (never: restartPolicy Never)
+
+    def _post_events(self, p: _Pod) -> None:
+        with p.lock:
+            events, p.events = p.events, []
+        container = p.pod["spec"]["containers"][0]["name"]
+        for type_, reason, message in events:
+            now = _now()
+            body = {
+                "metadata": {"generateName": f"{p.name}.", "namespace": self.ns},
+                "involvedObject": {"kind": "Pod", "apiVersion": "v1", "namespace": self.ns, "name": p.name,
+                                   "uid": p.uid, "fieldPath": f"spec.containers{{{container}}}"},
+                "type": type_, "reason": reason, "message": message, "source": {"component": "kubelet"},
+                "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+            }
             try:
-                with urllib.request.urlopen(f"http://{p.ip}:{port}{get.get('path', '/')}", timeout=1) as r:
-                    ok: bool = 200 <= r.status < 400
-                    return ok
-            except (OSError, urllib.error.URLError):
-                return False
-        if "tcpSocket" in probe:
-            port = named.get(probe["tcpSocket"]["port"], probe["tcpSocket"]["port"])
-            try:
-                socket.create_connection((p.ip, int(port)), timeout=1).close()
-            except OSError:
-                return False
-            return True
-        raise ValueError(f"pod {p.name}: unsupported readinessProbe {probe}")
+                self._cp.request("POST", f"/api/v1/namespaces/{self.ns}/events", body)
+            except urllib.error.HTTPError as e:
+                if e.code not in (403, 404, 409):  # a terminating namespace
+                    raise
 
     def _terminate(self, p: _Pod, gone: bool) -> None:
+        p.probes_stop.set()
         if self.names.get(p.dns) == p.ip:
             del self.names[p.dns]  # as DNS forgets a deleted pod; its successor gets a new address
         if p.popen is not None and p.popen.poll() is None:
@@ -349,9 +526,10 @@ class PodRunner:
                                          "startedAt": p.started_at, "finishedAt": now}}}],
         })
         p.exit_reported = True
+        self.exits[p.uid] = (time.monotonic(), code)
         logger.info("pod %s exited with %d", p.name, code)
 
-    def _running_status(self, p: _Pod, ready: bool) -> dict[str, Any]:
+    def _running_status(self, p: _Pod, *, started: bool, ready: bool) -> dict[str, Any]:
         now, cond = _now(), "True" if ready else "False"
         container = p.pod["spec"]["containers"][0]
         return {
@@ -365,7 +543,7 @@ class PodRunner:
             ],
             "containerStatuses": [{
                 "name": container["name"], "image": container["image"], "imageID": "", "ready": ready,
-                "started": True, "restartCount": 0, "state": {"running": {"startedAt": p.started_at}}}],
+                "started": started, "restartCount": 0, "state": {"running": {"startedAt": p.started_at}}}],
         }
 
     def _patch_status(self, p: _Pod, status: dict[str, Any]) -> None:
@@ -376,6 +554,64 @@ class PodRunner:
         except urllib.error.HTTPError as e:
             if e.code not in (404, 409):  # deleted meanwhile: the next pass stops it
                 raise
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None  # a 3xx is the probe's answer
+
+
+def _no_verify() -> ssl.SSLContext:
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE  # the kubelet does not verify a probe's certificate
+    return context
+
+
+_HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect(),  # no proxy from the env
+                                    urllib.request.HTTPSHandler(context=_no_verify()))
+
+
+def run_probe(action: Mapping[str, Any], ip: str, ports: Mapping[str, int], env: Mapping[str, str],
+              timeout: float) -> tuple[bool, str]:
+    """One probe attempt against a container at `ip`: (succeeded, what was seen)."""
+    if "httpGet" in action:
+        get = action["httpGet"]
+        port = ports.get(get["port"], get["port"]) if isinstance(get["port"], str) else get["port"]
+        url = f"{get.get('scheme', 'HTTP').lower()}://{get.get('host') or ip}:{port}{get.get('path', '/')}"
+        headers = {h["name"]: h["value"] for h in get.get("httpHeaders", [])}
+        try:
+            with _HTTP.open(urllib.request.Request(url, headers=headers), timeout=timeout) as r:
+                code = r.status
+        except urllib.error.HTTPError as e:
+            code = e.code
+            e.close()
+        except (OSError, http.client.HTTPException) as e:  # refused, reset, timed out
+            return False, f"Get {url!r}: {type(e).__name__}: {e}"
+        return 200 <= code < 400, f"HTTP probe failed with statuscode: {code}" if code >= 400 else f"HTTP {code}"
+    if "tcpSocket" in action:
+        tcp = action["tcpSocket"]
+        port = ports.get(tcp["port"], tcp["port"]) if isinstance(tcp["port"], str) else tcp["port"]
+        host = tcp.get("host") or ip
+        try:
+            socket.create_connection((host, int(port)), timeout=timeout).close()
+        except OSError as e:
+            return False, f"dial tcp {host}:{port}: {type(e).__name__}: {e}"
+        return True, f"connected to {host}:{port}"
+    if "exec" in action:
+        command = list(action["exec"]["command"])
+        if command[:1] == ["python"]:
+            command[0] = sys.executable
+        try:
+            done = subprocess.run(command, env=dict(env), stdin=subprocess.DEVNULL, capture_output=True,
+                                  timeout=timeout, check=False)
+        except subprocess.TimeoutExpired:
+            return False, f"command {command!r} timed out after {timeout:g}s"
+        except OSError as e:
+            return False, f"command {command!r}: {e}"
+        out = (done.stdout + done.stderr).decode(errors="replace").strip()[-300:]
+        return done.returncode == 0, f"exit {done.returncode}: {out}"
+    raise ValueError(f"unsupported probe {dict(action)}")
 
 
 def _bindable(ip: str, port: int) -> bool:

@@ -35,6 +35,9 @@ import zmq
 from corefleet_client import engine as launcher
 from corefleet_client.enginehealth import ChildProcess, EngineState, HandshakeRelay, HealthServer, engine_identity
 from corefleet_client.local import free_ports
+from corefleet_operator import builders
+from corefleet_operator.constants import ENGINE_HEALTH_PORT
+from factories import make_ecs
 
 STEP_TIMEOUT_MS = 5000
 
@@ -229,6 +232,31 @@ def test_health_before_the_engine_core_reports_its_rank() -> None:
         assert get(server.port, "/readyz") == (503, {"rank": 3, "state": "starting", "exitcode": None})
     finally:
         server.close()
+
+
+def _engine_probes() -> dict[str, str]:
+    """The path each probe of an engine pod, as the operator builds it, asks the launcher for."""
+    pod = builders.engine_pod(make_ecs("a").replicas(2).obj(), 1, dp_size=2, frontend_address="a-frontend-0.a-fleet")
+    container = pod["spec"]["containers"][0]
+    assert {p["containerPort"] for p in container["ports"]} == {ENGINE_HEALTH_PORT}
+    return {kind: container[kind]["httpGet"]["path"] for kind in ("startupProbe", "readinessProbe", "livenessProbe")}
+
+
+def test_engine_pod_is_neither_started_nor_ready_before_its_engine_joins(served: tuple[EngineState, int]) -> None:
+    """readyTimeoutSeconds is the startup probe's budget: it bounds the engine's start only if the
+    startup probe fails until the engine has joined the fleet (the kubelet then kills the pod)."""
+    state, port = served
+    probes = _engine_probes()
+    proc = FakeProcess()
+    try:
+        state.attach(proc)  # the engine core runs, loading its model: not joined
+        assert {kind: get(port, path)[0] for kind, path in probes.items()} == \
+            {"startupProbe": 503, "readinessProbe": 503, "livenessProbe": 200}
+        state.joined.set()  # READY relayed: the engine joined the fleet
+        assert {kind: get(port, path)[0] for kind, path in probes.items()} == \
+            {"startupProbe": 200, "readinessProbe": 200, "livenessProbe": 200}
+    finally:
+        proc.close()
 
 
 @pytest.mark.parametrize(("script", "exitcode"), [
