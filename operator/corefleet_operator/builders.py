@@ -31,6 +31,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from corefleet_client import commands
+from corefleet_client.admin import LIVE_PATH
 from corefleet_operator import constants
 from corefleet_operator.models import JSON, EngineCoreSetSpec, FleetRef, to_json
 
@@ -148,8 +149,10 @@ def engine_pod(
         "ports": [_container_port(PORT_HEALTH, constants.ENGINE_HEALTH_PORT)],
         "resources": resources,
         "volumeMounts": [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}],
-        # The launcher answers /livez as soon as it runs; /readyz once its engine joined the fleet.
-        "startupProbe": _http_probe("/livez", PORT_HEALTH, failures=_startup_failures(spec)),
+        # The launcher answers /livez as soon as it runs; /readyz once its engine joined the fleet. The
+        # startup probe waits for the join, so readyTimeoutSeconds bounds loading the model and joining:
+        # the kubelet kills an engine that has not joined by then.
+        "startupProbe": _http_probe("/readyz", PORT_HEALTH, failures=_startup_failures(spec)),
         "livenessProbe": _http_probe("/livez", PORT_HEALTH, failures=3),
         "readinessProbe": _http_probe("/readyz", PORT_HEALTH, failures=3, period=5),
     }
@@ -237,6 +240,10 @@ def frontend_pod(fleet: FleetRef, *, dp_size: int, coordinator_address: str, fle
         # vLLM serves HTTP only once every engine has handshaked: as slow as the slowest model load.
         "startupProbe": _http_probe("/health", PORT_HTTP, failures=_startup_failures(spec)),
         "readinessProbe": _http_probe("/health", PORT_HTTP, failures=3, period=5),
+        # Not /health (503 while no rank serves: a frontend is not broken by its engines). The admin
+        # server's thread answers 503 once vLLM's event loop made no progress for LOOP_STALL_LIMIT_S;
+        # three more failed probes and the kubelet restarts a wedged frontend (the fleet recovers).
+        "livenessProbe": _http_probe(LIVE_PATH, PORT_ADMIN, failures=3),
     }
     volumes = [{
         "name": ADMIN_TOKEN_VOLUME,
@@ -323,11 +330,38 @@ def network_policy(fleet: FleetRef) -> JSON | None:
     }
 
 
+def pod_disruption_budget(fleet: FleetRef, *, dp_size: int) -> JSON:
+    """PodDisruptionBudget `<fleet>-fleet` over every fleet pod: no voluntary eviction of a healthy one.
+
+    A fleet pod cannot be replaced under the running fleet by the kubelet or a controller (a new
+    rank joins only through the operator), so one evicted pod means a recovery of the whole fleet
+    (MoE) or at least a lost rank: `kubectl drain` must not do that behind the operator's back.
+    `minAvailable` is every pod of a fleet of `dp_size` ranks (engines, frontend, coordinator; 0 when
+    stopped), rewritten with the committed size. Not `maxUnavailable: 0`: for that the disruption
+    controller counts the expected pods from their controller's /scale, and an EngineCoreSet's
+    replicas counts its ranks only, so two pods of every fleet could be evicted.
+    `unhealthyPodEvictionPolicy: AlwaysAllow` lets a drain evict a pod that is not Ready
+    (it serves nothing, and a broken pod must not block node maintenance). The name is the
+    headless Service's (another kind: no collision).
+    """
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(fleet, constants.fleet_service_name(fleet.name)),
+        "spec": {
+            "selector": {"matchLabels": constants.selector_labels(fleet.name)},
+            "minAvailable": dp_size + 2 if dp_size else 0,
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    }
+
+
 # ---- the whole fleet ----------------------------------------------------------------------------
-def fleet_objects(fleet: FleetRef, *, admin_token: str) -> list[JSON]:
+def fleet_objects(fleet: FleetRef, *, admin_token: str, dp_size: int = 0) -> list[JSON]:
     """The fleet's objects other than pods, which it keeps at any size (also stopped, at 0 ranks):
-    the Secret, the Services and the NetworkPolicy (if any), in that order."""
-    objects = [admin_secret(fleet, admin_token), frontend_service(fleet), fleet_service(fleet)]
+    the Secret, the Services, the PodDisruptionBudget and the NetworkPolicy (if any), in that order."""
+    objects = [admin_secret(fleet, admin_token), frontend_service(fleet), fleet_service(fleet),
+               pod_disruption_budget(fleet, dp_size=dp_size)]
     policy = network_policy(fleet)
     if policy is not None:
         objects.append(policy)
@@ -343,7 +377,7 @@ def fleet_children(
     scale_up_ranks: frozenset[int] = frozenset(),
 ) -> list[JSON]:
     """Every object of a fleet of `dp_size` ranks, in a stable order: the Secret, the Services, the
-    NetworkPolicy (if any), the coordinator, the frontend, then the engines by rank."""
+    PodDisruptionBudget, the NetworkPolicy (if any), the coordinator, the frontend, then the engines by rank."""
     _check_size(dp_size)
     unknown = sorted(r for r in scale_up_ranks if not 0 <= r < dp_size)
     if unknown:
@@ -351,7 +385,7 @@ def fleet_children(
     ns = fleet.namespace
     frontend_address = constants.pod_dns(fleet.name, constants.frontend_name(fleet.name), ns)
     coordinator_address = constants.pod_dns(fleet.name, constants.coordinator_name(fleet.name), ns)
-    children = fleet_objects(fleet, admin_token=admin_token)
+    children = fleet_objects(fleet, admin_token=admin_token, dp_size=dp_size)
     children.append(coordinator_pod(fleet, dp_size=dp_size, fleet_generation=fleet_generation))
     children.append(frontend_pod(fleet, dp_size=dp_size, coordinator_address=coordinator_address,
                                  fleet_generation=fleet_generation))

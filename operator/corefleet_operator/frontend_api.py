@@ -6,6 +6,14 @@ the HTTP calls with the contract's client (`corefleet_client.admin`, standard li
 bounded by a timeout and run off kopf's event loop. The admin API is reached at the frontend pod's
 address on its fixed admin port, with the bearer token from the fleet's admin Secret.
 
+While the fleet runs, the operator also reads the frontend's view of its ranks (`fleet`, every
+`planner.FRONTEND_POLL_SECONDS`): a rank the frontend reports Dead, or Unresponsive for long, is a loss.
+
+A replacement of lost dense ranks in place is a StartResize that keeps the size and names the ranks
+(`StartResize.replace`, sent as `ResizeRequest.replace`); the frontend accepts it only for ranks it
+reports Dead, so the planner sends it only then: `observe` of an operation the frontend does not know yet
+reads its view of the ranks along (`FrontendObs.fleet`).
+
 A StartResize the frontend refuses (400, 409 for another resize, 503 while it cannot resize) is
 remembered per resize id and reported by the next `observe` of that id, so the planner can fail the
 resize with the frontend's reason instead of asking again every second.
@@ -17,9 +25,9 @@ import asyncio
 import json
 import logging
 
-from corefleet_client.admin import AdminClient, AdminError, ResizeRequest
+from corefleet_client.admin import FLEET_PATH, AdminClient, AdminError, ResizeRequest
 from corefleet_operator import constants
-from corefleet_operator.observe import FrontendObs, PodObs, resize_obs
+from corefleet_operator.observe import FleetObs, FrontendObs, PodObs, fleet_obs, resize_obs
 from corefleet_operator.planner import CancelResize, StartResize
 
 logger = logging.getLogger(__name__)
@@ -61,15 +69,33 @@ class FrontendAPI:
         except (OSError, ValueError, KeyError) as e:
             return FrontendObs(reachable=False, error=f"admin API at {admin_url(pod)}: {e}")
         if op is None:
-            return FrontendObs(reachable=True, refused=self._refused.get(resize_id, ""))
+            refused = self._refused.get(resize_id, "")
+            view = None if refused else await self.fleet(pod, token)  # a replacement waits for its ranks Dead
+            return FrontendObs(reachable=True, refused=refused, fleet=view)
         return FrontendObs(reachable=True, resize=resize_obs(op.to_json()))
+
+    async def fleet(self, pod: PodObs | None, token: str) -> FleetObs:
+        """The frontend's view of the fleet's ranks (`GET /v1/fleet`), read leniently (`observe.fleet_obs`): the
+        raw JSON, not `AdminClient.fleet()`, so a rank state added to the frontend later is not an error here."""
+        if pod is None:
+            return FleetObs(reachable=False, error="the frontend pod has no address yet")
+        client = self._client(pod, token)
+        try:
+            body = await asyncio.to_thread(client._get, FLEET_PATH)
+        except AdminError as e:
+            return FleetObs(reachable=False, error=f"admin API answered {e.status}: {_reason(e)}")
+        except (OSError, ValueError) as e:
+            return FleetObs(reachable=False, error=f"admin API at {admin_url(pod)}: {e}")
+        if not isinstance(body, dict):
+            return FleetObs(reachable=False, error=f"admin API at {admin_url(pod)}: {FLEET_PATH} is not an object")
+        return fleet_obs(body)
 
     async def start(self, pod: PodObs | None, token: str, action: StartResize) -> None:
         if pod is None:
             logger.warning("resize %s: the frontend pod has no address yet; asking again later", action.resize_id)
             return
         request = ResizeRequest(id=action.resize_id, replicas=action.replicas, drain_timeout_s=action.drain_timeout_s,
-                                join_timeout_s=action.join_timeout_s)
+                                join_timeout_s=action.join_timeout_s, replace=action.replace)
         try:
             started, op = await asyncio.to_thread(self._client(pod, token).start_resize, request)
         except AdminError as e:

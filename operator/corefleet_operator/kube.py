@@ -1,10 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """The one thin adapter between corefleet and the Kubernetes API.
 
-Server-side apply with a fixed field manager, deletes by name with a UID precondition, status
-merge patches; 404/409 handling and logging in one place; every request counted (by verb,
-resource and code) in the operator's metrics. Credentials come from kopf's own login helpers
-(in-cluster service account or kubeconfig) and are refreshed on 401.
+Server-side apply with a fixed field manager, plain creates (pods, which are never changed in
+place), reads of single objects, deletes by name with a UID precondition (forced, with no grace
+period, for pods whose node is lost), status merge patches; 404/409 handling and logging in one
+place; every request counted (by verb, resource and code) in the operator's metrics. Credentials
+come from kopf's own login helpers (in-cluster service account or kubeconfig) and are refreshed
+on 401.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ PLURALS = {
     "Service": "services",
     "Secret": "secrets",
     "NetworkPolicy": "networkpolicies",
+    "PodDisruptionBudget": "poddisruptionbudgets",
     constants.KIND: constants.PLURAL,
 }
 
@@ -166,11 +169,32 @@ class Kube:
         return await self.request("PATCH", path, body=obj, content_type="application/apply-patch+yaml",
                                   params={"fieldManager": constants.FIELD_MANAGER, "force": "true"})
 
-    async def delete(self, api_version: str, kind: str, namespace: str, name: str, uid: str) -> bool:
-        """Delete exactly this object; False if it was already gone or replaced by another UID."""
+    async def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """Create (POST): fails with 409 AlreadyExists instead of taking over an object of that name."""
+        meta = obj["metadata"]
+        path = object_path(obj["apiVersion"], obj["kind"], meta["namespace"])
+        return await self.request("POST", path, body=obj, params={"fieldManager": constants.FIELD_MANAGER})
+
+    async def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        """The object, or None if there is none of that name."""
+        try:
+            return await self.request("GET", object_path(api_version, kind, namespace, name))
+        except KubeError as e:
+            if e.status == 404:
+                return None
+            raise
+
+    async def delete(self, api_version: str, kind: str, namespace: str, name: str, uid: str, *,
+                     grace_period_seconds: int | None = None) -> bool:
+        """Delete exactly this object; False if it was already gone or replaced by another UID.
+
+        `grace_period_seconds=0` on a pod removes it at once, without waiting for its kubelet to
+        confirm (for a pod whose node is lost)."""
         body: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"}
         if uid:
             body["preconditions"] = {"uid": uid}
+        if grace_period_seconds is not None:
+            body["gracePeriodSeconds"] = grace_period_seconds
         try:
             await self.request("DELETE", object_path(api_version, kind, namespace, name), body=body)
         except KubeError as e:

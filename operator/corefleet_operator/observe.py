@@ -5,7 +5,9 @@ The kopf handlers (`corefleet_operator.handlers.fleet`) keep compact copies of a
 in kopf indexes: one `PodObs` per pod (`pod_obs`) and the other children's bodies. Before each
 reconcile, `observe` gathers them with the EngineCoreSet's generation, its stored status and the
 admin token into one `Observed`, which the planner (`corefleet_operator.planner`) and the status
-(`corefleet_operator.status`) read.
+(`corefleet_operator.status`) read. The handler adds what the frontend's admin API says: of a
+resize in flight (`FrontendObs`) and, while the fleet serves (`fleet_view_due`), of its ranks
+(`FleetObs`).
 
 Pure module: no kopf, no Kubernetes client, no I/O.
 """
@@ -13,6 +15,7 @@ Pure module: no kopf, no Kubernetes client, no I/O.
 from __future__ import annotations
 
 import base64
+import datetime
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +40,7 @@ class PodObs:
     node: str = ""
     ip: str = ""
     message: str = ""  # why it failed, or why it is not scheduled
+    unready_since: str = ""  # since when a bound, unready pod has been waiting (its readiness deadline's start)
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,26 @@ class ResizeObs:
 
 
 @dataclass(frozen=True)
+class RankObs:
+    """One rank as the frontend's admin API reports it (`GET /v1/fleet`)."""
+
+    rank: int
+    state: str  # Joining, Serving, Draining, Retired, Failed, Dead, Unresponsive, or a state this operator
+    #            does not know (read as not serving, not dead)
+    since: float | None = None  # when it entered that state (seconds since the epoch), if the frontend says
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class FleetObs:
+    """What the frontend's admin API said of the fleet's ranks this reconcile (asked while the fleet runs)."""
+
+    reachable: bool
+    error: str = ""  # why it could not be asked
+    ranks: Mapping[int, RankObs] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class FrontendObs:
     """What the frontend's admin API said this reconcile about the resize in status.operation."""
 
@@ -59,6 +83,9 @@ class FrontendObs:
     error: str = ""  # why it could not be asked
     resize: ResizeObs | None = None  # None while reachable: the frontend knows no resize of that id
     refused: str = ""  # the frontend knows none because it refused to start it: why
+    # While the frontend knows no operation of that id: its view of the ranks, read along (a replacement of lost
+    # ranks in place is asked of it only once it reports them Dead).
+    fleet: FleetObs | None = None
 
 
 @dataclass(frozen=True)
@@ -71,6 +98,7 @@ class Observed:
     objects: Mapping[tuple[str, str], Mapping[str, Any]] = field(default_factory=dict)  # (kind, name) -> body
     admin_token: str = ""
     frontend: FrontendObs | None = None  # asked only while a resize is in flight
+    fleet: FleetObs | None = None  # the frontend's view of the ranks, asked while the fleet runs (`fleet_view_due`)
 
 
 def pod_obs(name: str, meta: Mapping[str, Any], spec: Mapping[str, Any], status: Mapping[str, Any]) -> PodObs:
@@ -94,6 +122,14 @@ def pod_obs(name: str, meta: Mapping[str, Any], spec: Mapping[str, Any], status:
         scheduled = conditions.get("PodScheduled") or {}
         if scheduled.get("status") == "False":
             message = scheduled.get("message") or scheduled.get("reason") or ""
+    unready_since = ""
+    if spec.get("nodeName") and not ready and phase not in ("Failed", "Succeeded"):
+        # Its readiness deadline runs from the later of when it was scheduled and when it last became unready
+        # (a pod that served and stopped answering its probe starts a new deadline), else from its creation.
+        scheduled, readiness = conditions.get("PodScheduled") or {}, conditions.get("Ready") or {}
+        times = [str(c["lastTransitionTime"]) for c in (scheduled, readiness) if c.get("lastTransitionTime")
+                 and (c is readiness or c.get("status") == "True")]
+        unready_since = max(times) if times else str(meta.get("creationTimestamp") or "")
     rank = labels.get(constants.LABEL_RANK)
     try:
         generation = int(annotations.get(constants.ANNOTATION_GENERATION, "0"))
@@ -112,6 +148,7 @@ def pod_obs(name: str, meta: Mapping[str, Any], spec: Mapping[str, Any], status:
         node=str(spec.get("nodeName") or ""),
         ip=str(status.get("podIP") or ""),
         message=message,
+        unready_since=unready_since,
     )
 
 
@@ -153,6 +190,46 @@ def frontend_pod(observed: Observed, fleet: str) -> PodObs | None:
                 and p.fleet_generation == observed.status.fleetGeneration):
             return p
     return None
+
+
+def fleet_view_due(observed: Observed) -> bool:
+    """Whether this reconcile asks the frontend for its view of the ranks (`GET /v1/fleet`): while the fleet
+    serves at its committed size (Running, or Degraded: a dead rank makes the frontend unready) and no resize
+    runs (a resize is followed through its own operation; `FrontendObs.fleet` has the view while the frontend
+    does not know the operation yet)."""
+    return observed.status.phase in ("Running", "Degraded") and resize_in_flight(observed) is None
+
+
+def _epoch(value: Any) -> float | None:
+    """A time from the admin API: seconds since the epoch, or an RFC 3339 string; None if neither."""
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, int | float):
+        return float(value)
+    try:
+        parsed = datetime.datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=datetime.UTC)
+    return parsed.timestamp()
+
+
+SINCE_KEYS = ("since", "state_since", "unresponsive_since")  # where a rank's state time may be given
+
+
+def fleet_obs(fleet: Mapping[str, Any]) -> FleetObs:
+    """The planner's view of an admin API FleetStatus (as JSON). Read leniently: a state this operator does not
+    know is kept as it is (the planner reads it as not serving, not dead), and a rank entry without a number
+    is skipped."""
+    ranks: dict[int, RankObs] = {}
+    for r in fleet.get("ranks") or ():
+        if not isinstance(r, Mapping) or isinstance(r.get("rank"), bool) or not isinstance(r.get("rank"), int):
+            continue
+        since = next((t for key in SINCE_KEYS if (t := _epoch(r.get(key))) is not None), None)
+        ranks[int(r["rank"])] = RankObs(rank=int(r["rank"]), state=str(r.get("state", "")), since=since,
+                                        message=str(r.get("message") or ""))
+    return FleetObs(reachable=True, ranks=ranks)
 
 
 def resize_obs(operation: Mapping[str, Any]) -> ResizeObs:

@@ -57,7 +57,8 @@ PERMISSIONS: tuple[Permission, ...] = (
                "read the scale subresource (what kubectl scale and an HPA see)"),
     # ---- children a fleet owns ------------------------------------------------------------------
     Permission(("",), ("pods",), OWN,
-               "one pod per data-parallel rank, plus the frontend and the coordinator"),
+               "one pod per data-parallel rank, plus the frontend and the coordinator (a pod stuck "
+               "terminating on a lost node is deleted with no grace period)"),
     Permission(("",), ("pods/status",), ("get",),
                "read rank readiness reported by the kubelet"),
     Permission(("",), ("services",), OWN,
@@ -66,6 +67,8 @@ PERMISSIONS: tuple[Permission, ...] = (
                "the bearer token of the frontend's admin API"),
     Permission(("networking.k8s.io",), ("networkpolicies",), OWN,
                "the optional fleet NetworkPolicy (spec.networkPolicy)"),
+    Permission(("policy",), ("poddisruptionbudgets",), OWN,
+               "the fleet's PodDisruptionBudget: a node drain evicts no healthy fleet pod"),
 )
 
 

@@ -25,6 +25,7 @@ from corefleet_operator.models import (
     OperationStatus,
     RankPhase,
     RankStatus,
+    RecoveryStatus,
     SpecError,
     to_json,
 )
@@ -50,6 +51,15 @@ class Decision:
     new_incarnation: bool = False  # the fleet is recreated now (its readiness deadline starts again)
     desired: int = 0  # spec.replicas
     retry_in: float | None = None  # a failed resize to `desired` is tried again in this many seconds
+    recovery: RecoveryStatus | None = None  # the recovery streak the fleet is in
+    max_recoveries: int = 0  # spec.scaling.maxRecoveries
+
+
+def exhausted_message(recovery: RecoveryStatus, budget: int) -> str:
+    """Why a fleet was given up (condition RecoveriesExhausted, and its event)."""
+    return (f"gave up after {recovery.attempt} recoveries in a row (maxRecoveries {budget}); the last loss, at "
+            f"{recovery.lostAt}: {recovery.reason}; pods that ended are kept for their logs; change the spec to "
+            "start again")
 
 
 def set_condition(conditions: Sequence[Condition], new: Condition) -> tuple[Condition, ...]:
@@ -109,12 +119,17 @@ def compute_status(fleet: FleetRef, generation: int, old: EngineCoreSetStatus, p
     frontend_ready = frontend is not None and frontend.ready and frontend.phase == "Running"
     unschedulable = sorted(p.name for p in by_name.values() if not p.node and p.message)
     op = decision.operation
-    in_flight = op is not None and not op.done
+    replacing = op is not None and not op.done and bool(op.replace)  # lost dense ranks replaced in place
+    in_flight = op is not None and not op.done and not replacing  # a resize
 
     conditions = old.conditions
     phase = decision.phase
+    recovery = decision.recovery
+    given_up = phase == "Failed" and recovery is not None
     # Available: the endpoint answers with at least one rank behind it.
-    if phase == "Stopped":
+    if given_up and recovery is not None:
+        available = _cond(AVAILABLE, False, "RecoveriesExhausted", "the fleet was given up", generation, now)
+    elif phase == "Stopped":
         available = _cond(AVAILABLE, False, "Stopped", "replicas is 0", generation, now)
     elif frontend_ready and ready > 0:
         available = _cond(AVAILABLE, True, "RanksServing", f"{ready}/{n} ranks serving", generation, now)
@@ -123,7 +138,13 @@ def compute_status(fleet: FleetRef, generation: int, old: EngineCoreSetStatus, p
     else:
         available = _cond(AVAILABLE, False, "NoRanksServing", f"0/{n} ranks serving", generation, now)
     # Progressing: the fleet is moving towards the spec (its incarnation, or a resize).
-    if phase in ("Running", "Stopped", "Degraded"):
+    if given_up:
+        progressing = _cond(PROGRESSING, False, "RecoveriesExhausted", "the fleet was given up; nothing is created "
+                            "until its spec changes", generation, now)
+    elif replacing and op is not None:
+        progressing = _cond(PROGRESSING, True, "ReplacingRanks", f"{op.id}: {_ranks(op.replace)} replaced in place "
+                            f"({op.phase})", generation, now)
+    elif phase in ("Running", "Stopped", "Degraded"):
         progressing = _cond(PROGRESSING, False, "Complete", f"fleet at {n} ranks", generation, now)
     elif phase == "Scaling" and op is not None:
         progressing = _cond(PROGRESSING, True, "Resizing", f"resize {op.id}: {op.fromReplicas} -> {op.toReplicas}",
@@ -154,9 +175,21 @@ def compute_status(fleet: FleetRef, generation: int, old: EngineCoreSetStatus, p
     started = next((c.lastTransitionTime for c in conditions if c.type == PROGRESSING and c.status == "True"), now)
     timeout = fleet.spec.scaling.readyTimeoutSeconds
     waited = _seconds(started, now)
-    if phase == "Recovering" and waited <= timeout:
-        degraded = _cond(DEGRADED, True, "RankLost",
-                         f"recreating the fleet after losing a rank (recovery {decision.recoveries})",
+    if given_up and recovery is not None:
+        degraded = _cond(DEGRADED, True, "RecoveriesExhausted", exhausted_message(recovery, decision.max_recoveries),
+                         generation, now)
+    elif replacing and op is not None:
+        degraded = _cond(DEGRADED, True, "RankReplacing",
+                         f"{_ranks(op.replace)} lost: replaced in place ({op.phase}: {op.message}); {ready}/{n} ranks "
+                         "serving", generation, now)
+    elif phase == "Recovering" and waited <= timeout:
+        detail = f"recovery {decision.recoveries}"
+        if recovery is not None:
+            detail = f"recovery {recovery.attempt} of {decision.max_recoveries} in a row, {decision.recoveries} in all"
+            if recovery.retryAt and _seconds(now, recovery.retryAt) > 0:
+                detail += f"; backoff until {recovery.retryAt}"
+        why = f": {recovery.reason}" if recovery is not None else ""
+        degraded = _cond(DEGRADED, True, "RankLost", f"recreating the fleet after losing a rank ({detail}){why}",
                          generation, now)
     elif failed:
         degraded = _cond(DEGRADED, True, "RankFailed",
@@ -187,9 +220,15 @@ def compute_status(fleet: FleetRef, generation: int, old: EngineCoreSetStatus, p
         ranks=tuple(ranks),
         operation=op,
         recoveries=decision.recoveries,
+        recovery=decision.recovery,
         fleetGeneration=decision.fleet_generation,
         endpoint=endpoint(fleet),
     )
+
+
+def _ranks(ranks: Iterable[int]) -> str:
+    shown = sorted(ranks)
+    return f"rank {shown[0]}" if len(shown) == 1 else "ranks " + ", ".join(str(r) for r in shown)
 
 
 def _members(fleet: FleetRef, replicas: int) -> list[str]:

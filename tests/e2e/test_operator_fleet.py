@@ -171,21 +171,119 @@ def test_real_vllm_fleet_resizes_2_3_2_in_place_under_load(setup: Setup) -> None
     assert "2 -> 3 ranks in place" in story[0][1], story
 
 
-def test_operator_fleet_recovers_from_a_killed_engine(setup: Setup) -> None:
-    """Last in the module: a rank dies outside a resize, so the fleet is recreated."""
+def test_operator_fleet_replaces_a_killed_engine_in_place(setup: Setup) -> None:
+    """A dense rank dies outside a resize: its pod is replaced in place (a new real vLLM engine joins under
+    rank 1 through the handshake) while the frontend, the coordinator and rank 0 serve on."""
     s = setup
-    old_uids = {p["metadata"]["uid"] for p in s.fleet.pods().values()}
+    s.settle(2)
+    before = s.fleet.status()
+    old_uids = {name: p["metadata"]["uid"] for name, p in s.fleet.pods().items()}
+    victim = constants.engine_name(NAME, 1)
     os.killpg(s.fleet.engine_pid(1), signal.SIGKILL)  # as a container would die
 
-    wait_for(lambda: s.fleet.status().get("phase") == "Recovering", 60, "phase Recovering",
-             on_timeout=s.fleet.describe)
-    assert s.fleet.status()["recoveries"] == 1
+    wait_for(lambda: (s.fleet.status().get("operation") or {}).get("replace") == [1], 60,
+             "a replacement of rank 1", on_timeout=s.fleet.describe)
+    assert s.fleet.status()["phase"] == "Degraded"
     s.settle(2)
     st = s.fleet.status()
-    assert (st["recoveries"], st["fleetGeneration"]) == (1, 2), st
+    assert (st["recoveries"], st["fleetGeneration"]) == (before["recoveries"] + 1, before["fleetGeneration"]), st
+    assert st["operation"]["phase"] == "Completed", st
+    uids = {name: p["metadata"]["uid"] for name, p in s.fleet.pods().items()}
+    assert uids[victim] != old_uids[victim]
+    assert {n: u for n, u in uids.items() if n != victim} == {n: u for n, u in old_uids.items() if n != victim}
+    events = s.fleet.events()
+    lost = [m for reason, m in events if reason == "RankLost"]
+    assert any(f"rank 1 (pod {NAME}-engine-1) failed" in m and "137" in m and "replacing rank 1 in place" in m
+               for m in lost), lost
+    assert any(reason == "RankReplaced" and st["operation"]["id"] in m for reason, m in events), events
+    assert [r.state for r in s.fleet.admin().fleet().ranks] == [RankState.SERVING] * 2
+    s.completion()
+
+
+def test_a_hung_engine_is_marked_not_ready_then_killed_by_its_liveness_probe(setup: Setup) -> None:
+    """SIGSTOP of rank 1's process group (launcher and engine core, as a hung node or a debugger would
+    leave them): its pod's probes time out, readiness marks it NotReady, and its liveness probe has it
+    killed (SIGTERM stays pending on a stopped process: SIGKILL after the grace period, exit 137) unless
+    the operator deleted the hung rank's pod first (the frontend reported it Unresponsive too long); then
+    the operator replaces rank 1 in place. Rank 0 serves a client pinned to it without a failure
+    throughout, the frontend stays Ready, and the frontend, coordinator and rank 0 keep their pods."""
+    s = setup
+    s.settle(2)
+    before = s.fleet.status()
     pods = s.fleet.pods()
-    assert not old_uids & {p["metadata"]["uid"] for p in pods.values()}
-    assert {p["metadata"]["annotations"][constants.ANNOTATION_GENERATION] for p in pods.values()} == {"2"}
-    lost = [m for reason, m in s.fleet.events() if reason == "RankLost"]
-    assert any(f"rank 1 (pod {NAME}-engine-1) failed" in m and "137" in m for m in lost), lost
+    uid = {name: p["metadata"]["uid"] for name, p in pods.items()}
+    rank0, rank1 = (uid[constants.engine_name(NAME, r)] for r in (0, 1))
+    frontend = uid[constants.frontend_name(NAME)]
+
+    def flip(pod_uid: str, kind: str) -> float | None:
+        """When that pod's `kind` probe last turned to failure (monotonic), if it did."""
+        return next((a.at for a in reversed(list(s.runner.probe_log))
+                     if a.uid == pod_uid and a.kind == kind and a.changed and not a.ok), None)
+
+    def rank1_ended() -> tuple[float, str] | None:
+        """(when, how) rank 1's container ended: its exit code as the runner reported it, or deleted."""
+        if rank1 in s.runner.exits:
+            at, code = s.runner.exits[rank1]
+            return at, f"exit {code}"
+        if all(p.uid != rank1 or p.pod["metadata"].get("deletionTimestamp") for p in list(s.runner.pods.values())):
+            return time.monotonic(), "deleted by the operator"
+        return None
+
+    pinned = Load(f"http://{s.fleet.frontend_ip()}:8000", SERVED, workers=1, max_tokens=8, pause_s=0.5,
+                  headers={"X-data-parallel-rank": "0"}).start()
+    try:
+        wait_for(lambda: len(pinned.outcomes) >= 2, 120, "the pinned client's first answers")
+        stopped_at = time.monotonic()
+        os.killpg(s.fleet.engine_pid(1), signal.SIGSTOP)
+        not_ready_at: float = wait_for(lambda: flip(rank1, "readiness"), 120, "rank 1 NotReady",
+                                       on_timeout=s.fleet.describe)
+        ended_at, how = wait_for(rank1_ended, 180, "rank 1's end", interval=0.1, on_timeout=s.fleet.describe)
+        kill_at = flip(rank1, "liveness")
+        s.settle(2)
+        recovered_at = time.monotonic()
+    finally:
+        pinned.stop()
+    after = s.fleet.pods()
+    kept = {name for name, p in after.items() if uid.get(name) == p["metadata"]["uid"]}
+    in_place = constants.engine_name(NAME, 0) in kept
+    until_end = [o for o in pinned.outcomes if o.started + o.latency < ended_at]
+    served_while_hung = [o for o in until_end if o.started >= stopped_at and o.ok]
+    frontend_not_ready = flip(frontend, "readiness")
+    frontend_seen = f"after {frontend_not_ready - stopped_at:.1f} s" if frontend_not_ready else "never"
+    recovery = f"in place, kept {sorted(kept)}" if in_place else "recreated whole"
+    print(f"rank 1 SIGSTOPped: NotReady after {not_ready_at - stopped_at:.1f} s; liveness kill "
+          f"{f'decided after {kill_at - stopped_at:.1f} s' if kill_at else 'never decided'}; ended ({how}) after "
+          f"{ended_at - stopped_at:.1f} s; fleet Running at 2 again {recovered_at - ended_at:.1f} s later "
+          f"({recovered_at - stopped_at:.1f} s in all), {recovery}; "
+          f"rank 0 served {len(served_while_hung)} pinned request(s) while rank 1 hung; frontend NotReady "
+          f"{frontend_seen}; pinned load: {pinned.summary()}; status recoveries {before['recoveries']} -> "
+          f"{s.fleet.status()['recoveries']}, fleetGeneration {before['fleetGeneration']} -> "
+          f"{s.fleet.status()['fleetGeneration']}")
+
+    assert stopped_at < not_ready_at < ended_at
+    if how.startswith("exit"):  # the kubelet's liveness kill: SIGTERM pending on the stopped group, then SIGKILL
+        assert how == "exit 137", how
+        assert kill_at is not None
+        assert not_ready_at < kill_at < ended_at
+        kubelet = [(e["reason"], e["message"]) for e in
+                   s.k8s.request("GET", f"/api/v1/namespaces/{s.ns}/events")["items"]
+                   if e["involvedObject"].get("uid") == rank1]
+        assert ("Killing", "Container engine failed liveness probe, will be restarted") in kubelet, kubelet
+        lost = [m for reason, m in s.fleet.events() if reason == "RankLost"]
+        assert any(f"rank 1 (pod {NAME}-engine-1) failed" in m and "137" in m for m in lost), lost
+    assert served_while_hung, pinned.summary()
+    # Rank 0 served its pinned client without a failure while rank 1 hung, and throughout if the recovery kept it.
+    assert not [o for o in (pinned.outcomes if in_place else until_end) if not o.ok], pinned.summary()
+    assert flip(rank0, "readiness") is None or flip(rank0, "readiness") > ended_at  # Ready while rank 1 hung
+    assert constants.engine_name(NAME, 1) not in kept
+    # Replaced in place: one loss counted, the same incarnation, the survivors' pods kept, the endpoint Ready.
+    assert in_place, recovery
+    assert kept == {constants.frontend_name(NAME), constants.coordinator_name(NAME), constants.engine_name(NAME, 0)}
+    assert frontend_not_ready is None, frontend_seen
+    st = s.fleet.status()
+    assert (st["recoveries"], st["fleetGeneration"]) == (before["recoveries"] + 1, before["fleetGeneration"]), st
+    assert (st["operation"]["phase"], st["operation"]["replace"]) == ("Completed", [1]), st
+    events = s.fleet.events()
+    assert any(reason == "RankLost" and "replacing rank 1 in place" in m for reason, m in events), events
+    assert any(reason == "RankReplaced" and st["operation"]["id"] in m for reason, m in events), events
     s.completion()

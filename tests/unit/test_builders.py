@@ -104,6 +104,7 @@ GOLDEN_CASES: dict[str, Callable[[], Any]] = {
     "fleet-service.yaml": lambda: builders.fleet_service(make_ecs("a").obj()),
     "admin-secret.yaml": lambda: builders.admin_secret(make_ecs("a").obj(), "s3cret-token"),
     "network-policy.yaml": lambda: builders.network_policy(make_ecs("a").network_policy().obj()),
+    "pod-disruption-budget.yaml": lambda: builders.pod_disruption_budget(make_ecs("a").obj(), dp_size=2),
 }
 
 
@@ -335,8 +336,8 @@ def test_fleet_children_order_names_and_wiring() -> None:
     fleet = make_ecs("a").replicas(3).network_policy().obj()
     children = _children(fleet, dp_size=3)
     assert [(o["kind"], o["metadata"]["name"]) for o in children] == [
-        ("Secret", "a-admin"), ("Service", "a"), ("Service", "a-fleet"), ("NetworkPolicy", "a-fleet"),
-        ("Pod", "a-coordinator"), ("Pod", "a-frontend"),
+        ("Secret", "a-admin"), ("Service", "a"), ("Service", "a-fleet"), ("PodDisruptionBudget", "a-fleet"),
+        ("NetworkPolicy", "a-fleet"), ("Pod", "a-coordinator"), ("Pod", "a-frontend"),
         ("Pod", "a-engine-0"), ("Pod", "a-engine-1"), ("Pod", "a-engine-2"),
     ]
     by_name = _by_name(children)
@@ -461,10 +462,43 @@ def test_coordinator_coordinates_request_waves_only_for_moe(moe: bool, waves: bo
     assert ("--no-wave-coordination" not in args) is waves
 
 
+@pytest.mark.parametrize("replicas", [0, 1, 3])
+def test_disruption_budget_covers_every_fleet_pod_and_blocks_voluntary_eviction(replicas: int) -> None:
+    fleet = make_ecs("a").replicas(replicas).obj()
+    objects = builders.fleet_objects(fleet, admin_token="t", dp_size=replicas)  # kept at any size, stopped too
+    (pdb,) = [o for o in objects if o["kind"] == "PodDisruptionBudget"]
+    assert pdb == next(o for o in _children(fleet, dp_size=max(replicas, 1)) if o["kind"] == "PodDisruptionBudget") \
+        or replicas == 0
+    selector = pdb["spec"]["selector"]["matchLabels"]
+    pods = [c for c in _children(fleet, dp_size=max(replicas, 1)) if c["kind"] == "Pod"]
+    assert pods
+    assert all(selector.items() <= p["metadata"]["labels"].items() for p in pods)
+    # No healthy fleet pod may be evicted: an integer minAvailable of every pod (the disruption
+    # controller would take maxUnavailable's expected count from the EngineCoreSet's /scale, which
+    # counts ranks, not the frontend and the coordinator) ...
+    assert pdb["spec"]["minAvailable"] == (len(pods) if replicas else 0)
+    assert "maxUnavailable" not in pdb["spec"]
+    # ... but a broken one may, so that it never blocks a node drain.
+    assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+
+
+def test_child_names_of_two_fleets_can_collide_only_on_the_headless_service() -> None:
+    """`x-fleet`'s endpoint Service is `x`'s headless Service: the one collision the naming allows
+    (the operator refuses to take an object another fleet controls; see handlers/fleet.py)."""
+    def names(fleet: str) -> set[tuple[str, str]]:
+        return {(o["kind"], o["metadata"]["name"])
+                for o in _children(make_ecs(fleet).replicas(2).network_policy().obj(), 2)}
+
+    assert names("x") & names("x-fleet") == {("Service", "x-fleet")}
+    assert not names("x") & names("x-admin")
+    assert not names("x") & names("x-engine")
+    assert not names("x") & names("x-frontend")
+
+
 def test_fleet_objects_are_the_fleet_children_other_than_pods() -> None:
     fleet = make_ecs("a").replicas(2).network_policy().obj()
     children = builders.fleet_children(fleet, dp_size=2, admin_token="t")
-    assert builders.fleet_objects(fleet, admin_token="t") == [c for c in children if c["kind"] != "Pod"]
+    assert builders.fleet_objects(fleet, admin_token="t", dp_size=2) == [c for c in children if c["kind"] != "Pod"]
 
 
 @pytest.mark.parametrize(("role", "tp", "user", "expected"), [

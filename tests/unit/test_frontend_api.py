@@ -14,7 +14,7 @@ from corefleet_client.frontend.adminserver import AdminServer
 from corefleet_client.frontend.fleet import Fleet
 from corefleet_operator import constants, frontend_api
 from corefleet_operator.frontend_api import FrontendAPI
-from corefleet_operator.observe import PodObs
+from corefleet_operator.observe import PodObs, RankObs, fleet_obs
 from corefleet_operator.planner import CancelResize, StartResize
 
 TOKEN = "tok"
@@ -75,6 +75,32 @@ def test_start_observe_cancel(frontend: tuple[Fleet, Runner, PodObs]) -> None:
     assert (unknown.reachable, unknown.resize, unknown.refused) == (True, None, "")
 
 
+def test_a_replacement_names_its_ranks_and_is_refused_while_they_are_not_dead(
+        frontend: tuple[Fleet, Runner, PodObs]) -> None:
+    fleet, _, pod = frontend
+    api = FrontendAPI()
+    asyncio.run(api.start(pod, TOKEN, StartResize("early", 2, 30.0, 60.0, replace=(1,))))
+    early = asyncio.run(api.observe(pod, TOKEN, "early"))
+    assert early.resize is None
+    assert "refused it (409)" in early.refused
+    assert "rank 1 is Serving" in early.refused
+    fleet.set_rank(1, RankState.DEAD, "connection lost")
+    unknown = asyncio.run(api.observe(pod, TOKEN, "rep"))  # not started yet: the ranks' states come along
+    assert unknown.resize is None
+    assert unknown.fleet is not None
+    assert {r: o.state for r, o in unknown.fleet.ranks.items()} == {0: "Serving", 1: "Dead"}
+
+    asyncio.run(api.start(pod, TOKEN, StartResize("rep", 2, 30.0, 60.0, replace=(1,))))
+
+    op = fleet.resize("rep")
+    assert op is not None
+    assert (op.replace, op.from_replicas, op.to_replicas, op.join_timeout_s) == ((1,), 2, 2, 60.0)
+    seen = asyncio.run(api.observe(pod, TOKEN, "rep"))
+    assert seen.resize is not None
+    assert seen.resize.phase == "Pending"
+    assert seen.resize.ranks == {1: ("Dead", "waiting for a new engine")}
+
+
 def test_a_refused_start_is_reported_by_the_next_observe(frontend: tuple[Fleet, Runner, PodObs]) -> None:
     _, _, pod = frontend
     api = FrontendAPI()
@@ -105,3 +131,43 @@ def test_unreachable_or_unauthorized_is_not_reachable(frontend: tuple[Fleet, Run
 def test_ipv6_addresses_are_bracketed() -> None:
     pod = PodObs(name="f", uid="u", role="frontend", ip="fd00::5")
     assert frontend_api.admin_url(pod) == f"http://[fd00::5]:{constants.FRONTEND_ADMIN_PORT}"
+
+
+def test_fleet_reads_each_ranks_state(frontend: tuple[Fleet, Runner, PodObs]) -> None:
+    fleet, _, pod = frontend
+    fleet.set_rank(1, RankState.DEAD, "no heartbeat for 30s")
+
+    seen = asyncio.run(FrontendAPI().fleet(pod, TOKEN))
+
+    assert seen.reachable
+    assert {r: (o.state, o.message) for r, o in seen.ranks.items()} == {
+        0: ("Serving", ""), 1: ("Dead", "no heartbeat for 30s")}
+
+
+def test_fleet_unreachable_or_unauthorized_is_not_reachable(frontend: tuple[Fleet, Runner, PodObs]) -> None:
+    _, _, pod = frontend
+    wrong = asyncio.run(FrontendAPI(timeout=2).fleet(pod, "wrong-token"))
+    assert not wrong.reachable
+    assert "401" in wrong.error
+    assert not asyncio.run(FrontendAPI().fleet(None, TOKEN)).reachable
+    with mock.patch.object(constants, "FRONTEND_ADMIN_PORT", 1):
+        down = asyncio.run(FrontendAPI(timeout=2).fleet(pod, TOKEN))
+    assert not down.reachable
+    assert "admin API at http://127.0.0.1:1" in down.error
+
+
+def test_fleet_obs_keeps_unknown_states_and_reads_since_times() -> None:
+    seen = fleet_obs({"state": "Degraded", "ranks": [
+        {"rank": 0, "state": "Serving"},
+        {"rank": 1, "state": "Unresponsive", "since": 1764650000.5, "message": "no answer for 61s"},
+        {"rank": 2, "state": "Unresponsive", "since": "2025-12-02T04:33:20Z"},
+        {"rank": 3, "state": "SomethingNew"},
+        {"state": "Serving"},  # no rank number: skipped
+    ]})
+
+    assert seen.reachable
+    assert seen.ranks[0] == RankObs(0, "Serving")
+    assert seen.ranks[1] == RankObs(1, "Unresponsive", since=1764650000.5, message="no answer for 61s")
+    assert seen.ranks[2].since == 1764650000.0
+    assert seen.ranks[3].state == "SomethingNew"
+    assert sorted(seen.ranks) == [0, 1, 2, 3]

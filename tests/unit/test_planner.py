@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import random
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -21,8 +22,9 @@ import pytest
 
 from corefleet_operator import builders, constants
 from corefleet_operator.models import EngineCoreSetSpec, EngineCoreSetStatus, FleetRef, SpecError
-from corefleet_operator.observe import FrontendObs, Observed, PodObs, ResizeObs
+from corefleet_operator.observe import FleetObs, FrontendObs, Observed, PodObs, RankObs, ResizeObs, fleet_view_due
 from corefleet_operator.planner import (
+    FRONTEND_POLL_SECONDS,
     RESIZE_RETRY_SECONDS,
     Apply,
     CancelResize,
@@ -52,6 +54,7 @@ class Op:
     intact: bool = True
     age: int = 0
     cancel: str = ""
+    replace: tuple[int, ...] = ()  # a replacement in place: these Dead ranks get new engines
 
     def obs(self) -> ResizeObs:
         return ResizeObs(id=self.id, phase=self.phase, ranks=dict(self.ranks), message=self.phase.lower(),
@@ -70,6 +73,8 @@ class Frontend:
     refuse: str = ""  # the next StartResize is refused with this
     refuse_seen: dict[str, str] = field(default_factory=dict)  # resize id -> why it was refused
     started: int = 0  # StartResize calls that started an operation
+    dead: set[int] = field(default_factory=set)  # ranks whose engine's connection is gone (their pod ended or went)
+    engines: dict[int, str] = field(default_factory=dict)  # rank -> the UID of the pod whose engine it is connected to
 
     def running(self) -> list[Op]:
         return [o for o in self.ops.values() if o.phase not in ("Completed", "Failed")]
@@ -88,6 +93,10 @@ class World:
     clock: int = 0  # seconds since T0
     drop_actions: bool = False  # the operator dies after writing the status, before acting
     built_size: dict[str, int] = field(default_factory=dict)  # pod -> the data-parallel size it was built for
+    crash: set[str] = field(default_factory=set)  # pods (by name) whose container exits as soon as it starts
+    hang: set[str] = field(default_factory=set)  # pods (by name) that start and never become Ready
+    rank_states: dict[int, RankObs] = field(default_factory=dict)  # what the frontend says of ranks (else Serving)
+    fleet_asks: int = 0  # reconciles that read the frontend's view of the ranks
 
     @property
     def now(self) -> str:
@@ -103,10 +112,25 @@ class World:
                 seen = FrontendObs(reachable=False, error="connection refused")
             elif op.id in self.frontend.ops:
                 seen = FrontendObs(reachable=True, resize=self.frontend.ops[op.id].obs())
-            else:
-                seen = FrontendObs(reachable=True, refused=self.frontend.refuse_seen.get(op.id, ""))
+            else:  # unknown to the frontend: its view of the ranks comes along (FrontendAPI.observe)
+                refused = self.frontend.refuse_seen.get(op.id, "")
+                seen = FrontendObs(reachable=True, refused=refused, fleet=None if refused else self.fleet_view())
             obs = replace(obs, frontend=seen)
+        if fleet_view_due(obs):
+            self.fleet_asks += 1
+            obs = replace(obs, fleet=self.fleet_view())
         return obs
+
+    def fleet_view(self) -> FleetObs:
+        if self.frontend_pod() is None or not self.frontend.reachable:
+            return FleetObs(reachable=False, error="connection refused")
+        ranks = {r: self.rank_states.get(r, RankObs(r, "Dead" if r in self.frontend.dead else "Serving"))
+                 for r in range(self.frontend.size)}
+        return FleetObs(reachable=True, ranks=ranks)
+
+    @property
+    def epoch(self) -> float:
+        return (T0 + datetime.timedelta(seconds=self.clock)).timestamp()
 
     def frontend_pod(self) -> PodObs | None:
         p = self.pods.get(f"{self.fleet.name}-frontend")
@@ -126,6 +150,15 @@ class World:
             f.refuse = ""
             return
         assert not f.running(), f"a second resize started while {f.running()[0].id} runs"
+        if a.replace:  # a replacement: only of Dead ranks, in a fleet of that size (else 409)
+            assert a.replicas == f.size, (a, f.size)
+            if not set(a.replace) <= f.dead:
+                f.refuse_seen[a.resize_id] = f"the frontend refused it (409): ranks {list(a.replace)} are not Dead"
+                return
+            f.ops[a.resize_id] = Op(a.resize_id, f.size, f.size, phase="Preparing", replace=a.replace,
+                                    ranks={r: ("Joining", "") for r in a.replace})
+            f.started += 1
+            return
         op = Op(a.resize_id, f.size, a.replicas)
         if op.to > op.frm:
             op.ranks = {r: ("Joining", "") for r in range(op.frm, op.to)}
@@ -141,11 +174,33 @@ class World:
         pod = self.frontend_pod()
         if pod is None or pod.uid != f.uid:  # a new frontend process: it knows only its built size
             f.ops.clear()
+            f.dead.clear()
+            f.engines.clear()
             f.uid = pod.uid if pod is not None else ""
             f.size = self.built_size.get(f"{self.fleet.name}-frontend", 0) if pod is not None else 0
             return
+        replacing = {r for op in f.running() for r in op.replace}
+        for r in range(f.size):  # an engine whose pod ended or went has lost its connection: Dead
+            engine = self.pods.get(f"{self.fleet.name}-engine-{r}")
+            if r in replacing:
+                continue
+            if engine is None or engine.terminating or engine.phase in ("Failed", "Succeeded") \
+                    or f.engines.setdefault(r, engine.uid) != engine.uid:
+                f.dead.add(r)
         for op in f.running():
             op.age += 1
+            if op.replace:
+                new = [self.pods.get(f"{self.fleet.name}-engine-{r}") for r in op.replace]
+                if op.cancel:
+                    op.phase, op.error = "Failed", f"cancelled: {op.cancel}"
+                elif op.age >= 2 and all(p is not None and p.ready and not p.terminating for p in new):
+                    op.phase = "Completed"
+                    op.ranks = {r: ("Serving", "") for r in op.replace}
+                    f.dead -= set(op.replace)
+                    f.engines.update({r: p.uid for r, p in zip(op.replace, new, strict=True) if p is not None})
+                elif op.age > f.join_steps:
+                    op.phase, op.error = "Failed", "the new engine did not join within the join timeout"
+                continue
             if op.to > op.frm:
                 if op.cancel:
                     op.phase, op.error = "Failed", f"cancelled: {op.cancel}"
@@ -155,6 +210,7 @@ class World:
                 new = [self.pods.get(f"{self.fleet.name}-engine-{r}") for r in range(op.frm, op.to)]
                 if op.age >= 3 and all(p is not None and p.ready and not p.terminating for p in new):
                     op.phase, f.size = "Completed", op.to
+                    f.engines = {r: uid for r, uid in f.engines.items() if r not in op.ranks}
                     op.ranks = {r: ("Serving", "") for r in op.ranks}
                 elif op.age > f.join_steps:
                     op.phase, op.error = "Failed", "did not join within the join timeout"
@@ -166,6 +222,7 @@ class World:
                 pass  # their requests are finishing
             else:
                 op.phase, f.size = "Completed", op.to
+                f.engines = {r: uid for r, uid in f.engines.items() if r not in op.ranks}
                 op.ranks = {r: ("Retired", "") for r in op.ranks}
 
     # ---- the API server, scheduler and kubelet ---------------------------------------------------
@@ -175,9 +232,14 @@ class World:
             if p.terminating:
                 del self.pods[name]
             elif not p.node and not p.message:
-                self.pods[name] = replace(p, node="gpu-node-0")
+                self.pods[name] = replace(p, node="gpu-node-0", unready_since=self.now)
+            elif p.node and p.phase == "Pending" and name in self.crash:
+                self.pods[name] = replace(p, phase="Failed", ip="10.0.0.1", unready_since="",
+                                          message="container engine exited with 2 (Error)")
+            elif p.node and p.phase == "Pending" and name in self.hang:
+                self.pods[name] = replace(p, phase="Running", ip="10.0.0.1")
             elif p.node and p.phase == "Pending":
-                self.pods[name] = replace(p, phase="Running", ready=True, ip="10.0.0.1")
+                self.pods[name] = replace(p, phase="Running", ready=True, ip="10.0.0.1", unready_since="")
 
     def step(self) -> Plan:
         before = self.observed()
@@ -250,7 +312,11 @@ class World:
         self.set_spec(replace(self.fleet.spec, replicas=n))
 
     def fail(self, name: str, message: str = "container engine exited with 137 (OOMKilled)") -> None:
-        self.pods[name] = replace(self.pods[name], phase="Failed", ready=False, message=message)
+        self.pods[name] = replace(self.pods[name], phase="Failed", ready=False, message=message, unready_since="")
+
+    def unready(self, name: str) -> None:
+        """The pod's readiness probe stops answering (its process hangs)."""
+        self.pods[name] = replace(self.pods[name], ready=False, unready_since=self.now)
 
     def engines(self) -> list[str]:
         return sorted(n for n, p in self.pods.items() if p.role == constants.ROLE_ENGINE)
@@ -279,9 +345,11 @@ def check_invariants(world: World, before: Observed, p: Plan) -> None:
     for q in before.pods:
         if q.name not in deleted or q.fleet_generation != gen or q.spec_hash != want_hash:
             continue
-        if new.replicas == 0:
+        if new.replicas == 0 or new.phase == "Failed":  # stopped, or given up (check_recovery_invariants)
             continue
         assert q.rank is not None, f"deleted {q.name}"
+        if new.operation is not None and q.rank in new.operation.replace and not new.operation.done:
+            continue  # a lost rank's old pod, replaced in place (check_replacement_invariants)
         assert q.rank >= new.replicas, f"deleted member {q.name}"
         retired = op_seen is not None and op_seen.ranks.get(q.rank, ("", ""))[0] in ("Retired", "Failed")
         refused = before.frontend is not None and before.frontend.refused
@@ -310,14 +378,97 @@ def check_invariants(world: World, before: Observed, p: Plan) -> None:
     assert gen >= old.fleetGeneration
     assert new.recoveries >= old.recoveries
     assert new.observedGeneration == before.generation
+    check_recovery_invariants(world, before, p, deleted, created)
+
+
+def check_recovery_invariants(world: World, before: Observed, p: Plan, deleted: set[str],
+                              created: list[Mapping[str, Any]]) -> None:
+    old, new = before.status, p.status
+    budget = world.fleet.spec.scaling.maxRecoveries
+    # Every lost incarnation is one recovery (never two at once), within the streak's budget.
+    assert new.recoveries - old.recoveries in (0, 1)
+    assert len([e for e in p.events if e.reason == "RankLost"]) <= 1
+    if new.recovery is not None:
+        assert new.recovery.attempt <= budget, new.recovery
+    replacement_started = new.operation is not None and bool(new.operation.replace) and (
+        old.operation is None or old.operation.id != new.operation.id)
+    if new.recoveries > old.recoveries:
+        assert new.recovery is not None
+        assert new.recovery.lostAt == world.now
+        assert new.fleetGeneration == old.fleetGeneration + (0 if replacement_started else 1)
+        streak = old.recovery.attempt if old.recovery is not None and \
+            old.recovery.observedGeneration == before.generation else 0
+        assert new.recovery.attempt in (1, streak + 1), (old.recovery, new.recovery)
+        assert any(e.reason == "RankLost" and f"recovery {new.recovery.attempt} of {budget}" in e.message
+                   for e in p.events)
+    # No pod is created before the recovery's backoff ends.
+    if created and new.phase == "Recovering" and new.recovery is not None and new.recovery.retryAt:
+        assert world.now >= new.recovery.retryAt, (world.now, new.recovery)
+    # A fleet given up creates nothing until its spec changes; its running pods go, its ended ones stay.
+    if old.phase == "Failed" and old.recovery is not None and old.recovery.observedGeneration == before.generation:
+        assert new.phase == "Failed"
+    if new.phase == "Failed":
+        assert not created
+        assert new.recovery is not None
+        assert next(c.reason for c in new.conditions if c.type == "Degraded") == "RecoveriesExhausted"
+        for q in before.pods:
+            if not q.terminating:
+                assert (q.name in deleted) == (q.phase not in ("Failed", "Succeeded")), q
+    # Never two incarnations' pods kept running at once.
+    kept = {q.fleet_generation for q in before.pods
+            if not q.terminating and q.name not in deleted and q.phase not in ("Failed", "Succeeded")}
+    kept |= {int(obj["metadata"]["annotations"][constants.ANNOTATION_GENERATION]) for obj in created}
+    assert len(kept) <= 1, kept
+    check_replacement_invariants(world, before, p, created, replacement_started)
+
+
+def check_replacement_invariants(world: World, before: Observed, p: Plan, created: list[Mapping[str, Any]],
+                                 started: bool) -> None:
+    old, new = before.status, p.status
+    op = new.operation
+    spec = world.fleet.spec
+    if started:
+        assert op is not None
+        # Only a dense fleet that served, with its frontend and coordinator Ready, replaces ranks in place; each
+        # replacement is one loss of the streak (the budget and backoff count it).
+        assert not spec.expertParallel
+        assert old.phase in ("Running", "Degraded")
+        assert old.operation is None or old.operation.done
+        for name in (constants.frontend_name(world.fleet.name), constants.coordinator_name(world.fleet.name)):
+            q = next(q for q in before.pods if q.name == name)
+            assert q.ready, q
+            assert q.phase == "Running", q
+            assert not q.terminating, q
+        assert new.recoveries == old.recoveries + 1
+        assert new.fleetGeneration == old.fleetGeneration
+        assert (op.fromReplicas, op.toReplicas) == (old.replicas, old.replicas)
+        assert set(op.replace) < set(range(old.replicas))
+        assert [e.reason for e in p.events].count("RankLost") == 1
+    if op is not None and op.replace and not op.done:
+        assert new.phase == "Degraded"  # the other ranks serve on
+        assert not [a for a in p.actions if isinstance(a, StartResize) and not a.replace]
+    # A replaced rank's new pod is created only once its old pod is gone (never two pods for one rank: names
+    # are fixed) and its backoff is over; the replacement is asked of the frontend only for ranks it reports Dead.
+    names = {q.name for q in before.pods}
+    for obj in created:
+        assert obj["metadata"]["name"] not in names
+        if op is not None and op.replace and new.recovery is not None and new.recovery.lostAt == op.startedAt \
+                and new.recovery.retryAt:
+            assert world.now >= new.recovery.retryAt, (world.now, new.recovery)
+    for a in p.actions:
+        if isinstance(a, StartResize) and a.replace:
+            assert before.frontend is not None
+            assert before.frontend.fleet is not None
+            assert all(before.frontend.fleet.ranks[r].state == "Dead" for r in a.replace), before.frontend
 
 
 def new_world(fleet: FleetRef) -> World:
     return World(fleet=fleet)
 
 
-def running(replicas: int, **kwargs: Any) -> World:
-    w = new_world(make_ecs("a").replicas(replicas).max_replicas(8).obj())
+def running(replicas: int, moe: bool = False) -> World:
+    ecs = make_ecs("a").replicas(replicas).max_replicas(8)
+    w = new_world((ecs.expert_parallel() if moe else ecs).obj())
     w.converge()
     assert w.status.phase == "Running"
     return w
@@ -330,7 +481,7 @@ def test_fresh_fleet_is_created_and_reaches_running() -> None:
     first = w.step()
 
     kinds = sorted(a.obj["kind"] for a in first.actions if isinstance(a, Apply))
-    assert kinds == ["Pod", "Pod", "Pod", "Pod", "Secret", "Service", "Service"]
+    assert (kinds.count("Pod"), kinds.count("Secret"), kinds.count("Service")) == (4, 1, 2)
     assert [e.reason for e in first.events] == ["Creating"]
     assert w.status.phase == "Starting"
     assert w.status.fleetGeneration == 1
@@ -355,13 +506,13 @@ def test_idle_reconcile_writes_nothing() -> None:
         p = w.step()
         assert p.actions == ()
         assert p.events == ()
-        assert p.requeue_after is None
+        assert p.requeue_after == FRONTEND_POLL_SECONDS  # the frontend's view of the ranks is read this often
 
     assert w.writes == writes
 
 
-def test_failed_rank_recreates_the_fleet_once() -> None:
-    w = running(3)
+def test_a_failed_rank_of_an_moe_fleet_recreates_the_fleet_once() -> None:
+    w = running(3, moe=True)  # its ranks share collectives that cannot lose a member
     old_uids = {q.uid for q in w.pods.values()}
 
     w.fail("a-engine-1")
@@ -384,8 +535,8 @@ def test_failed_rank_recreates_the_fleet_once() -> None:
     assert all(q.fleet_generation == 2 for q in w.pods.values())
 
 
-def test_vanished_pod_of_a_running_fleet_is_a_lost_rank() -> None:
-    w = running(2)
+def test_vanished_pod_of_a_running_moe_fleet_is_a_lost_rank() -> None:
+    w = running(2, moe=True)
 
     del w.pods["a-engine-0"]
     p = w.step()
@@ -513,7 +664,7 @@ def test_a_fleet_unready_past_its_ready_timeout_is_degraded_with_the_reason() ->
     # A recovery starts the clock again.
     w.pods["a-engine-1"] = replace(w.pods["a-engine-1"], node="gpu-node-0", message="")
     w.converge()
-    w.fail("a-engine-0")
+    w.fail("a-frontend")
     w.step()
     assert next(c for c in w.status.conditions if c.type == "Degraded").reason == "RankLost"
 
@@ -877,3 +1028,640 @@ def test_is_subset() -> None:
     assert is_subset({"a": 1, "b": [{"c": 2}]}, {"a": 1, "b": [{"c": 2, "d": 3}], "e": 4})
     assert not is_subset({"a": 1}, {"a": 2})
     assert not is_subset({"b": [1, 2]}, {"b": [1]})
+
+
+# ---- losses, backoff and the recovery budget ----------------------------------------------------
+def step_until(w: World, done: Any, max_steps: int = 400, what: str = "") -> Plan:
+    for _ in range(max_steps):
+        p = w.step()
+        if done(p):
+            return p
+    raise AssertionError(f"not reached in {max_steps} steps: {what}; phase {w.status.phase}, {w.status.recovery}")
+
+
+def lost(p: Plan) -> bool:
+    return any(e.reason == "RankLost" for e in p.events)
+
+
+def test_a_crash_loop_backs_off_counts_every_incarnation_and_ends_failed() -> None:
+    w = new_world(make_ecs("a").replicas(2).set("scaling.maxRecoveries", 3).expert_parallel().obj())
+    w.converge()
+    w.crash = {"a-engine-1"}  # e.g. a bad engine flag: every incarnation's rank 1 exits at start
+    w.fail("a-engine-1", "container engine exited with 2 (Error)")
+
+    waits = []
+    for attempt in (1, 2, 3):
+        p = step_until(w, lost, what=f"loss {attempt}")
+        rec = w.status.recovery
+        assert rec is not None
+        assert (rec.attempt, w.status.recoveries, w.status.phase) == (attempt, attempt, "Recovering")
+        assert "container engine exited with 2 (Error)" in rec.reason
+        waits.append(seconds(rec.lostAt, rec.retryAt))
+        message = next(e.message for e in p.events if e.reason == "RankLost")
+        assert f"recovery {attempt} of 3" in message
+        # Nothing is created before retryAt, and the fleet is looked at again then.
+        if waits[-1]:
+            assert p.requeue_after is not None
+            assert p.requeue_after <= waits[-1]
+            assert "after a backoff of" in message
+    assert waits == [0, 10, 20]
+    assert w.events("Recovering")  # the backoff's end, as an event
+
+    p = step_until(w, lost, what="the loss past the budget")
+
+    assert w.status.phase == "Failed"
+    assert w.status.recoveries == 3
+    assert [e.reason for e in p.events] == ["RankLost", "RecoveriesExhausted"]
+    degraded = next(c for c in w.status.conditions if c.type == "Degraded")
+    assert degraded.reason == "RecoveriesExhausted"
+    assert "gave up after 3 recoveries in a row" in degraded.message
+    assert "rank 1 (pod a-engine-1) failed: container engine exited with 2 (Error)" in degraded.message
+    assert {a.name for a in p.actions if isinstance(a, Delete)} == {"a-coordinator", "a-frontend", "a-engine-0"}
+    assert not [a for a in p.actions if isinstance(a, Apply)]
+    assert p.requeue_after is None
+    # Given up: nothing more is created however long it waits; the ended pod stays for its logs.
+    for _ in range(30):
+        w.step()
+        w.clock += 60
+    assert sorted(w.pods) == ["a-engine-1"]
+    assert w.status.phase == "Failed"
+    assert w.status.recoveries == 3
+    assert w.log[-1].actions == ()
+    assert w.log[-1].events == ()
+    # A new spec starts a new streak.
+    w.crash = set()
+    w.set_spec(make_ecs("a").replicas(2).set("scaling.maxRecoveries", 3).expert_parallel().arg("--max-model-len=256")
+               .obj().spec)
+    p = w.step()
+    assert w.status.phase == "Restarting"
+    assert "a-engine-1" in {a.name for a in p.actions if isinstance(a, Delete)}
+    w.converge()
+    assert w.status.phase == "Running"
+    assert w.status.recovery is None
+    assert w.status.recoveries == 3
+
+
+def seconds(start: str | None, end: str | None) -> float:
+    assert start is not None
+    assert end is not None
+    fmt = "%Y-%m-%dT%H:%M:%SZ"
+    return (datetime.datetime.strptime(end, fmt) - datetime.datetime.strptime(start, fmt)).total_seconds()
+
+
+def test_the_backoff_doubles_to_five_minutes() -> None:
+    from corefleet_operator.planner import backoff_seconds
+
+    assert [backoff_seconds(n, scale=1.0) for n in range(1, 9)] == [0, 10, 20, 40, 80, 160, 300, 300]
+    assert backoff_seconds(3, scale=0.1) == 2.0
+
+
+def test_max_recoveries_zero_gives_up_at_the_first_loss() -> None:
+    w = new_world(make_ecs("a").replicas(1).set("scaling.maxRecoveries", 0).obj())
+    w.converge()
+    w.fail("a-engine-0")
+    p = w.step()
+    assert w.status.phase == "Failed"
+    assert w.status.recoveries == 0
+    assert "RecoveriesExhausted" in [e.reason for e in p.events]
+
+
+def test_the_streak_ends_after_ten_minutes_running() -> None:
+    w = running(2)
+    w.fail("a-engine-0")
+    w.converge()
+    w.fail("a-engine-0")
+    w.step()
+    assert w.status.recovery is not None
+    assert w.status.recovery.attempt == 2
+    w.converge(tick=10)
+    assert w.status.recovery is not None  # Running, but not for long yet
+    for _ in range(61):
+        w.step()
+        w.clock += 10
+    assert w.status.recovery is None
+    assert w.status.recoveries == 2
+
+    w.fail("a-engine-1")
+    w.step()
+
+    assert w.status.recovery is not None
+    assert w.status.recovery.attempt == 1  # a new streak: no backoff
+    assert w.status.recovery.retryAt == w.status.recovery.lostAt
+    assert w.status.recoveries == 3
+
+
+def test_a_spec_change_during_a_backoff_starts_a_new_streak() -> None:
+    w = running(2)
+    w.crash = {"a-engine-0"}
+    w.fail("a-engine-0")
+    step_until(w, lost)
+    step_until(w, lost)  # the new incarnation's rank 0 crashes too: recovery 2, 10 s backoff
+    assert w.status.recovery is not None
+    assert w.status.recovery.attempt == 2
+    w.crash = set()
+    w.set_spec(make_ecs("a").replicas(2).max_replicas(8).arg("--max-model-len=128").obj().spec)
+    w.step()
+    assert w.status.recovery is None
+    w.converge()
+    assert w.status.phase == "Running"
+
+
+@pytest.mark.parametrize("phase", ["Starting", "Running", "ScalingUp", "ScalingDown", "Recovering", "Degraded"])
+def test_a_member_lost_in_any_phase_is_one_recovery(phase: str) -> None:
+    """Whole-fleet recovery: of an MoE fleet whatever it lost (a dense fleet that serves replaces lost ranks in place,
+    `test_a_lost_dense_rank_is_replaced_in_place`), of a dense one while it starts or resizes."""
+    ecs = make_ecs("a").replicas(2).max_replicas(8)
+    w = new_world((ecs if phase in ("Starting", "ScalingUp", "ScalingDown") else ecs.expert_parallel()).obj())
+    if phase == "Starting":
+        w.step()
+        w.step()  # bound, not started yet
+        assert w.status.phase == "Starting"
+        w.fail("a-engine-0")
+    else:
+        w.converge()
+    if phase == "Running":
+        w.fail("a-engine-0")
+    elif phase in ("ScalingUp", "ScalingDown"):
+        w.scale(3 if phase == "ScalingUp" else 1)
+        w.step()
+        w.step()
+        assert w.status.phase == "Scaling"
+        w.fail("a-engine-0")
+    elif phase == "Recovering":
+        w.fail("a-engine-1")
+        w.step()
+        w.step()
+        w.step()
+        assert w.status.phase == "Recovering"
+        assert any(q.fleet_generation == 2 for q in w.pods.values())
+        w.fail(next(n for n, q in w.pods.items() if q.fleet_generation == 2 and q.role == constants.ROLE_ENGINE))
+    elif phase == "Degraded":
+        w.unready("a-engine-1")
+        w.step()
+        assert w.status.phase == "Degraded"
+        w.fail("a-engine-0")
+    before = w.status.recoveries
+
+    p = w.step()
+
+    assert lost(p)
+    assert w.status.phase == "Recovering"
+    assert w.status.recoveries == before + 1
+    assert w.status.recovery is not None
+    assert w.status.recovery.attempt == before + 1
+    w.converge(max_steps=200, tick=5)
+    assert w.status.recoveries == before + 1
+    assert w.status.replicas == w.fleet.spec.replicas
+
+
+def test_a_pod_not_ready_within_ready_timeout_is_a_loss() -> None:
+    w = new_world(make_ecs("a").replicas(2).set("scaling.readyTimeoutSeconds", 60).obj())
+    w.hang = {"a-engine-1"}  # starts, never Ready (e.g. a model load that hangs)
+    w.step()
+    w.step()
+    p = w.step()
+    assert p.requeue_after is not None
+    assert p.requeue_after <= 61  # woken for the pod's deadline
+
+    p = step_until(w, lost, max_steps=80)
+
+    assert w.clock >= 60
+    message = next(e.message for e in p.events if e.reason == "RankLost")
+    assert "rank 1 (pod a-engine-1) not ready 60s after it was scheduled (ReadyTimeout)" in message
+    assert w.status.phase == "Recovering"
+    assert w.status.recoveries == 1
+    w.hang = set()
+    w.converge(tick=5)
+    assert w.status.phase == "Running"
+
+
+def test_a_running_pod_unready_past_ready_timeout_is_a_loss_a_short_blip_is_not() -> None:
+    w = new_world(make_ecs("a").replicas(2).set("scaling.readyTimeoutSeconds", 60).obj())
+    w.converge()
+    w.unready("a-engine-0")
+    for _ in range(50):
+        assert not lost(w.step())
+    w.pods["a-engine-0"] = replace(w.pods["a-engine-0"], ready=True, unready_since="")
+    w.step()
+    assert w.status.phase == "Running"
+    w.unready("a-engine-0")
+
+    p = step_until(w, lost, max_steps=80)
+
+    assert "ReadyTimeout" in next(e.message for e in p.events if e.reason == "RankLost")
+    assert w.status.recoveries == 1
+
+
+def test_a_rank_the_frontend_reports_dead_is_a_loss() -> None:
+    w = running(2)
+    assert w.fleet_asks > 0  # asked while the fleet runs
+    w.rank_states[1] = RankObs(1, "Dead", message="no heartbeat for 30s")
+
+    p = w.step()
+
+    message = next(e.message for e in p.events if e.reason == "RankLost")
+    assert "rank 1 (pod a-engine-1): the frontend reports it Dead: no heartbeat for 30s" in message
+    assert w.status.recoveries == 1
+    w.rank_states.clear()
+    w.converge()
+
+
+def test_a_rank_unresponsive_for_a_minute_is_a_loss_an_unknown_state_is_not() -> None:
+    w = running(2)
+    w.rank_states[0] = RankObs(0, "Sleeping")  # a state this operator does not know: not dead
+    w.rank_states[1] = RankObs(1, "Unresponsive", since=w.epoch - 30)
+    for _ in range(25):
+        assert not lost(w.step())
+    assert w.status.recoveries == 0
+
+    p = step_until(w, lost, max_steps=20)
+
+    assert w.epoch - 61 >= T0.timestamp() - 30 + 0  # past the grace
+    message = next(e.message for e in p.events if e.reason == "RankLost")
+    assert "rank 1 (pod a-engine-1): the frontend reports it Unresponsive for 6" in message
+    assert "rank 0" not in message
+
+
+def test_the_frontend_is_not_asked_while_a_resize_runs_nor_while_the_fleet_starts() -> None:
+    w = new_world(make_ecs("a").replicas(2).max_replicas(8).obj())
+    w.step()
+    assert w.fleet_asks == 0
+    w.converge()
+    w.scale(3)
+    w.step()
+    asks = w.fleet_asks
+    w.step()
+    assert w.status.phase == "Scaling"
+    assert w.fleet_asks == asks
+
+
+def test_random_crash_loops_hangs_and_dead_ranks_keep_the_recovery_invariants() -> None:
+    """Seeded: pods that crash at start, hang, fail, vanish; the frontend reporting ranks dead; resizes and time.
+    The invariants (check_invariants, check_recovery_invariants) are checked at every step."""
+    rng = random.Random(9)
+    failed_runs = 0
+    for trial in range(50):
+        budget = rng.choice([0, 1, 2, 4])
+        w = new_world(make_ecs("c").replicas(rng.randint(1, 3)).max_replicas(5)
+                      .set("scaling.maxRecoveries", budget).set("scaling.readyTimeoutSeconds", 60).obj())
+        for _ in range(rng.randint(10, 60)):
+            roll = rng.random()
+            live = [n for n, q in w.pods.items() if not q.terminating and q.phase == "Running"]
+            names = ["c-coordinator", "c-frontend", *(f"c-engine-{r}" for r in range(4))]
+            if roll < 0.06 and live:
+                w.fail(rng.choice(live))
+            elif roll < 0.1 and live:
+                del w.pods[rng.choice(live)]
+            elif roll < 0.14:
+                w.crash ^= {rng.choice(names)}
+            elif roll < 0.17:
+                w.hang ^= {rng.choice(names)}
+            elif roll < 0.2 and live:
+                w.unready(rng.choice(live))
+            elif roll < 0.24:
+                r = rng.randint(0, 3)
+                w.rank_states[r] = rng.choice([RankObs(r, "Dead"), RankObs(r, "Unresponsive", since=w.epoch),
+                                               RankObs(r, "Whatever")])
+            elif roll < 0.27:
+                w.rank_states.clear()
+            elif roll < 0.35:
+                w.scale(rng.randint(0, 4))
+            elif roll < 0.38:
+                w.drop_actions = True
+            w.step()
+            w.clock += rng.choice([0, 1, 5, 30, 120])
+        failed_runs += w.status.phase == "Failed"
+        # Healed: the fleet converges, after a spec change if it was given up.
+        w.crash, w.hang = set(), set()
+        w.rank_states.clear()
+        for name, q in w.pods.items():  # hung processes recover too
+            if q.phase == "Running" and not q.ready and not q.terminating:
+                w.pods[name] = replace(q, ready=True, unready_since="")
+        for _ in range(3):  # a pod already past its deadline may still spend the budget: then change the spec
+            w.step()
+            w.clock += 1
+        if w.status.phase == "Failed":
+            w.set_spec(replace(w.fleet.spec, replicas=max(1, w.fleet.spec.replicas)))
+        w.converge(max_steps=300, tick=10)
+        assert w.status.replicas == w.fleet.spec.replicas, trial
+    assert failed_runs > 0  # the sequences do reach the budget
+
+
+def test_a_pods_readiness_deadline_starts_when_it_was_scheduled_or_last_became_unready() -> None:
+    from corefleet_operator.observe import pod_obs
+
+    meta = {"uid": "u", "creationTimestamp": "2026-11-29T11:59:00Z", "labels": {}}
+    scheduled = {"type": "PodScheduled", "status": "True", "lastTransitionTime": "2026-11-29T12:00:00Z"}
+
+    def unready_since(spec: dict[str, Any], status: dict[str, Any]) -> str:
+        return pod_obs("p", meta, spec, status).unready_since
+
+    bound = {"nodeName": "gpu-node-0"}
+    assert unready_since({}, {}) == ""  # not scheduled: no deadline of its own (the Unschedulable condition says why)
+    assert unready_since(bound, {}) == "2026-11-29T11:59:00Z"  # no conditions yet: since its creation
+    assert unready_since(bound, {"phase": "Pending", "conditions": [scheduled]}) == "2026-11-29T12:00:00Z"
+    became_unready = {"type": "Ready", "status": "False", "lastTransitionTime": "2026-11-29T13:00:00Z"}
+    assert unready_since(bound, {"phase": "Running", "conditions": [scheduled, became_unready]}) == \
+        "2026-11-29T13:00:00Z"
+    ready = {"type": "Ready", "status": "True", "lastTransitionTime": "2026-11-29T12:01:00Z"}
+    assert unready_since(bound, {"phase": "Running", "conditions": [scheduled, ready]}) == ""
+    assert unready_since(bound, {"phase": "Failed", "conditions": [scheduled, became_unready]}) == ""
+
+
+# ---- a lost dense rank is replaced in place -----------------------------------------------------
+def replaced(p: Plan) -> bool:
+    return any(e.reason == "RankReplaced" for e in p.events)
+
+
+LOSSES = ["failed", "vanished", "dead", "unresponsive", "unready"]
+
+
+def lose(w: World, how: str, name: str) -> None:
+    rank = int(name.rsplit("-", 1)[1])
+    if how == "failed":
+        w.fail(name)
+    elif how == "vanished":
+        del w.pods[name]
+    elif how == "dead":  # its process is gone but the pod still runs (e.g. a sidecar keeps it)
+        w.rank_states[rank] = RankObs(rank, "Dead", message="connection lost")
+    elif how == "unresponsive":
+        w.rank_states[rank] = RankObs(rank, "Unresponsive", since=w.epoch - 61)
+    elif how == "unready":
+        w.unready(name)
+        w.clock += int(w.fleet.spec.scaling.readyTimeoutSeconds) + 1
+
+
+@pytest.mark.parametrize("how", LOSSES)
+def test_a_lost_dense_rank_is_replaced_in_place(how: str) -> None:
+    w = running(3)
+    uids = {n: q.uid for n, q in w.pods.items()}
+    old = w.pods["a-engine-1"]
+
+    lose(w, how, "a-engine-1")
+    p = w.step()
+
+    # One loss of the streak, counted; the same incarnation; only rank 1's pod goes.
+    assert w.status.phase == "Degraded"
+    assert (w.status.recoveries, w.status.fleetGeneration) == (1, 1)
+    assert w.status.recovery is not None
+    assert w.status.recovery.attempt == 1
+    op = w.status.operation
+    assert op is not None
+    # Its old pod goes first (a vanished one is gone: its new pod is created at once).
+    assert (op.replace, op.fromReplicas, op.toReplicas) == ((1,), 3, 3)
+    assert op.phase == ("Preparing" if how == "vanished" else "Pending")
+    message = next(e.message for e in p.events if e.reason == "RankLost")
+    assert "replacing rank 1 in place" in message
+    assert "recovery 1 of" in message
+    deletes = [a for a in p.actions if isinstance(a, Delete)]
+    assert [(a.name, a.uid) for a in deletes] == ([] if how == "vanished" else [("a-engine-1", old.uid)])
+    created = [a.obj["metadata"]["name"] for a in p.actions if isinstance(a, Apply) and a.obj["kind"] == "Pod"]
+    assert created == (["a-engine-1"] if how == "vanished" else [])
+    conditions = {c.type: (c.status, c.reason) for c in w.status.conditions}
+    assert conditions["Available"] == ("True", "RanksServing")  # the endpoint serves on the other ranks
+    assert conditions["Degraded"] == ("True", "RankReplacing")
+    assert conditions["Scaling"] == ("False", "Stable")
+    w.rank_states.clear()
+
+    p = step_until(w, replaced, max_steps=40, what="the replacement")
+
+    assert "rank 1 replaced in place" in next(e.message for e in p.events if e.reason == "RankReplaced")
+    w.converge()
+    assert w.status.phase == "Running"
+    assert (w.status.recoveries, w.status.fleetGeneration, w.status.replicas) == (1, 1, 3)
+    assert w.status.operation is not None
+    assert w.status.operation.phase == "Completed"
+    assert w.frontend.started == 1  # asked once, of the frontend that served throughout
+    assert w.frontend.uid == uids["a-frontend"]
+    new = {n: q.uid for n, q in w.pods.items()}
+    assert new["a-engine-1"] != uids["a-engine-1"]
+    assert {n: u for n, u in new.items() if n != "a-engine-1"} == {n: u for n, u in uids.items() if n != "a-engine-1"}
+    assert all(q.fleet_generation == 1 for q in w.pods.values())
+    assert not w.events("Recovering")
+    assert not w.events("ResizeStarted")
+
+
+def test_the_replacement_is_asked_of_the_frontend_only_once_it_reports_the_rank_dead() -> None:
+    w = running(2)
+    w.rank_states[1] = RankObs(1, "Unresponsive", since=w.epoch - 61)  # hung: its process may still answer
+    w.step()
+    assert w.status.operation is not None
+    assert w.status.operation.replace == (1,)
+    for _ in range(5):  # the frontend still holds rank 1's connection (e.g. the process is stopped)
+        p = w.step()
+        assert not [a for a in p.actions if isinstance(a, StartResize)]
+        seen = w.observed().frontend
+        assert seen is not None
+        assert seen.fleet is not None  # the frontend's view of the ranks comes with its answer
+    assert "waiting for the frontend to report rank 1 Dead (rank 1 Unresponsive)" in w.status.operation.message
+    assert w.status.phase == "Degraded"
+    w.rank_states.clear()  # the connection is gone: Dead
+
+    p = step_until(w, lambda p: any(isinstance(a, StartResize) for a in p.actions), max_steps=5)
+
+    start = next(a for a in p.actions if isinstance(a, StartResize))
+    assert (start.replace, start.replicas) == ((1,), 2)
+    step_until(w, replaced, max_steps=20)
+
+
+def test_an_operator_restart_mid_replacement_continues_the_same_operation() -> None:
+    w = running(3)
+    w.fail("a-engine-2")
+    p = w.step()
+    assert w.status.operation is not None
+    first = w.status.operation.id
+    ids = set()
+    for _ in range(30):
+        w.drop_actions = True  # every other reconcile dies after its status write, before its actions
+        w.step()
+        p = w.step()
+        assert w.status.operation is not None
+        ids.add(w.status.operation.id)
+        if replaced(p):
+            break
+    assert ids == {first}
+    assert w.status.operation.phase == "Completed"
+    assert w.frontend.started == 1
+    assert w.status.recoveries == 1
+    w.converge()
+    assert w.status.fleetGeneration == 1
+
+
+def test_a_failed_replacement_recreates_the_whole_fleet() -> None:
+    w = running(2)
+    w.frontend.join_steps = 5
+    w.hang = {"a-engine-1"}  # the new engine starts and never joins
+    w.fail("a-engine-1")
+    w.step()
+    assert w.status.phase == "Degraded"
+
+    p = step_until(w, lost, max_steps=30, what="the failed replacement")
+
+    assert w.status.phase == "Recovering"
+    assert (w.status.recoveries, w.status.fleetGeneration) == (2, 2)
+    assert w.status.operation is not None
+    assert w.status.operation.phase == "Failed"
+    message = next(e.message for e in p.events if e.reason == "RankLost")
+    assert "the new engine did not join within the join timeout" in message
+    assert "recreating the fleet at 2 ranks (incarnation 2), recovery 2 of" in message
+    w.hang = set()
+    w.converge(max_steps=100, tick=5)
+    assert w.status.phase == "Running"
+
+
+def test_a_rank_that_keeps_dying_is_replaced_after_the_backoff_and_spends_the_budget() -> None:
+    w = new_world(make_ecs("a").replicas(2).set("scaling.maxRecoveries", 2).obj())
+    w.converge()
+    w.fail("a-engine-1")
+    step_until(w, replaced, max_steps=20)  # recovery 1: at once
+    w.converge()
+    w.fail("a-engine-1")  # it dies again, soon after
+
+    p = w.step()
+
+    assert w.status.recovery is not None
+    assert (w.status.recovery.attempt, w.status.recoveries) == (2, 2)
+    assert seconds(w.status.recovery.lostAt, w.status.recovery.retryAt) == 10
+    assert "after a backoff of 10s" in next(e.message for e in p.events if e.reason == "RankLost")
+    created_at = None
+    for _ in range(20):
+        p = w.step()
+        if any(isinstance(a, Apply) and a.obj["metadata"]["name"] == "a-engine-1" for a in p.actions):
+            created_at = w.clock - 1
+            break
+        assert p.requeue_after is not None
+        assert p.requeue_after <= 10
+    assert created_at is not None
+    assert created_at >= 10  # not before the backoff's end
+    step_until(w, replaced, max_steps=20)
+    w.converge()
+    w.fail("a-engine-0")  # the third loss in a row: past maxRecoveries 2
+
+    p = w.step()
+
+    assert w.status.phase == "Failed"
+    assert w.status.recoveries == 2
+    assert [e.reason for e in p.events] == ["RankLost", "RecoveriesExhausted"]
+
+
+@pytest.mark.parametrize("case", ["frontend too", "coordinator unready", "every rank", "moe", "during a resize",
+                                  "second loss during the replacement"])
+def test_other_losses_recreate_the_whole_fleet(case: str) -> None:
+    w = running(2, moe=case == "moe")
+    if case == "frontend too":
+        w.fail("a-engine-1")
+        w.fail("a-frontend", "container frontend exited with 1")
+    elif case == "coordinator unready":
+        w.unready("a-coordinator")
+        w.fail("a-engine-1")
+    elif case == "every rank":
+        w.fail("a-engine-0")
+        w.fail("a-engine-1")
+    elif case == "moe":
+        w.fail("a-engine-1")
+    elif case == "during a resize":
+        w.scale(3)
+        w.step()
+        w.step()
+        assert w.status.phase == "Scaling"
+        w.fail("a-engine-1")
+    else:
+        w.fail("a-engine-1")
+        w.step()
+        assert w.status.phase == "Degraded"
+        w.fail("a-engine-0")
+
+    p = w.step()
+
+    assert lost(p)
+    assert w.status.phase == "Recovering"
+    assert w.status.fleetGeneration == 2
+    assert not w.status.operation or not w.status.operation.replace or w.status.operation.phase == "Failed"
+    w.converge(max_steps=100, tick=5)
+    assert w.status.phase == "Running"
+
+
+def test_random_losses_of_dense_ranks_are_replaced_and_keep_the_invariants() -> None:
+    """Seeded: ranks of dense and MoE fleets lost every way while they serve, resize and recover, the operator
+    dying mid-reconcile, the frontend unreachable; the replacement invariants are checked at every step."""
+    rng = random.Random(2026)
+    started = completed = 0
+    for trial in range(40):
+        ecs = make_ecs("d").replicas(rng.randint(1, 4)).max_replicas(5).set("scaling.readyTimeoutSeconds", 60)
+        w = new_world((ecs.expert_parallel() if rng.random() < 0.25 else ecs).obj())
+        w.frontend.join_steps = rng.choice([3, 20])
+        for _ in range(rng.randint(20, 70)):
+            roll = rng.random()
+            engines = [n for n, q in w.pods.items() if q.role == constants.ROLE_ENGINE and not q.terminating
+                       and q.phase == "Running"]
+            if roll < 0.12 and engines:
+                lose(w, rng.choice(LOSSES), rng.choice(engines))
+            elif roll < 0.15:
+                live = [n for n, q in w.pods.items() if not q.terminating and q.phase == "Running"]
+                if live:
+                    w.fail(rng.choice(live))
+            elif roll < 0.2:
+                w.rank_states.clear()
+            elif roll < 0.26:
+                w.scale(rng.randint(1, 4))
+            elif roll < 0.3:
+                w.drop_actions = True
+            elif roll < 0.33:
+                w.frontend.reachable = not w.frontend.reachable
+            elif roll < 0.35:
+                w.crash ^= {f"d-engine-{rng.randint(0, 3)}"}
+            p = w.step()
+            started += any(e.reason == "RankLost" and "in place" in e.message for e in p.events)
+            completed += replaced(p)
+            w.clock += rng.choice([0, 0, 1, 5, 30])
+        w.frontend.reachable = True
+        w.crash = set()
+        w.rank_states.clear()
+        if w.status.phase == "Failed":
+            w.set_spec(replace(w.fleet.spec, replicas=max(1, w.fleet.spec.replicas)))
+        for _ in range(400):
+            completed += replaced(w.step())
+            w.clock += 4
+            if w.status.phase == "Running" and w.status.replicas == w.fleet.spec.replicas:
+                break
+        if w.status.phase == "Failed":
+            w.set_spec(replace(w.fleet.spec, replicas=max(1, w.fleet.spec.replicas)))
+        w.converge(max_steps=300, tick=10)
+        assert w.status.replicas == w.fleet.spec.replicas, trial
+    assert started > 10
+    assert completed > 5
+
+
+# ---- a lost status (issue #9, defect 4) ---------------------------------------------------------
+def test_a_wiped_status_adopts_the_newest_incarnations_pods_instead_of_deleting_them() -> None:
+    w = running(3)
+    w.fail("a-engine-1", "container engine exited with 1")
+    w.converge()  # the rank is replaced in place: a later incarnation would do as well
+    pods = {n: p.uid for n, p in w.pods.items()}
+    generation = w.status.fleetGeneration
+    w.status = EngineCoreSetStatus()  # wiped (kubectl patch --subresource=status, an etcd restore)
+
+    p = w.step()
+
+    assert not [a for a in p.actions if isinstance(a, Delete)]
+    assert w.events("StatusLost") == [f"the status was empty while pods of incarnation {generation} run: "
+                                      "adopted them (3 ranks) instead of recreating the fleet"]
+    assert not w.events("Creating")[1:]  # only the first creation's
+    assert (w.status.fleetGeneration, w.status.replicas) == (generation, 3)
+    w.converge()
+    assert w.status.phase == "Running"
+    assert {n: p.uid for n, p in w.pods.items()} == pods
+
+
+def test_a_wiped_status_with_an_incomplete_fleet_adopts_it_as_starting() -> None:
+    w = running(2, moe=True)
+    del w.pods["a-frontend"]
+    w.status = EngineCoreSetStatus()
+
+    w.step()
+
+    assert (w.status.fleetGeneration, w.status.replicas) == (1, 2)
+    assert w.events("StatusLost")[-1].endswith("adopted them (2 ranks, incomplete) instead of recreating the fleet")
+    w.converge()
+    assert w.status.phase == "Running"
+    assert w.status.fleetGeneration == 1  # the frontend was created for the adopted incarnation

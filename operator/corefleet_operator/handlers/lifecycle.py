@@ -30,10 +30,9 @@ def configure_settings(settings: kopf.OperatorSettings) -> None:
     settings.networking.request_timeout = 60
     settings.networking.connect_timeout = 30
 
-
     # Server-side filtering: the operator only ever receives the children it manages.
     owned = f"{constants.LABEL_MANAGED_BY}={constants.MANAGED_BY}"
-    for resource in ("pods", "services", "secrets", "networkpolicies"):
+    for resource in ("pods", "services", "secrets", "networkpolicies", "poddisruptionbudgets"):
         settings.watching.label_selectors[resource] = owned
 
 
