@@ -322,7 +322,11 @@ class AdminClient:
         return self._call("GET", path)[1]
 
     def fleet(self) -> FleetStatus:
-        return FleetStatus.from_json(self._get(FLEET_PATH))
+        return FleetStatus.from_json(self.fleet_json())
+
+    def fleet_json(self) -> dict[str, Any]:
+        """`GET /v1/fleet` as JSON, for a reader that must take states it does not know (an older operator)."""
+        return self._get(FLEET_PATH)
 
     def start_resize(self, request: ResizeRequest) -> tuple[bool, ResizeOperation]:
         """Start a resize; (True if this call started it, the operation). Raises AdminError (409, ...)."""

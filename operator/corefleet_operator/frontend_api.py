@@ -24,6 +24,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable
+from typing import TypeVar
 
 from corefleet_client.admin import FLEET_PATH, AdminClient, AdminError, ResizeRequest
 from corefleet_operator import constants
@@ -33,6 +35,8 @@ from corefleet_operator.planner import CancelResize, StartResize
 logger = logging.getLogger(__name__)
 
 ADMIN_TIMEOUT_SECONDS = 5.0
+NO_ADDRESS = "the frontend pod has no address yet"
+T = TypeVar("T")
 
 
 def admin_url(pod: PodObs) -> str:
@@ -57,17 +61,22 @@ class FrontendAPI:
     def _client(self, pod: PodObs, token: str) -> AdminClient:
         return AdminClient(admin_url(pod), token, timeout=self.timeout)
 
+    async def _read(self, pod: PodObs, token: str, call: Callable[[AdminClient], T]) -> tuple[T | None, str]:
+        """`call` on the pod's admin API off the event loop: (its answer, "") or (None, why it failed)."""
+        try:
+            return await asyncio.to_thread(call, self._client(pod, token)), ""
+        except AdminError as e:
+            return None, f"admin API answered {e.status}: {_reason(e)}"
+        except (OSError, ValueError, KeyError) as e:
+            return None, f"admin API at {admin_url(pod)}: {e}"
+
     async def observe(self, pod: PodObs | None, token: str, resize_id: str) -> FrontendObs:
         """What the frontend says of `resize_id`."""
         if pod is None:
-            return FrontendObs(reachable=False, error="the frontend pod has no address yet")
-        client = self._client(pod, token)
-        try:
-            op = await asyncio.to_thread(client.resize, resize_id)
-        except AdminError as e:
-            return FrontendObs(reachable=False, error=f"admin API answered {e.status}: {_reason(e)}")
-        except (OSError, ValueError, KeyError) as e:
-            return FrontendObs(reachable=False, error=f"admin API at {admin_url(pod)}: {e}")
+            return FrontendObs(reachable=False, error=NO_ADDRESS)
+        op, error = await self._read(pod, token, lambda client: client.resize(resize_id))
+        if error:
+            return FrontendObs(reachable=False, error=error)
         if op is None:
             refused = self._refused.get(resize_id, "")
             view = None if refused else await self.fleet(pod, token)  # a replacement waits for its ranks Dead
@@ -78,14 +87,10 @@ class FrontendAPI:
         """The frontend's view of the fleet's ranks (`GET /v1/fleet`), read leniently (`observe.fleet_obs`): the
         raw JSON, not `AdminClient.fleet()`, so a rank state added to the frontend later is not an error here."""
         if pod is None:
-            return FleetObs(reachable=False, error="the frontend pod has no address yet")
-        client = self._client(pod, token)
-        try:
-            body = await asyncio.to_thread(client._get, FLEET_PATH)
-        except AdminError as e:
-            return FleetObs(reachable=False, error=f"admin API answered {e.status}: {_reason(e)}")
-        except (OSError, ValueError) as e:
-            return FleetObs(reachable=False, error=f"admin API at {admin_url(pod)}: {e}")
+            return FleetObs(reachable=False, error=NO_ADDRESS)
+        body, error = await self._read(pod, token, AdminClient.fleet_json)
+        if error:
+            return FleetObs(reachable=False, error=error)
         if not isinstance(body, dict):
             return FleetObs(reachable=False, error=f"admin API at {admin_url(pod)}: {FLEET_PATH} is not an object")
         return fleet_obs(body)
