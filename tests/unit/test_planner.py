@@ -385,6 +385,13 @@ def check_recovery_invariants(world: World, before: Observed, p: Plan, deleted: 
                               created: list[Mapping[str, Any]]) -> None:
     old, new = before.status, p.status
     budget = world.fleet.spec.scaling.maxRecoveries
+    if any(e.reason == "StatusLost" for e in p.events):  # a lost status: the newest incarnation was adopted
+        newest = max(q.fleet_generation for q in before.pods if not q.terminating and q.fleet_generation)
+        assert new.fleetGeneration in (newest, newest + 1)  # adopted, and recovered at once if it lost a pod
+        if new.fleetGeneration == newest:  # adopted as it stands: none of its running members deleted
+            assert not [q.name for q in before.pods if q.fleet_generation == newest and q.name in deleted
+                        and q.phase == "Running" and q.ready]
+        return
     # Every lost incarnation is one recovery (never two at once), within the streak's budget.
     assert new.recoveries - old.recoveries in (0, 1)
     assert len([e for e in p.events if e.reason == "RankLost"]) <= 1
@@ -1296,7 +1303,8 @@ def test_the_frontend_is_not_asked_while_a_resize_runs_nor_while_the_fleet_start
 
 
 def test_random_crash_loops_hangs_and_dead_ranks_keep_the_recovery_invariants() -> None:
-    """Seeded: pods that crash at start, hang, fail, vanish; the frontend reporting ranks dead; resizes and time.
+    """Seeded: pods that crash at start, hang, fail, vanish; the frontend reporting ranks dead; resizes, lost
+    statuses and time.
     The invariants (check_invariants, check_recovery_invariants) are checked at every step."""
     rng = random.Random(9)
     failed_runs = 0
@@ -1328,6 +1336,8 @@ def test_random_crash_loops_hangs_and_dead_ranks_keep_the_recovery_invariants() 
                 w.scale(rng.randint(0, 4))
             elif roll < 0.38:
                 w.drop_actions = True
+            elif roll < 0.40:
+                w.status = EngineCoreSetStatus()  # lost (wiped, an etcd restore): the running pods are adopted
             w.step()
             w.clock += rng.choice([0, 1, 5, 30, 120])
         failed_runs += w.status.phase == "Failed"
