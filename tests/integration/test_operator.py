@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from kopf.testing import KopfRunner
 
+from clusterview import ClusterView
 from corefleet_operator import crd
-from corefleet_operator.localcluster import KubeletStandIn, LocalControlPlane, fail_pod, wait_until
-from factories import EcsFactory, make_ecs
+from corefleet_operator.localcluster import KubeletStandIn, LocalControlPlane, fail_pod
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -41,21 +41,8 @@ def operator(k8s: LocalControlPlane, ecs_crd: None, namespace: str,
     assert "Traceback" not in runner.output, runner.output
 
 
-class Cluster:
+class Cluster(ClusterView):
     """Reads for assertions, through the admin kubeconfig."""
-
-    def __init__(self, k8s: LocalControlPlane, namespace: str) -> None:
-        self.k8s, self.ns = k8s, namespace
-
-    def make(self, name: str) -> EcsFactory:
-        return make_ecs(name, self.ns)
-
-    def get(self, path: str) -> Any:
-        return self.k8s.request("GET", path)
-
-    def ecs(self, name: str) -> dict[str, Any]:
-        obj: dict[str, Any] = self.get(f"/apis/corefleet.io/v1alpha1/namespaces/{self.ns}/enginecoresets/{name}")
-        return obj
 
     def pods(self, fleet: str) -> dict[str, dict[str, Any]]:
         items = self.get(f"/api/v1/namespaces/{self.ns}/pods?labelSelector=corefleet.io/fleet={fleet}")["items"]
@@ -64,20 +51,6 @@ class Cluster:
     def events(self, reason: str) -> list[str]:
         items = self.get(f"/api/v1/namespaces/{self.ns}/events")["items"]
         return [e["message"] for e in items if e["reason"] == reason]
-
-    def apply(self, obj: dict[str, Any]) -> None:
-        self.k8s.kubectl("apply", "-n", self.ns, "-f", "-", input=json.dumps(obj))
-
-    def wait(self, what: str, check: Callable[[], bool], timeout: float = 90) -> None:
-        wait_until(check, timeout, what, interval=0.2)
-
-    def wait_running(self, name: str, replicas: int) -> dict[str, Any]:
-        def running() -> bool:
-            st = self.ecs(name).get("status", {})
-            return st.get("phase") == "Running" and st.get("readyReplicas") == replicas \
-                and st.get("replicas") == replicas
-        self.wait(f"{name} Running with {replicas} ready", running)
-        return self.ecs(name)
 
 
 @pytest.fixture

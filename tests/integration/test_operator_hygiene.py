@@ -22,12 +22,13 @@ import contextlib
 import json
 import threading
 import urllib.error
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from kopf.testing import KopfRunner
 
+from clusterview import ClusterView
 from corefleet_operator import constants, crd
 from corefleet_operator.handlers import fleet as fleet_handlers
 from corefleet_operator.localcluster import (
@@ -36,9 +37,7 @@ from corefleet_operator.localcluster import (
     add_gpu_node,
     finish_pod_deletions,
     mark_bound_pods_running,
-    wait_until,
 )
-from factories import EcsFactory, make_ecs
 
 OPERATOR_ARGS = ["run", "--standalone", "-m", "corefleet_operator.handlers"]
 
@@ -65,24 +64,11 @@ def operator(ecs_crd: None, namespace: str) -> Iterator[KopfRunner]:
         yield runner
 
 
-class Cluster:
+class Cluster(ClusterView):
     """Reads and writes for the tests, through the admin kubeconfig."""
-
-    def __init__(self, k8s: LocalControlPlane, namespace: str) -> None:
-        self.k8s, self.ns = k8s, namespace
-
-    def make(self, name: str) -> EcsFactory:
-        return make_ecs(name, self.ns)
-
-    def get(self, path: str) -> Any:
-        return self.k8s.request("GET", path)
 
     def core(self, plural: str, name: str = "") -> Any:
         return self.get(f"/api/v1/namespaces/{self.ns}/{plural}" + (f"/{name}" if name else ""))
-
-    def ecs(self, name: str) -> dict[str, Any]:
-        obj: dict[str, Any] = self.get(f"/apis/corefleet.io/v1alpha1/namespaces/{self.ns}/enginecoresets/{name}")
-        return obj
 
     def condition(self, name: str, ctype: str) -> dict[str, Any]:
         conds = {c["type"]: c for c in self.ecs(name).get("status", {}).get("conditions", [])}
@@ -98,20 +84,6 @@ class Cluster:
         return [e["message"] for e in self.core("events")["items"]
                 if e["reason"] == reason and e["involvedObject"].get("kind") == constants.KIND
                 and e["involvedObject"].get("name") == fleet]
-
-    def apply(self, obj: dict[str, Any]) -> None:
-        self.k8s.kubectl("apply", "-n", self.ns, "-f", "-", input=json.dumps(obj))
-
-    def wait(self, what: str, check: Callable[[], bool], timeout: float = 90) -> None:
-        wait_until(check, timeout, what, interval=0.2)
-
-    def running(self, name: str, replicas: int) -> bool:
-        st = self.ecs(name).get("status", {})
-        return st.get("phase") == "Running" and st.get("readyReplicas") == replicas and st.get("replicas") == replicas
-
-    def wait_running(self, name: str, replicas: int, timeout: float = 90) -> dict[str, Any]:
-        self.wait(f"{name} Running with {replicas} ready", lambda: self.running(name, replicas), timeout)
-        return self.ecs(name)
 
 
 @pytest.fixture

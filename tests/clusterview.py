@@ -1,0 +1,41 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Reads and writes of a test namespace on the real API server, for the operator's integration tests
+(through the admin kubeconfig of `LocalControlPlane`)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from corefleet_operator.localcluster import LocalControlPlane, wait_until
+from factories import EcsFactory, make_ecs
+
+
+class ClusterView:
+    def __init__(self, k8s: LocalControlPlane, namespace: str) -> None:
+        self.k8s, self.ns = k8s, namespace
+
+    def make(self, name: str) -> EcsFactory:
+        return make_ecs(name, self.ns)
+
+    def get(self, path: str) -> Any:
+        return self.k8s.request("GET", path)
+
+    def ecs(self, name: str) -> dict[str, Any]:
+        obj: dict[str, Any] = self.get(f"/apis/corefleet.io/v1alpha1/namespaces/{self.ns}/enginecoresets/{name}")
+        return obj
+
+    def apply(self, obj: dict[str, Any]) -> None:
+        self.k8s.kubectl("apply", "-n", self.ns, "-f", "-", input=json.dumps(obj))
+
+    def wait(self, what: str, check: Callable[[], bool], timeout: float = 90) -> None:
+        wait_until(check, timeout, what, interval=0.2)
+
+    def running(self, name: str, replicas: int) -> bool:
+        st = self.ecs(name).get("status", {})
+        return st.get("phase") == "Running" and st.get("readyReplicas") == replicas and st.get("replicas") == replicas
+
+    def wait_running(self, name: str, replicas: int, timeout: float = 90) -> dict[str, Any]:
+        self.wait(f"{name} Running with {replicas} ready", lambda: self.running(name, replicas), timeout)
+        return self.ecs(name)
