@@ -161,15 +161,15 @@ def admin_token(objects: Mapping[tuple[str, str], Mapping[str, Any]], fleet: str
     return fallback
 
 
-def observe(body: Mapping[str, Any], stored_status: Mapping[str, Any] | None, pods: Iterable[PodObs],
+def observe(body: Mapping[str, Any], status: EngineCoreSetStatus, pods: Iterable[PodObs],
             objects: Iterable[tuple[str, str, dict[str, Any]]], token: str) -> Observed:
-    """One reconcile's view of a fleet: the EngineCoreSet `body` with its `stored_status`, its pods
+    """One reconcile's view of a fleet: the EngineCoreSet `body` with its stored `status` (parsed), its pods
     (sorted by name), its other children as (kind, name, body), and the admin token (`token` until
     the Secret is observed). The frontend's answer is added by `with_frontend`."""
     by_key = {(kind, name): obj for kind, name, obj in objects}
     return Observed(
         generation=int(body["metadata"].get("generation") or 0),
-        status=EngineCoreSetStatus.parse(stored_status),
+        status=status,
         pods=tuple(sorted(pods, key=lambda p: p.name)),
         objects=by_key,
         admin_token=admin_token(by_key, str(body["metadata"]["name"]), token),

@@ -79,6 +79,7 @@ from corefleet_operator.planner import (
     Event,
     Plan,
     StartResize,
+    parse_time,
     plan,
     plan_invalid,
 )
@@ -378,8 +379,10 @@ def stuck_terminations(pods: Iterable[Terminating], now: datetime.datetime,
     stuck, wait = [], None
     for pod in pods:
         try:
-            deadline = datetime.datetime.strptime(pod.deadline, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC)
+            deadline = parse_time(pod.deadline)
         except ValueError:
+            continue
+        if deadline is None:
             continue
         left = (deadline - now).total_seconds() + margin
         if left <= 0:
@@ -484,7 +487,7 @@ class FleetReconciler:
         parsed = EngineCoreSetStatus.parse_report(stored)
         if parsed.problems and not self._status_readable(parsed):
             return STATUS_UNREADABLE_RETRY_SECONDS
-        observed = observe(body, stored, indexes[POD_INDEX].get(key, []), objects, self.token)
+        observed = observe(body, parsed.status, indexes[POD_INDEX].get(key, []), objects, self.token)
         observed, lost_frontend = self._admin_token(observed, name)
         frontend_at = frontend_pod(observed, name)
         if (resize_id := resize_in_flight(observed)) is not None:
