@@ -138,6 +138,24 @@ _HANDSHAKE_PROGRESS = {
 }
 
 
+def routing_counts(counts: list[list[int | float]], size: int,
+                   unroutable: Iterable[int]) -> list[list[int | float]]:
+    """The load the router reads for each of `size` ranks, from the coordinator's last counts.
+
+    The coordinator's counts may be shorter than the fleet: a publish it made before it applied a
+    scale-up (`SCALE_ELASTIC_EP`) can reach the stats task after it, and the coordinator publishes
+    again only when a count changes, or every 5 s. vLLM's router scans only `len(counts)` ranks, so
+    the new ranks would get no unpinned request meanwhile: they count as idle until the coordinator
+    knows them. Ranks that take no request (dead, unresponsive, leaving) look fully loaded.
+    """
+    if len(counts) < size:
+        counts = counts + [[0, 0, 0.0] for _ in range(size - len(counts))]
+    for rank in unroutable:
+        if rank < len(counts):
+            counts[rank] = [_UNROUTABLE, _UNROUTABLE, 0.0]
+    return counts
+
+
 def _connection_lost(e: zmq.ZMQError) -> str:
     return f"connection to the engine lost ({e.strerror})"
 
@@ -368,11 +386,8 @@ class KubeDPLBClient(RankReplacement, DPLBAsyncMPClient):  # type: ignore[misc] 
 
     # ---- routing -------------------------------------------------------------------------------
     def get_core_engine_for_request(self, request: Any) -> bytes:
-        if self._unroutable:
-            # vLLM's router picks the least loaded rank: make dead and leaving ranks look fully loaded.
-            for rank in self._unroutable:
-                if rank < len(self.lb_engines):
-                    self.lb_engines[rank] = [_UNROUTABLE, _UNROUTABLE, 0.0]
+        # vLLM's router picks the least loaded of the ranks in `lb_engines` (see routing_counts).
+        self.lb_engines = routing_counts(self.lb_engines, len(self.core_engines), self._unroutable)
         self._ignore_stale_loads()  # a replaced rank's load is not its lost engine's (frontend.replace)
         known = request.request_id in self.reqs_in_flight
         engine: bytes = super().get_core_engine_for_request(request)

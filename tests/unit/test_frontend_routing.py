@@ -1,0 +1,58 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What vLLM's router reads before each choice: `routing_counts`, and vLLM's own router run on it.
+
+The router (`DPLBAsyncMPClient.get_core_engine_for_request`, vLLM 0.32.0) scans only as many ranks
+as the coordinator's last counts hold. After a scale-up, a publish the coordinator made before it
+applied `SCALE_ELASTIC_EP` can arrive last; without the padding the new ranks get no unpinned
+request until the coordinator's next publish (up to 5 s when no count changes).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from vllm.v1.engine.core_client import DPLBAsyncMPClient
+
+from corefleet_client.frontend.client import routing_counts
+from corefleet_client.frontend.fleet import identity
+
+UNROUTABLE = 1 << 60
+
+
+def test_counts_shorter_than_the_fleet_are_padded_with_idle_ranks() -> None:
+    counts: list[list[int | float]] = [[0, 2, 0.1], [1, 1, 0.2]]
+    assert routing_counts(counts, 4, ()) == [[0, 2, 0.1], [1, 1, 0.2], [0, 0, 0.0], [0, 0, 0.0]]
+
+
+def test_counts_as_long_as_the_fleet_are_kept_as_they_are() -> None:
+    counts: list[list[int | float]] = [[0, 2, 0.1], [1, 1, 0.2]]
+    assert routing_counts(counts, 2, ()) is counts
+    assert counts == [[0, 2, 0.1], [1, 1, 0.2]]
+
+
+def test_ranks_that_take_no_request_look_fully_loaded() -> None:
+    counts: list[list[int | float]] = [[0, 0, 0.0]]
+    view = routing_counts(counts, 3, [2, 0, 7])  # 7: not in the fleet (left already): ignored
+    assert view == [[UNROUTABLE, UNROUTABLE, 0.0], [0, 0, 0.0], [UNROUTABLE, UNROUTABLE, 0.0]]
+
+
+def route(lb: list[list[int | float]], size: int, inflight: dict[int, int] | None = None) -> int:
+    """One routing choice by vLLM's own router on a stand-in client; the rank it picked."""
+    engines = [identity(r) for r in range(size)]
+    client: Any = SimpleNamespace(
+        reqs_in_flight={}, engine_inflight=Counter({identity(r): n for r, n in (inflight or {}).items()}),
+        lb_engines=lb, core_engines=engines, client_count=1, eng_start_index=0)
+    request = SimpleNamespace(request_id="r", data_parallel_rank=None, pooling_params=None)
+    chosen = DPLBAsyncMPClient.get_core_engine_for_request(client, request)
+    return int.from_bytes(chosen, "little")
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_the_new_rank_of_a_scale_up_gets_requests_only_with_the_padding(padded: bool) -> None:
+    # 2 -> 3: ranks 0 and 1 each run a request; the coordinator's counts still hold two ranks.
+    stale: list[list[int | float]] = [[0, 1, 0.1], [0, 1, 0.1]]
+    lb = routing_counts(stale, 3, ()) if padded else stale
+    assert route(lb, 3, {0: 1, 1: 1}) == (2 if padded else 0)
