@@ -343,6 +343,17 @@ def test_a_stopped_engine_is_unresponsive_and_serves_again_once_continued(fleet:
     os.kill(frontend, 0)  # still running
     assert fleet.health() == 200
     assert fleet.status().state == FleetState.SERVING
+    # Back in the routing: an unpinned burst of one stream per rank puts one on each, the returned rank too.
+    burst = [fleet.stream(fleet.max_tokens_long) for _ in range(fleet.rec.replicas)]
+    try:
+        for s in burst:
+            assert s.next_event() is not None
+        status = fleet.status()
+        assert [r.in_flight for r in status.ranks] == [1] * fleet.rec.replicas, status
+    finally:
+        for s in burst:
+            s.close()
+    wait_until(lambda: all(r.in_flight == 0 for r in fleet.status().ranks), 30, "the burst's streams to end")
     code, body = fleet.complete("after the stop", rank=slow)
     assert code == 200, body
 

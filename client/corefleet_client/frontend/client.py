@@ -559,8 +559,7 @@ class KubeDPLBClient(RankReplacement, DPLBAsyncMPClient):  # type: ignore[misc] 
             return
         waited = self._loop.time() - probe.sent_at
         self._unroutable.pop(rank, None)
-        if rank < len(self.lb_engines) and self.lb_engines[rank][0] >= _UNROUTABLE:
-            self.lb_engines[rank] = [0, 0, 0.0]  # until the coordinator's next stats
+        self._ignore_load_until_routed(rank)
         self._fleet.set_rank(rank, RankState.SERVING)
         logger.warning("Engine rank %d answered its liveness call after %.1fs: Serving again", rank, waited)
 

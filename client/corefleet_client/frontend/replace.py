@@ -46,8 +46,10 @@ engine's last ones (an engine publishes its counts only when they change, and th
 start at (0, 0) like its `last_counts`, so it publishes nothing until it gets a request). Had the
 lost engine died with requests running, the router would take the new engine for that loaded and,
 on a lightly loaded fleet, never give it a request. So until the first request is routed to a
-replaced rank, the router sees its load as zero (`_ignore_stale_loads`, called by the client before
-each routing choice); from then on the engine's own counts reach the coordinator.
+replaced rank, the router sees its load as zero (`_ignore_load_until_routed` at the commit, then
+`_ignore_stale_loads`, called by the client before each routing choice); from then on the engine's
+own counts reach the coordinator. A rank back from Unresponsive gets the same treatment (its
+coordinator counts may be from before it stalled).
 
 On a failure (no HELLO or READY within the join timeout, a cancel, no ready response, another
 vLLM version or TP size) the operation fails with the reason, the rank stays Dead and unroutable,
@@ -92,6 +94,8 @@ class _Host(Protocol):
 
     def _fail_requests(self, request_ids: list[str], message: str, rank: int | None = None) -> None: ...
 
+    def _ignore_load_until_routed(self, rank: int) -> None: ...
+
 
 def _new_engine(rank: int) -> CoreEngine:
     engine = CoreEngine(index=rank, local=False)
@@ -117,6 +121,17 @@ class RankReplacement:
                 del stale[rank]  # it got a request (its engine now publishes its own counts), or left the routing
             else:
                 self.lb_engines[rank] = [0, 0, 0.0]
+
+    def _ignore_load_until_routed(self: _Host, rank: int) -> None:
+        """A rank back in the routing: the coordinator's load for it counts as zero until a request is routed
+        to it (a replaced rank's new engine, or a rank back from Unresponsive, whose last published counts
+        may be older than what it runs now). The router still counts this client's own requests on it
+        exactly (vLLM's score is the greater of the two)."""
+        if rank < len(self.lb_engines):
+            self.lb_engines[rank] = [0, 0, 0.0]
+        if self._stale_loads is None:
+            self._stale_loads = {}
+        self._stale_loads[rank] = self._records[rank].requests_total
 
     async def _replace(self: _Host, op: ResizeOperation) -> None:
         # client.py imports this module (its client class inherits this one): its names come at call time.
@@ -161,14 +176,10 @@ class RankReplacement:
                 self._fail_requests(leftover, f"rank {rank} was replaced by {op.id} before this request "
                                               "finished: retry the request", rank)
             self.engine_inflight.pop(identity(rank), None)
-            if rank < len(self.lb_engines):
-                self.lb_engines[rank] = [0, 0, 0.0]  # until the coordinator's next stats
             self._probes.pop(rank, None)
             self._unroutable.pop(rank, None)
             self._records[rank] = self._fleet.record(rank)
-            if self._stale_loads is None:
-                self._stale_loads = {}
-            self._stale_loads[rank] = self._records[rank].requests_total
+            self._ignore_load_until_routed(rank)
             self._fleet.set_rank(rank, RankState.SERVING)
         logger.info("Replacement %s: %s replaced in place; %d rank(s) serve", op.id, describe(ranks),
                     len(self._fleet.ranks_in(RankState.SERVING)))
