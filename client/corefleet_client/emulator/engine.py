@@ -71,11 +71,47 @@ def get_cached_tcp_store_client(host: str, port: int) -> Any:
 
 
 # Worker types and states of vllm/distributed/elastic_ep/elastic_state.py, collapsed: the emulator
-# has no DP group, workers or weights, so the collectives (new DP group, weight transfer, KV-size
-# MIN all-reduce, EPLB reshuffle, wave-state MAX all-reduce) are left out and every state that only
-# waits for them passes at once. What remains is what other processes can observe: the store key
-# `eep_ready/{rank}`, the EEP notifications and their order, the exit of a removed rank.
+# has no DP group, workers or weights, so the collectives (weight transfer, KV-size MIN all-reduce,
+# EPLB reshuffle, wave-state MAX all-reduce) are left out and every state that only waits for them
+# passes at once. What remains is what other processes can observe: the store key
+# `eep_ready/{rank}`, the EEP notifications and their order, the exit of a removed rank, and the one
+# collective that orders the ranks of a resize, emulated below (GROUP_JOIN_KEY).
 PREPARE, READY_FOR_SWITCH, COMPLETE = "PREPARE", "READY_FOR_SWITCH", "COMPLETE"
+
+# Joining the new group of a resize, emulated on its coordination store. In vLLM every rank of the
+# new group (the old ranks in PREPARE, after `reinitialize_distributed`; a new rank in its init,
+# before READY) creates the new process groups, a collective of all of them: a new rank's READY
+# comes only once every old rank has been sent `reinitialize_distributed`, and an old rank's
+# `eep_ready` key only once every new rank has started (docs/vllm-protocol.md §10.2). Each rank sets
+# its key and waits for the keys of ranks 0..size-1; a client that gets the order wrong waits here,
+# as it would on vLLM, until GROUP_JOIN_TIMEOUT_S fails the engine.
+GROUP_JOIN_KEY = "corefleet-emulator/joined/{rank}"
+GROUP_JOIN_TIMEOUT_S = STORE_TIMEOUT_S
+
+
+def group_join_keys(size: int) -> list[str]:
+    return [GROUP_JOIN_KEY.format(rank=r) for r in range(size)]
+
+
+def join_new_group(store: Any, rank: int, size: int, stop: threading.Event,
+                   timeout_s: float = GROUP_JOIN_TIMEOUT_S) -> None:
+    """Set this rank's join key and wait until ranks 0..size-1 all set theirs; RuntimeError at the timeout."""
+    store.set(GROUP_JOIN_KEY.format(rank=rank), b"1")
+    keys = group_join_keys(size)
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        if stop.is_set():
+            raise EngineExit(EXIT_OK)
+        if time.monotonic() > deadline:
+            missing = [k for k in keys if not store.check([k])]
+            raise RuntimeError(f"rank {rank} waited {timeout_s:g}s for the new group of {size} rank(s) to form; "
+                               f"missing: {', '.join(missing)}")
+        time.sleep(POLL_S / 4)
+
+
+def missing_ready_keys(store: Any, size: int) -> list[str]:
+    """The `eep_ready/{rank}` keys of ranks 0..size-1 that are not set."""
+    return [k for k in (f"eep_ready/{r}" for r in range(size)) if not store.check([k])]
 
 
 @dataclass
@@ -194,6 +230,14 @@ class EmulatedEngineCore:
 
             if cfg.scale_up_launch and self.coordinated_dp:
                 self._eep_scale_up_before_kv_init()
+                state = self.eep_scaling_state
+                assert state is not None
+                if not state.store_port:
+                    raise RuntimeError("a scale-up engine needs the resize's coord store: "
+                                       "INIT's _coord_store_port is 0")
+                join_new_group(get_cached_tcp_store_client(state.store_host, state.store_port), self.dp_rank,
+                               self.data_parallel_size, self.stop)
+                logger.info("[Elastic EP] Joined the new group of %d ranks", self.data_parallel_size)
 
             ready_event = threading.Event()
             self._start_threads(ready_event)
@@ -676,6 +720,14 @@ class EmulatedEngineCore:
         state = self.eep_scaling_state
         if state is None or state.commit_requested or not state.is_ready_for_switch():
             raise RuntimeError("No prepared Elastic EP reconfiguration is ready")
+        assert state.request is not None
+        # vLLM's switch is a collective of the whole new group: committed before every rank is ready
+        # for it, it would hang; the emulator refuses instead.
+        missing = missing_ready_keys(get_cached_tcp_store_client(state.store_host, state.store_port),
+                                     state.request.new_data_parallel_size)
+        if missing:
+            raise RuntimeError("Elastic EP commit before every rank of the new group is ready for the switch: "
+                               + ", ".join(missing) + " not set")
         state.commit_requested = True
         self.process_input_queue_block = False
         logger.info("[Elastic EP] Committing prepared reconfiguration")
@@ -698,7 +750,11 @@ class EmulatedEngineCore:
             raise RuntimeError("no coord store port (INIT's _coord_store_port is 0): cannot publish " + state.ready_key)
 
         def set_key() -> None:
-            get_cached_tcp_store_client(state.store_host, state.store_port).set(state.ready_key, b"1")
+            store = get_cached_tcp_store_client(state.store_host, state.store_port)
+            if state.worker_type == "existing":  # a new rank joined before its READY
+                assert state.request is not None
+                join_new_group(store, self.dp_rank, state.request.new_data_parallel_size, self.stop)
+            store.set(state.ready_key, b"1")
             logger.info("[Elastic EP] Set %s in the coord store %s:%d", state.ready_key, state.store_host,
                         state.store_port)
 
