@@ -10,10 +10,10 @@ own flags come first, then `--`, then vLLM's (`corefleet_client.argv.split_launc
 * the coordinator: `--engine-count N --host H --front-publish-port ... [--no-wave-coordination]`
   (it takes no vLLM flags);
 * the frontend: `[--admin-host H] --admin-port P --admin-token-file F --coordinator-address A
-  --coordinator-*-port ... [--engine0-address E] -- MODEL --host H --port P --data-parallel-* ...
-  <vLLM flags>`;
-* an engine (or the emulator): `[--health-host H] --health-port P [--token-delay-ms D] -- MODEL
-  --headless --data-parallel-* ... <vLLM flags>`.
+  --coordinator-*-port ... [--engine0-address E] [--coord-store-port S] -- MODEL --host H --port P
+  --data-parallel-* ... <vLLM flags>`;
+* an engine (or the emulator): `[--health-host H] --health-port P [--token-delay-ms D]
+  [--coord-store-port S] -- MODEL --headless --data-parallel-* ... <vLLM flags>`.
 
 A launcher binds its own listener (health, admin) to 0.0.0.0 unless told a host, so a pod leaves
 those flags out. Flags that only one caller derives (tensor parallelism, load format, expert
@@ -89,6 +89,7 @@ def frontend_args(
     coordinator_back_publish_port: int,
     admin_host: str | None = None,
     engine0_address: str | None = None,
+    coord_store_port: int | None = None,
     vllm_flags: Sequence[str] = (),
 ) -> list[str]:
     """Arguments of the frontend (`corefleet_client.frontend`): vLLM's API server with corefleet's
@@ -98,7 +99,8 @@ def frontend_args(
     0.0.0.0, when None) at `admin_port`, with the bearer token read from `admin_token_file`. The
     frontend runs no engine itself (`--data-parallel-size-local 0`) and is the DP master at
     `dp_address:rpc_port`. `engine0_address` (MoE) is the address it advertises to the engines as
-    the DP master: engine rank 0's, which binds its DP group port there.
+    the DP master: engine rank 0's, which binds its DP group port there. `coord_store_port`
+    (elastic EP) is the port of the startup's coordination store beside engine 0, advertised too.
     """
     launcher = [] if admin_host is None else ["--admin-host", admin_host]
     launcher += [
@@ -111,6 +113,8 @@ def frontend_args(
     ]
     if engine0_address is not None:
         launcher += ["--engine0-address", engine0_address]
+    if coord_store_port is not None:
+        launcher += ["--coord-store-port", str(coord_store_port)]
     return [
         *launcher,
         LAUNCHER_ARGS_END,
@@ -135,6 +139,7 @@ def engine_args(
     health_port: int,
     health_host: str | None = None,
     token_delay_ms: int | None = None,
+    coord_store_port: int | None = None,
     vllm_flags: Sequence[str] = (),
 ) -> list[str]:
     """Arguments of data-parallel rank `rank`'s engine launcher: `corefleet_client.engine` (a
@@ -143,12 +148,15 @@ def engine_args(
     The engine handshakes with the DP master (the frontend) at `dp_address:rpc_port`. The
     launcher answers /livez and /readyz on `health_host` (the launcher's default, 0.0.0.0, when
     None) at `health_port`. `token_delay_ms` is the emulator's per-token delay (the vLLM engine
-    launcher has no such flag).
+    launcher has no such flag). `coord_store_port` (engine rank 0 of an elastic-EP fleet): the
+    launcher also serves the startup's coordination store, on its health host at that port.
     """
     launcher = [] if health_host is None else ["--health-host", health_host]
     launcher += ["--health-port", str(health_port)]
     if token_delay_ms is not None:
         launcher += ["--token-delay-ms", str(token_delay_ms)]
+    if coord_store_port is not None:
+        launcher += ["--coord-store-port", str(coord_store_port)]
     return [
         *launcher,
         LAUNCHER_ARGS_END,

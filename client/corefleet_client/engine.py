@@ -61,6 +61,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -76,6 +77,7 @@ logger = logging.getLogger(__name__)
 
 PROG = "python -m corefleet_client.engine"
 ENGINE_CORE_MODULE = "corefleet_client.enginecore"
+COORD_STORE_MODULE = "corefleet_client.coordstore"
 DEFAULT_HEALTH_HOST = "0.0.0.0"
 # The frontend pod may get its address (and DNS record) a little after the engine pods start.
 DEFAULT_RESOLVE_TIMEOUT_S = 120.0
@@ -100,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--health-host", default=DEFAULT_HEALTH_HOST, help="address to serve /livez and /readyz on")
     parser.add_argument("--resolve-timeout", type=float, default=DEFAULT_RESOLVE_TIMEOUT_S,
                         help="seconds to keep retrying while --data-parallel-address does not resolve")
+    parser.add_argument("--coord-store-port", type=int, default=None,
+                        help="engine rank 0 of an elastic-EP fleet: also serve the startup's coordination store "
+                             "(corefleet_client.coordstore) on --health-host at this port")
     return parser
 
 
@@ -111,6 +116,8 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     args = parser.parse_args(own_argv)
     if not 0 < args.health_port < 65536:
         parser.error(f"--health-port must be in 1..65535, got {args.health_port}")
+    if args.coord_store_port is not None and not 0 < args.coord_store_port < 65536:
+        parser.error(f"--coord-store-port must be in 1..65535, got {args.coord_store_port}")
     if not vllm_argv:
         parser.error("expected `-- MODEL --headless ...`: the vLLM serve arguments follow `--`")
     return args, vllm_argv
@@ -144,6 +151,26 @@ def engine_core_argv(args: argparse.Namespace, vllm_argv: Sequence[str], handsha
                      report_fd: int) -> list[str]:
     return [sys.executable, "-m", ENGINE_CORE_MODULE, "--handshake-address", handshake_address,
             "--report-fd", str(report_fd), "--resolve-timeout", str(args.resolve_timeout), ARGS_END, *vllm_argv]
+
+
+def coord_store_argv(args: argparse.Namespace) -> list[str]:
+    return [sys.executable, "-m", COORD_STORE_MODULE, "--host", args.health_host, "--port", str(args.coord_store_port)]
+
+
+def watch_coord_store(store: subprocess.Popen[bytes], engine: subprocess.Popen[bytes],
+                      stopping: threading.Event) -> threading.Thread:
+    """A lost coordination store fails the engines that use it (as in vLLM): stop this rank's engine too,
+    so that the pod ends Failed and the operator recovers the fleet."""
+    def watch() -> None:
+        code = store.wait()
+        if stopping.is_set() or engine.poll() is not None:
+            return
+        logger.error("The coordination store (pid %d) exited with code %s; stopping the engine", store.pid, code)
+        engine.terminate()
+
+    thread = threading.Thread(target=watch, name="coord-store-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 def read_report(fd: int) -> LaunchReport | None:
@@ -229,11 +256,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.error("Cannot serve health on %s:%d: %s", args.health_host, args.health_port, e)
         return EXIT_FAILED
     engine: subprocess.Popen[bytes] | None = None
+    store: subprocess.Popen[bytes] | None = None
+    store_stopping = threading.Event()
     engine_process: ChildProcess | None = None
     launch: LaunchReport | None = None
     relay: HandshakeRelay | None = None
     try:
         health.start()
+        # 0. Engine rank 0 of an elastic-EP fleet: the startup's coordination store, before the engine
+        #    (every engine of the fleet opens it at startup).
+        if args.coord_store_port is not None:
+            store = subprocess.Popen(coord_store_argv(args), stdin=subprocess.DEVNULL)
+            logger.info("Coordination store process started (pid %d) on %s:%d", store.pid, args.health_host,
+                        args.coord_store_port)
         # 1. The engine core: it parses vLLM's flags, builds the config and reports on a pipe.
         report_r, report_w = os.pipe()
         handshake_address = handshake_ipc_address()
@@ -244,6 +279,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             os.close(report_w)
         engine_process = ChildProcess(engine)
         state.attach(engine_process)
+        if store is not None:
+            watch_coord_store(store, engine, store_stopping)
         logger.info("Engine core process started (pid %d)", engine.pid)
         launch = read_report(report_r)
 
@@ -270,11 +307,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         stopping = True
         if relay is not None:
             relay.close()
+        if engine is not None and stop_requested:
+            grace = (launch.shutdown_timeout if launch is not None else 0.0) + ORPHAN_GRACE_S
+            logger.info("Waiting up to %.0f seconds for the engine to exit", grace)
+            stop_engine(engine, grace)
+        if store is not None:
+            store_stopping.set()
+            stop_engine(store, ORPHAN_GRACE_S)  # after the engine: it may use the store until it exits
         if engine is not None:
-            if stop_requested:
-                grace = (launch.shutdown_timeout if launch is not None else 0.0) + ORPHAN_GRACE_S
-                logger.info("Waiting up to %.0f seconds for the engine to exit", grace)
-                stop_engine(engine, grace)
             stop_orphans()
         health.close()  # /livez has said 503 since the engine exited
         if engine_process is not None:

@@ -34,7 +34,11 @@ The changes:
    engine 0 has its own pod, so INIT must name engine 0's address instead. Without a coordination
    store (`_coord_store_port == 0`, the case for a non-elastic fleet whose frontend has no local
    engines) the port comes from the INIT's `data_parallel_master_port`, a port that is free in
-   engine 0's fresh pod. The elastic path (a coordination store per resize) is not covered here.
+   engine 0's fresh pod. With elastic EP every engine opens a coordination store at startup, at
+   that same address (`parallel_state._init_elastic_ep_world`), and vLLM's multiprocess launch
+   creates none: engine 0's launcher serves one (`corefleet_client.coordstore`) on a fixed port,
+   which INIT advertises as `_coord_store_port`. The stores of resizes (fresh per resize) are
+   issue 11's.
 3. `install_fleet_health_check` wraps `AsyncLLM.check_health` (vllm/v1/engine/async_llm.py).
    vLLM's `/health` is 503 only when the whole engine-core client is dead, and a client with
    externally managed engines never learns that one died: a dense fleet kept answering 200 while
@@ -125,17 +129,21 @@ def restore_client_factory() -> None:
     EngineCoreClient.make_async_mp_client = staticmethod(_ORIGINAL_FACTORY)
 
 
-def advertised_parallel_config(parallel_config: ParallelConfig, engine0_address: str | None) -> ParallelConfig:
+def advertised_parallel_config(parallel_config: ParallelConfig, engine0_address: str | None,
+                               coord_store_port: int | None = None) -> ParallelConfig:
     """The ParallelConfig whose fields INIT advertises to engines (change 2).
 
-    A copy with `data_parallel_master_ip` set to engine rank 0's address; the frontend's own
-    config is left as it is (it binds its sockets on its own address). `compute_hash`, which the
-    frontend checks READY against, ignores the master address, so the copy hashes the same.
+    A copy with `data_parallel_master_ip` set to engine rank 0's address and, for elastic EP,
+    `_coord_store_port` set to the startup's coordination store beside it (`corefleet_client.coordstore`);
+    the frontend's own config is left as it is (it binds its sockets on its own address).
+    `compute_hash`, which the frontend checks READY against, ignores both, so the copy hashes the same.
     """
     if not engine0_address:
         return parallel_config
     advertised = copy.copy(parallel_config)
     advertised.data_parallel_master_ip = engine0_address
+    if coord_store_port:
+        advertised._coord_store_port = coord_store_port
     return advertised
 
 

@@ -53,6 +53,7 @@ PORT_HEALTH = "health"
 PORT_COORD_FRONT_PUBLISH = "coord-front-pub"
 PORT_COORD_BACK_OUTPUT = "coord-back-out"
 PORT_COORD_BACK_PUBLISH = "coord-back-pub"
+PORT_COORD_STORE = "coord-store"
 
 COORDINATOR_PORTS: tuple[tuple[str, int], ...] = (
     (PORT_COORD_FRONT_PUBLISH, constants.COORDINATOR_FRONT_PUBLISH_PORT),
@@ -117,6 +118,7 @@ def engine_pod(
     name = constants.engine_name(fleet.name, rank)
 
     # The launcher's health listener binds 0.0.0.0 by default: no --health-host.
+    store_port = _coord_store_port(fleet) if rank == 0 else None
     args = commands.engine_args(
         model=spec.model,
         dp_size=dp_size,
@@ -124,6 +126,7 @@ def engine_pod(
         dp_address=frontend_address,
         rpc_port=constants.DP_RPC_PORT,
         health_port=constants.ENGINE_HEALTH_PORT,
+        coord_store_port=store_port,
         vllm_flags=[
             "--tensor-parallel-size", str(tp),
             "--load-format", spec.engine.loadFormat,
@@ -146,7 +149,8 @@ def engine_pod(
         "command": commands.command(commands.ENGINE_MODULE),
         "args": args,
         "env": env,
-        "ports": [_container_port(PORT_HEALTH, constants.ENGINE_HEALTH_PORT)],
+        "ports": [_container_port(PORT_HEALTH, constants.ENGINE_HEALTH_PORT),
+                  *([_container_port(PORT_COORD_STORE, store_port)] if store_port is not None else [])],
         "resources": resources,
         "volumeMounts": [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}],
         # The launcher answers /livez as soon as it runs; /readyz once its engine joined the fleet. The
@@ -217,6 +221,7 @@ def frontend_pod(fleet: FleetRef, *, dp_size: int, coordinator_address: str, fle
         coordinator_back_output_port=constants.COORDINATOR_BACK_OUTPUT_PORT,
         coordinator_back_publish_port=constants.COORDINATOR_BACK_PUBLISH_PORT,
         engine0_address=_engine0_address(fleet),
+        coord_store_port=_coord_store_port(fleet),
         vllm_flags=[
             "--tensor-parallel-size", str(spec.engine.tensorParallelSize),
             *_expert_parallel_flags(spec, dp_size),
@@ -534,6 +539,13 @@ def _engine0_address(fleet: FleetRef) -> str | None:
     if not fleet.spec.expertParallel:
         return None
     return constants.pod_dns(fleet.name, constants.engine_name(fleet.name, 0), fleet.namespace)
+
+
+def _coord_store_port(fleet: FleetRef) -> int | None:
+    """Elastic EP: the port of the startup's coordination store, which engine rank 0's launcher serves in its
+    pod and the frontend advertises to every engine (corefleet_client.coordstore); vLLM's multiprocess launch
+    creates none, and every elastic-EP engine opens it at startup at engine 0's address."""
+    return constants.COORD_STORE_PORT if fleet.spec.expertParallel else None
 
 
 def _expert_parallel_flags(spec: EngineCoreSetSpec, dp_size: int) -> list[str]:

@@ -65,6 +65,9 @@ DP_RPC_PORT: Final = 29550  # the engines' handshake ROUTER on the frontend (--d
 COORDINATOR_FRONT_PUBLISH_PORT: Final = 29551  # XPUB: stats and wave state to the frontend
 COORDINATOR_BACK_OUTPUT_PORT: Final = 29552  # PULL: engines' stats
 COORDINATOR_BACK_PUBLISH_PORT: Final = 29553  # XPUB: wave start to the engines
+# Elastic EP (expertParallel): the coordination store of a fleet's startup, served by engine rank 0's
+# launcher in its pod (corefleet_client.coordstore) and advertised to every engine in INIT.
+COORD_STORE_PORT: Final = 29554
 OPERATOR_HEALTH_PORT: Final = 8080
 OPERATOR_METRICS_PORT: Final = 9090
 

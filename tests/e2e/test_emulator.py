@@ -442,17 +442,20 @@ def test_elastic_ep_engine_side_scale_up_then_down(tmp_path: Path) -> None:
     moe_flags = ("--enable-expert-parallel", "--enable-eplb", "--enable-elastic-ep", "--elastic-ep-max-dp-size", "4",
                  "--eplb-config", '{"use_async": false}')
     ctx: zmq.Context = zmq.Context()
-    startup_store = new_coord_store()
+    startup_store_port = free_port()
     try:
         with processes() as procs:
             front = FakeFrontend(ctx, rpc_port)
             for rank in (0, 1):
-                procs.append(Proc(f"emulator-{rank}", emulator_cmd(model, rank, 2, rpc_port, health[rank],
+                # Rank 0 serves the startup's coordination store, as engine 0's launcher does in a pod.
+                store_flag = ("--coord-store-port", str(startup_store_port)) if rank == 0 else ()
+                procs.append(Proc(f"emulator-{rank}", emulator_cmd(model, rank, 2, rpc_port, health[rank], *store_flag,
                                                                    vllm_extra=moe_flags), tmp_path))
-            # 1. Startup, as launch_core_engines does for coordinated (MoE) DP with elastic EP.
+            # 1. Startup, as corefleet's frontend advertises it for elastic EP: engine 0 is the DP master and
+            #    the store is beside it; both engines open the store and form their DP group through it.
             ready = front.handshake({0, 1}, {
                 "data_parallel_master_ip": "127.0.0.1", "data_parallel_master_port": free_port(),
-                "_data_parallel_master_port_list": [], "_coord_store_port": startup_store.port,
+                "_data_parallel_master_port_list": [], "_coord_store_port": startup_store_port,
                 "data_parallel_size": 2}, procs)
             hashes = {msg["parallel_config_hash"] for msg in ready.values()}
             assert len(hashes) == 1, ready
@@ -529,7 +532,32 @@ def test_elastic_ep_engine_side_scale_up_then_down(tmp_path: Path) -> None:
             assert procs[0].wait_exit(EXIT_TIMEOUT) == 0, procs[0].tail()
     finally:
         ctx.destroy(linger=0)
-        del startup_store
+    for rank in (0, 1):
+        assert "DP group formed through the coordination store" in procs[rank].log.read_text(), procs[rank].tail()
+
+
+def test_an_elastic_engine_without_a_coordination_store_fails_at_startup(tmp_path: Path) -> None:
+    """vLLM's elastic-EP engine opens the store at startup; INIT without one (what vLLM's multiprocess
+    launch sends, and corefleet sent before issue 11) fails the engine with a message, before READY."""
+    model = write_tiny_model(tmp_path / "tiny-mixtral", architectures=["MixtralForCausalLM"], model_type="mixtral",
+                             num_local_experts=4, num_experts_per_tok=2)
+    rpc_port = free_port()
+    moe_flags = ("--enable-expert-parallel", "--enable-eplb", "--enable-elastic-ep", "--elastic-ep-max-dp-size", "2")
+    ctx: zmq.Context = zmq.Context()
+    try:
+        with processes() as procs:
+            front = FakeFrontend(ctx, rpc_port)
+            procs.append(Proc("emulator-1", emulator_cmd(model, 1, 2, rpc_port, free_port(), vllm_extra=moe_flags),
+                              tmp_path))
+            with pytest.raises(ProcessExited):
+                front.handshake({1}, {
+                    "data_parallel_master_ip": "127.0.0.1", "data_parallel_master_port": free_port(),
+                    "_data_parallel_master_port_list": [], "_coord_store_port": 0, "data_parallel_size": 2}, procs)
+            assert procs[0].wait_exit(EXIT_TIMEOUT) == 1, procs[0].tail()
+            assert "elastic EP needs the fleet's coordination store at startup" in procs[0].log.read_text(), \
+                procs[0].tail()
+    finally:
+        ctx.destroy(linger=0)
 
 
 def test_parallel_config_hash_matches_a_real_engines(tmp_path: Path) -> None:

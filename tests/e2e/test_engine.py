@@ -170,11 +170,15 @@ def test_launched_engines_join_a_stock_frontend(tmp_path: Path, procs: list[Proc
     model = str(write_tiny_llama(tmp_path / "tiny-llama"))
     rpc_port, http_port = free_port(), free_port()
     health_ports = [free_port(), free_port()]
+    store_port = free_port()
 
     def launcher(rank: int) -> Proc:
+        # Rank 0 also serves a coordination store, as it does in an elastic-EP fleet (this dense fleet's
+        # engines do not use it): a child of the launcher beside the engine core, stopped with it.
+        store = ["--coord-store-port", str(store_port)] if rank == 0 else []
         return Proc(f"engine-{rank}", [
             sys.executable, "-m", "corefleet_client.engine",
-            "--health-host", "127.0.0.1", "--health-port", str(health_ports[rank]), "--",
+            "--health-host", "127.0.0.1", "--health-port", str(health_ports[rank]), *store, "--",
             model, "--headless", "--data-parallel-size", "2", "--data-parallel-size-local", "1",
             "--data-parallel-start-rank", str(rank), "--data-parallel-address", "127.0.0.1",
             "--data-parallel-rpc-port", str(rpc_port), *VLLM_FLAGS,
@@ -218,6 +222,14 @@ def test_launched_engines_join_a_stock_frontend(tmp_path: Path, procs: list[Proc
         assert "libtorch" not in launcher_maps, eng.output()
         assert "/vllm/" not in launcher_maps, eng.output()
 
+    # 2c. Rank 0's coordination store answers on the launcher's host.
+    from torch.distributed import TCPStore
+
+    client = TCPStore("127.0.0.1", store_port, is_master=False, wait_for_workers=False)
+    client.set("probe", b"1")
+    assert client.get("probe") == b"1"
+    del client
+
     # 3. Requests go through. (Where DPLB sends each one is its business; both ranks are joined.)
     for prompt in ([1, 17, 42, 99], [1, 5, 6, 7, 8], [1, 300, 301]):
         result = complete(http_port, prompt)
@@ -249,6 +261,7 @@ def test_launched_engines_join_a_stock_frontend(tmp_path: Path, procs: list[Proc
     # 5. SIGTERM to rank 0's launcher: the engine is shut down, exit 0, nothing left behind.
     rank0_tree = engines[0].descendants()
     assert any(p.pid == engine_pid(engines[0]) for p in rank0_tree), rank0_tree
+    assert any("corefleet_client.coordstore" in p.cmdline() for p in rank0_tree), rank0_tree
     os.kill(engines[0].pid, signal.SIGTERM)
     assert engines[0].wait(EXIT_TIMEOUT) == 0, engines[0].output()
     wait_until(lambda: all(gone_or_zombie(p) for p in rank0_tree),

@@ -109,6 +109,21 @@ def test_engine0_binds_the_master_address() -> None:
     assert "s.bind((self.data_parallel_master_ip, 0))" in src
 
 
+def test_elastic_engines_open_the_coordination_store_at_the_master_address(engine_utils: ModuleType) -> None:
+    """Why engine 0's launcher serves a coordination store (corefleet_client.coordstore) and INIT advertises it:
+    every elastic-EP engine opens the store at startup at the DP master address, vLLM's multiprocess launch
+    creates none, and INIT carries the port."""
+    parallel_state = importlib.import_module("vllm.distributed.parallel_state")
+    world = inspect.getsource(parallel_state._init_elastic_ep_world)
+    assert "parallel_config.data_parallel_master_ip, parallel_config._coord_store_port" in world
+    launch = inspect.getsource(engine_utils.launch_core_engines)
+    assert "and not parallel_config.enable_elastic_ep" in launch  # its store is for the non-elastic case only
+    startup = inspect.getsource(engine_utils.wait_for_engine_startup)
+    assert '"_coord_store_port"' in startup
+    parallel = importlib.import_module("vllm.config.parallel")
+    assert 'key = "dp_master_port"' in inspect.getsource(parallel.ParallelConfig._pick_stateless_dp_port)
+
+
 def test_dplb_internals_pinned(core_client: ModuleType) -> None:
     """Attributes and hooks of DPLBAsyncMPClient that KubeDPLBClient reads or overrides."""
     dplb = core_client.DPLBAsyncMPClient

@@ -178,7 +178,9 @@ def test_pods_and_local_mode_build_their_command_lines_with_commands(moe: bool) 
     coord = builders.coordinator_pod(fleet, dp_size=2)["spec"]["containers"][0]
     front = builders.frontend_pod(fleet, dp_size=2, coordinator_address="c")["spec"]["containers"][0]
     engine = builders.engine_pod(fleet, 1, dp_size=2, frontend_address="f")["spec"]["containers"][0]
+    rank0 = builders.engine_pod(fleet, 0, dp_size=2, frontend_address="f")["spec"]["containers"][0]
     engine0 = constants.pod_dns("a", constants.engine_name("a", 0), "ns") if moe else None
+    store = constants.COORD_STORE_PORT if moe else None  # elastic EP: engine 0 serves the startup's store
 
     # The pods: `python` from the image, listeners on 0.0.0.0 (no --health-host/--admin-host), fixed ports.
     assert coord["command"] == ["python", "-m", commands.COORDINATOR_MODULE]
@@ -194,11 +196,15 @@ def test_pods_and_local_mode_build_their_command_lines_with_commands(moe: bool) 
         coordinator_front_publish_port=constants.COORDINATOR_FRONT_PUBLISH_PORT,
         coordinator_back_output_port=constants.COORDINATOR_BACK_OUTPUT_PORT,
         coordinator_back_publish_port=constants.COORDINATOR_BACK_PUBLISH_PORT, engine0_address=engine0,
-        vllm_flags=[*tp, *ep, *user])
+        coord_store_port=store, vllm_flags=[*tp, *ep, *user])
     assert engine["command"] == ["python", "-m", commands.ENGINE_MODULE]
     assert engine["args"] == commands.engine_args(
         model=spec.model, dp_size=2, rank=1, dp_address="f", rpc_port=constants.DP_RPC_PORT,
         health_port=constants.ENGINE_HEALTH_PORT, vllm_flags=[*tp, "--load-format", "auto", *ep, *user])
+    assert rank0["args"] == commands.engine_args(
+        model=spec.model, dp_size=2, rank=0, dp_address="f", rpc_port=constants.DP_RPC_PORT,
+        health_port=constants.ENGINE_HEALTH_PORT, coord_store_port=store,
+        vllm_flags=[*tp, "--load-format", "auto", *ep, *user])
 
     # Local mode: this interpreter, every listener on 127.0.0.1, free ports.
     py = "/venv/bin/python"

@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import urllib.error
 import urllib.request
 import uuid
@@ -306,6 +307,8 @@ GOOD = ["tiny-model", "--headless", "--data-parallel-size", "2", "--data-paralle
     pytest.param(["--health-port", "8002", "--"], "the vLLM serve arguments follow `--`", id="nothing-after"),
     pytest.param(["--", *GOOD], "the following arguments are required: --health-port", id="no-health-port"),
     pytest.param(["--health-port", "0", "--", *GOOD], "--health-port must be in 1..65535", id="port-0"),
+    pytest.param(["--health-port", "8002", "--coord-store-port", "0", "--", *GOOD],
+                 "--coord-store-port must be in 1..65535", id="store-port-0"),
 ])
 def test_refused_launcher_arguments(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
     err = refusal(launcher.main, capsys, argv)
@@ -407,3 +410,36 @@ def test_vllm_arguments_parse_as_vllm_serve_does(enginecore: ModuleType) -> None
                                                     (3, 4, "EngineCore_DP3")])
 def test_engine_core_names_follow_vllm(enginecore: ModuleType, rank: int, size: int, name: str) -> None:
     assert enginecore.engine_name(rank, size) == name
+
+
+def test_rank_0_of_an_elastic_fleet_serves_the_coordination_store_on_its_health_host() -> None:
+    args, _ = launcher.parse_args(["--health-host", "10.0.0.9", "--health-port", "8002", "--coord-store-port", "29554",
+                                   "--", *GOOD])
+    assert launcher.coord_store_argv(args) == [sys.executable, "-m", "corefleet_client.coordstore",
+                                               "--host", "10.0.0.9", "--port", "29554"]
+    args, _ = launcher.parse_args(["--health-port", "8002", "--", *GOOD])
+    assert args.coord_store_port is None
+
+
+def test_a_lost_coordination_store_stops_the_engine() -> None:
+    engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    store = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    try:
+        launcher.watch_coord_store(store, engine, threading.Event()).join(30)
+        assert engine.wait(30) == -signal.SIGTERM
+    finally:
+        engine.kill()
+        engine.wait()
+
+
+def test_a_store_stopped_on_purpose_leaves_the_engine_alone() -> None:
+    engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    store = subprocess.Popen([sys.executable, "-c", "raise SystemExit(0)"])
+    stopping = threading.Event()
+    stopping.set()
+    try:
+        launcher.watch_coord_store(store, engine, stopping).join(30)
+        assert engine.poll() is None
+    finally:
+        engine.kill()
+        engine.wait()

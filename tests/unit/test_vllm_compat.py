@@ -415,3 +415,19 @@ def test_the_public_app_does_not_serve_vllms_elastic_ep_routes(monkeypatch: pyte
     http = TestClient(app)
     for path in vllm_compat.UNSERVED_ROUTES:
         assert http.post(path, json={"new_data_parallel_size": 4}).status_code == 404
+
+
+@pytest.mark.parametrize(("engine0", "store", "want"), [
+    (None, None, ("127.0.0.1", 0)),  # dense: INIT carries the frontend's own config
+    ("10.0.0.7", None, ("10.0.0.7", 0)),  # MoE: engine 0 is the DP master
+    ("10.0.0.7", 29554, ("10.0.0.7", 29554)),  # elastic EP: and the startup's store beside it
+])
+def test_init_advertises_engine_0_and_its_coordination_store(
+        engine0: str | None, store: int | None, want: tuple[str, int]) -> None:
+    from vllm.config import ParallelConfig
+
+    own = ParallelConfig(data_parallel_size=2)
+    advertised = vllm_compat.advertised_parallel_config(own, engine0, store)
+    assert (advertised.data_parallel_master_ip, advertised._coord_store_port) == want
+    assert (own.data_parallel_master_ip, own._coord_store_port) == ("127.0.0.1", 0)  # the frontend's own: unchanged
+    assert advertised.compute_hash() == own.compute_hash()  # READY's hash is checked against the frontend's

@@ -78,6 +78,7 @@ class EmulatorConfig:
     parallel_config_hash: str | None = None  # None: computed from the flags (MoE only)
     health_host: str = "0.0.0.0"
     health_port: int | None = None
+    coord_store_port: int | None = None  # serve the startup's coordination store (engine 0's launcher's job)
     instance_id: str = ""
     log_level: str = "INFO"
 
@@ -133,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--health-port", type=int, default=None,
                         help="serve /livez, /readyz and /stats on this port (off by default)")
     parser.add_argument("--health-host", default="0.0.0.0")
+    parser.add_argument("--coord-store-port", type=int, default=None,
+                        help="serve the startup's elastic-EP coordination store on --health-host at this port, "
+                             "as engine rank 0's launcher does (corefleet_client.coordstore)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="overrides the vLLM flag and the model's max_position_embeddings")
     parser.add_argument("--vocab-size", type=int, default=None,
@@ -246,6 +250,7 @@ def parse_args(argv: Sequence[str], environ: dict[str, str] | None = None) -> Em
         parallel_config_hash=own.parallel_config_hash,
         health_host=own.health_host,
         health_port=own.health_port,
+        coord_store_port=own.coord_store_port,
         log_level=str(own.log_level).upper(),
     )
 

@@ -19,6 +19,7 @@ import contextlib
 import functools
 import logging
 import queue
+import socket
 import threading
 import time
 import typing
@@ -50,6 +51,7 @@ LOG_WAIT_S = 10.0  # vLLM logs "Waiting for READY message from DP Coordinator...
 OUTPUT_LINGER_MS = 4000  # process_output_sockets
 HANDSHAKE_LINGER_MS = 5000  # _perform_handshake
 STORE_TIMEOUT_S = 300.0  # torch's TCPStore default, as get_cached_tcp_store_client uses it
+DP_MASTER_PORT_KEY = "dp_master_port"  # ParallelConfig._pick_stateless_dp_port
 EXIT_OK = 0
 EXIT_FAILED = 1
 
@@ -172,6 +174,7 @@ class EmulatedEngineCore:
         self.pending_pause = False
         self.ignore_start_dp_wave = False
         self.eep_scaling_state: EmulatedEEPState | None = None
+        self._dp_group_socket: socket.socket | None = None  # rank 0 of an elastic-EP fleet: its DP group port
         self._eep_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ElasticEPPrepare")
         self.utility_calls: dict[str, int] = {}
         self.notifications_sent: list[str] = []
@@ -228,6 +231,8 @@ class EmulatedEngineCore:
             init = wire.decode_init(handshake.recv())
             self._apply_init(init)
 
+            if cfg.enable_elastic_ep and self.coordinated_dp and not cfg.scale_up_launch:
+                self._init_elastic_ep_at_startup()
             if cfg.scale_up_launch and self.coordinated_dp:
                 self._eep_scale_up_before_kv_init()
                 state = self.eep_scaling_state
@@ -731,6 +736,32 @@ class EmulatedEngineCore:
         state.commit_requested = True
         self.process_input_queue_block = False
         logger.info("[Elastic EP] Committing prepared reconfiguration")
+
+    def _init_elastic_ep_at_startup(self) -> None:
+        """What a vLLM engine with elastic EP does with the coordination store at startup: it opens the store
+        at the DP master address (`parallel_state._init_elastic_ep_world`) and forms its DP group through it
+        (`ParallelConfig._pick_stateless_dp_port`: rank 0 binds a port on that address and publishes it as
+        `dp_master_port`, the others read it and connect). So the store must exist, and the DP master
+        address must be rank 0's own (docs/vllm-protocol.md §10.2)."""
+        host = str(self.parallel_config.get("data_parallel_master_ip", self.cfg.data_parallel_master_ip))
+        port = int(self.parallel_config.get("_coord_store_port", 0))
+        if not port:
+            raise RuntimeError(f"elastic EP needs the fleet's coordination store at startup, and INIT's "
+                               f"_coord_store_port is 0 (DP master {host})")
+        store = get_cached_tcp_store_client(host, port)
+        if self.dp_rank == 0:
+            sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((host, 0))  # fails unless the DP master address is this engine's own
+            sock.listen()
+            self._dp_group_socket = sock
+            dp_port = sock.getsockname()[1]
+            store.set(DP_MASTER_PORT_KEY, str(dp_port).encode())
+        else:
+            dp_port = int(store.get(DP_MASTER_PORT_KEY).decode())  # waits for rank 0, up to the store's timeout
+            with socket.create_connection((host, dp_port), timeout=STORE_TIMEOUT_S):
+                pass
+        logger.info("[Elastic EP] DP group formed through the coordination store %s:%d (rank 0 at port %d)",
+                    host, port, dp_port)
 
     def _eep_scale_up_before_kv_init(self) -> None:
         """`DPEngineCoreProc._eep_scale_up_before_kv_init`: a new engine of a live scale-up."""

@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--coordinator-back-publish-port", type=int, default=29553)
     p.add_argument("--engine0-address", default=None,
                    help="MoE fleets: engine rank 0's address, advertised to the engines as the DP master")
+    p.add_argument("--coord-store-port", type=int, default=None,
+                   help="elastic-EP fleets: the port of the startup's coordination store in engine rank 0's pod, "
+                        "advertised to the engines as _coord_store_port")
     p.add_argument("--liveness-interval", type=float, default=1.0,
                    help="seconds between liveness calls to each engine")
     p.add_argument("--liveness-timeout", type=float, default=_env_float(ENV_LIVENESS_TIMEOUT, 30.0),
@@ -116,6 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         coordinator_back_output_port=opts.coordinator_back_output_port,
         coordinator_back_publish_port=opts.coordinator_back_publish_port,
         engine0_address=opts.engine0_address,
+        coord_store_port=opts.coord_store_port,
         liveness_interval_s=opts.liveness_interval,
         liveness_timeout_s=opts.liveness_timeout,
     )

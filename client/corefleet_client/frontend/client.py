@@ -169,6 +169,7 @@ class FleetOptions:
     coordinator_back_output_port: int
     coordinator_back_publish_port: int
     engine0_address: str | None = None  # MoE: where engine rank 0 binds its DP group port
+    coord_store_port: int | None = None  # elastic EP: the startup's coordination store, beside engine 0
     liveness_interval_s: float = 1.0
     liveness_timeout_s: float = 30.0
 
@@ -289,7 +290,7 @@ class KubeDPLBClient(RankReplacement, DPLBAsyncMPClient):  # type: ignore[misc] 
         try:
             wait_for_engine_startup(
                 handshake_socket, engines,
-                vllm_compat.advertised_parallel_config(pc, options.engine0_address),
+                vllm_compat.advertised_parallel_config(pc, options.engine0_address, options.coord_store_port),
                 coordinated_dp, vllm_config.cache_config,
                 CoreEngineLaunch(engine_manager=None, coordinator=None, addresses=self._engine_addresses,
                                  tensor_queue=None, watched_frontend_processes=[abort] if abort else []),
