@@ -74,6 +74,15 @@ The changes:
    `register_api_routers` for every "generate" model). They take no authentication and are
    served on the public port; a fleet's size is the operator's, changed through the frontend's
    authenticated admin API. They answer 404.
+9. `install_frontend_eplb_config` wraps `EngineArgs.create_engine_config` (vllm/engine/arg_utils.py)
+   in the frontend. An MoE frontend gets the engines' EPLB and elastic-EP flags, because its
+   `ParallelConfig.compute_hash` is what each engine's READY is checked against; but vLLM refuses
+   EPLB on a platform that is not CUDA, ROCm or XPU (`ParallelConfig._validate_parallel_config`), and a
+   frontend pod has no GPU (nor does this machine). The frontend runs no expert: where the
+   platform would refuse, its config is built with both off and they are set afterwards on the
+   built `ParallelConfig`, with `eplb_config.communicator` as `__post_init__` picks it on a GPU
+   (`set_eplb_as_on_a_gpu`; the emulator hashes READY the same way). What vLLM would have checked
+   about them (EP on, NIXL for async EPLB) the engines check at their own startup.
 
 Not a change of vLLM's code but of how corefleet's client answers one of its methods:
 `KubeDPLBClient.call_utility_all_async` overrides `AsyncMPClient.call_utility_all_async`
@@ -259,6 +268,43 @@ def remove_routes(app: Any, paths: Iterable[str]) -> list[str]:
     removed = [r.path for r in routes if getattr(r, "path", None) in unserved]
     routes[:] = [r for r in routes if getattr(r, "path", None) not in unserved]
     return removed
+
+
+def set_eplb_as_on_a_gpu(config: ParallelConfig, *, enable_eplb: bool, enable_elastic_ep: bool) -> None:
+    """Set EPLB and elastic EP on a ParallelConfig built with both off, as `ParallelConfig.__post_init__` sets
+    them where EPLB runs (CUDA): the flags, and the EPLB communicator it picks when none is given (change 9)."""
+    config.enable_eplb = enable_eplb
+    config.enable_elastic_ep = enable_elastic_ep
+    if enable_eplb and config.eplb_config.communicator is None:
+        from vllm.distributed.nixl_utils import is_nixl_available
+
+        if is_nixl_available():
+            config.eplb_config.communicator = "nixl"
+        else:
+            config.eplb_config.communicator = "pynccl" if enable_elastic_ep else "torch_gloo"
+
+
+def install_frontend_eplb_config() -> None:
+    """Build the frontend's config where the platform refuses EPLB, with its EPLB flags kept for the hash (change 9)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+
+    original = getattr(EngineArgs.create_engine_config, "__wrapped__", EngineArgs.create_engine_config)
+
+    @functools.wraps(original)
+    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not self.enable_eplb or current_platform.is_cuda_alike() or current_platform.is_xpu():
+            return original(self, *args, **kwargs)
+        eplb, elastic = self.enable_eplb, self.enable_elastic_ep
+        self.enable_eplb = self.enable_elastic_ep = False
+        try:
+            config = original(self, *args, **kwargs)
+        finally:
+            self.enable_eplb, self.enable_elastic_ep = eplb, elastic
+        set_eplb_as_on_a_gpu(config.parallel_config, enable_eplb=eplb, enable_elastic_ep=elastic)
+        return config
+
+    EngineArgs.create_engine_config = create_engine_config
 
 
 def install_public_route_filter() -> None:

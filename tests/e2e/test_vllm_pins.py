@@ -124,6 +124,22 @@ def test_elastic_engines_open_the_coordination_store_at_the_master_address(engin
     assert 'key = "dp_master_port"' in inspect.getsource(parallel.ParallelConfig._pick_stateless_dp_port)
 
 
+def test_the_eplb_platform_check_and_communicator_choice_pinned() -> None:
+    """vllm_compat change 9 builds the frontend's config with EPLB off where vLLM's platform check refuses it,
+    and sets the communicator as ParallelConfig.__post_init__ would on CUDA."""
+    parallel = importlib.import_module("vllm.config.parallel")
+    validate = inspect.getsource(parallel.ParallelConfig._validate_parallel_config)
+    assert "if not current_platform.is_cuda_alike() and not current_platform.is_xpu():" in validate
+    post_init = inspect.getsource(parallel.ParallelConfig.__post_init__)
+    choice = post_init[post_init.index("if self.enable_eplb and self.eplb_config.communicator is None:"):]
+    for line in ('self.eplb_config.communicator = "torch_xccl"', "elif is_nixl_available():",
+                 'self.eplb_config.communicator = "nixl"', "elif self.enable_elastic_ep:",
+                 'self.eplb_config.communicator = "pynccl"', 'self.eplb_config.communicator = "torch_gloo"'):
+        assert line in choice, line
+    arg_utils = importlib.import_module("vllm.engine.arg_utils")
+    assert "enable_eplb" in inspect.signature(arg_utils.EngineArgs).parameters
+
+
 def test_dplb_internals_pinned(core_client: ModuleType) -> None:
     """Attributes and hooks of DPLBAsyncMPClient that KubeDPLBClient reads or overrides."""
     dplb = core_client.DPLBAsyncMPClient

@@ -431,3 +431,21 @@ def test_init_advertises_engine_0_and_its_coordination_store(
     assert (advertised.data_parallel_master_ip, advertised._coord_store_port) == want
     assert (own.data_parallel_master_ip, own._coord_store_port) == ("127.0.0.1", 0)  # the frontend's own: unchanged
     assert advertised.compute_hash() == own.compute_hash()  # READY's hash is checked against the frontend's
+
+
+@pytest.mark.parametrize(("elastic", "communicator"), [(True, "pynccl"), (False, "torch_gloo")])
+def test_eplb_is_set_on_a_built_config_as_a_gpu_would_have_it(elastic: bool, communicator: str) -> None:
+    """Change 9: this CPU platform refuses EPLB at construction; set afterwards, the flags reach the hash, and
+    the EPLB communicator is the one `ParallelConfig.__post_init__` picks on CUDA without NIXL."""
+    from vllm.config import ParallelConfig
+    from vllm.distributed.nixl_utils import is_nixl_available
+
+    assert not is_nixl_available()  # this machine's vLLM: otherwise the communicator would be "nixl"
+    with pytest.raises(ValueError, match="only supported on CUDA devices"):
+        ParallelConfig(data_parallel_size=2, enable_expert_parallel=True, enable_eplb=True)
+    config = ParallelConfig(data_parallel_size=2, enable_expert_parallel=True)
+    plain = config.compute_hash()
+    vllm_compat.set_eplb_as_on_a_gpu(config, enable_eplb=True, enable_elastic_ep=elastic)
+    assert (config.enable_eplb, config.enable_elastic_ep, config.eplb_config.communicator) == (True, elastic,
+                                                                                               communicator)
+    assert config.compute_hash() != plain

@@ -200,8 +200,9 @@ def compute_parallel_config_hash(cfg: EmulatorConfig) -> str | None:
             "Cannot build vLLM's ParallelConfig from these flags (%s; %s); READY carries no parallel_config_hash. "
             "Pass --parallel-config-hash if the frontend checks it.", refused, e)
         return None
-    config.enable_eplb = cfg.enable_eplb
-    config.enable_elastic_ep = cfg.enable_elastic_ep
+    from corefleet_client.vllm_compat import set_eplb_as_on_a_gpu
+
+    set_eplb_as_on_a_gpu(config, enable_eplb=cfg.enable_eplb, enable_elastic_ep=cfg.enable_elastic_ep)
     if cfg.enable_elastic_ep and cfg.elastic_ep_max_dp_size is not None:
         config.elastic_ep_max_dp_size = cfg.elastic_ep_max_dp_size
     return _hash_as_vllm_config_would(config, cfg)

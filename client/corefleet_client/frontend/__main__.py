@@ -131,6 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     vllm_compat.install_fleet_health_check()
     vllm_compat.install_async_llm_hook()
     vllm_compat.install_public_route_filter()
+    vllm_compat.install_frontend_eplb_config()
 
     try:
         admin = AdminServer(opts.admin_host, opts.admin_port, token, fleet)
