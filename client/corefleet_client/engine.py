@@ -190,14 +190,15 @@ def become_subreaper() -> bool:
     return bool(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
 
 
-def stop_engine(engine: subprocess.Popen[bytes], timeout: float) -> None:
-    """SIGTERM, `timeout` seconds, SIGKILL: vLLM's `shutdown` (v1/utils.py) for the engine core."""
+def stop_engine(engine: subprocess.Popen[bytes], timeout: float, what: str = "the engine core") -> None:
+    """SIGTERM, `timeout` seconds, SIGKILL: vLLM's `shutdown` (v1/utils.py) for the engine core (or another
+    child of the launcher, named by `what`)."""
     if engine.poll() is None:
         engine.terminate()
         try:
             engine.wait(timeout)
         except subprocess.TimeoutExpired:
-            logger.warning("Killing the engine core (pid %d), still running %.0f s after SIGTERM", engine.pid, timeout)
+            logger.warning("Killing %s (pid %d), still running %.0f s after SIGTERM", what, engine.pid, timeout)
             engine.kill()
             engine.wait()
 
@@ -313,7 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             stop_engine(engine, grace)
         if store is not None:
             store_stopping.set()
-            stop_engine(store, ORPHAN_GRACE_S)  # after the engine: it may use the store until it exits
+            stop_engine(store, ORPHAN_GRACE_S, "the coordination store")  # after the engine, which may use it
         if engine is not None:
             stop_orphans()
         health.close()  # /livez has said 503 since the engine exited

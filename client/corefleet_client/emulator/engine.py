@@ -235,14 +235,6 @@ class EmulatedEngineCore:
                 self._init_elastic_ep_at_startup()
             if cfg.scale_up_launch and self.coordinated_dp:
                 self._eep_scale_up_before_kv_init()
-                state = self.eep_scaling_state
-                assert state is not None
-                if not state.store_port:
-                    raise RuntimeError("a scale-up engine needs the resize's coord store: "
-                                       "INIT's _coord_store_port is 0")
-                join_new_group(get_cached_tcp_store_client(state.store_host, state.store_port), self.dp_rank,
-                               self.data_parallel_size, self.stop)
-                logger.info("[Elastic EP] Joined the new group of %d ranks", self.data_parallel_size)
 
             ready_event = threading.Event()
             self._start_threads(ready_event)
@@ -743,8 +735,7 @@ class EmulatedEngineCore:
         (`ParallelConfig._pick_stateless_dp_port`: rank 0 binds a port on that address and publishes it as
         `dp_master_port`, the others read it and connect). So the store must exist, and the DP master
         address must be rank 0's own (docs/vllm-protocol.md §10.2)."""
-        host = str(self.parallel_config.get("data_parallel_master_ip", self.cfg.data_parallel_master_ip))
-        port = int(self.parallel_config.get("_coord_store_port", 0))
+        host, port = self._init_store_address()
         if not port:
             raise RuntimeError(f"elastic EP needs the fleet's coordination store at startup, and INIT's "
                                f"_coord_store_port is 0 (DP master {host})")
@@ -763,10 +754,17 @@ class EmulatedEngineCore:
         logger.info("[Elastic EP] DP group formed through the coordination store %s:%d (rank 0 at port %d)",
                     host, port, dp_port)
 
-    def _eep_scale_up_before_kv_init(self) -> None:
-        """`DPEngineCoreProc._eep_scale_up_before_kv_init`: a new engine of a live scale-up."""
+    def _init_store_address(self) -> tuple[str, int]:
+        """The coordination store INIT named: (the DP master address, `_coord_store_port`; 0 if none)."""
         host = str(self.parallel_config.get("data_parallel_master_ip", self.cfg.data_parallel_master_ip))
-        port = int(self.parallel_config.get("_coord_store_port", 0))
+        return host, int(self.parallel_config.get("_coord_store_port", 0))
+
+    def _eep_scale_up_before_kv_init(self) -> None:
+        """`DPEngineCoreProc._eep_scale_up_before_kv_init`: a new engine of a live scale-up. It joins the new
+        group (GROUP_JOIN_KEY) here, before its READY, as vLLM's new engine does in its init."""
+        host, port = self._init_store_address()
+        if not port:
+            raise RuntimeError("a scale-up engine needs the resize's coord store: INIT's _coord_store_port is 0")
         self.ignore_start_dp_wave = True
         # PRE_KV_INIT (weights from the existing ranks, KV-size MIN all-reduce) has nothing to do here.
         self.eep_scaling_state = EmulatedEEPState(worker_type="new", scale_type="scale_up", store_host=host,
@@ -774,6 +772,8 @@ class EmulatedEngineCore:
         self.process_input_queue_block = False
         logger.info("[Elastic EP] New engine of a scale-up to %d ranks (coord store %s:%d)",
                     self.data_parallel_size, host, port)
+        join_new_group(get_cached_tcp_store_client(host, port), self.dp_rank, self.data_parallel_size, self.stop)
+        logger.info("[Elastic EP] Joined the new group of %d ranks", self.data_parallel_size)
 
     def _mark_ready_for_switch(self, state: EmulatedEEPState) -> Future[None]:
         """`ElasticEPScalingState._mark_ready_for_switch`: store.set(ready_key, b"1"), off the busy loop."""
