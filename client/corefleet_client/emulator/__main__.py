@@ -51,10 +51,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     coord_store = None
     if cfg.coord_store_port is not None:  # what engine rank 0's launcher serves beside a vLLM engine
-        from corefleet_client.coordstore import serve
+        from corefleet_client.coordstore import StoreService
 
-        coord_store = serve(cfg.health_host, cfg.coord_store_port)
-        logger.info("Coordination store listening on %s:%d", cfg.health_host, cfg.coord_store_port)
+        coord_store = StoreService(cfg.health_host, cfg.coord_store_port)
     engine = EmulatedEngineCore(cfg, stop)
     engine.started_at = started
     health.ready = engine.ready.is_set
@@ -68,7 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if server is not None:
             server.shutdown()
             server.server_close()
-        del coord_store
+        if coord_store is not None:
+            coord_store.close()
     logger.info("Emulated engine rank %d exiting with %d", cfg.rank, rc)
     return rc
 
