@@ -80,9 +80,11 @@ The changes:
    EPLB on a platform that is not CUDA, ROCm or XPU (`ParallelConfig._validate_parallel_config`), and a
    frontend pod has no GPU (nor does this machine). The frontend runs no expert: where the
    platform would refuse, its config is built with both off and they are set afterwards on the
-   built `ParallelConfig`, with `eplb_config.communicator` as `__post_init__` picks it on a GPU
-   (`set_eplb_as_on_a_gpu`; the emulator hashes READY the same way). What vLLM would have checked
-   about them (EP on, NIXL for async EPLB) the engines check at their own startup.
+   built `ParallelConfig`, with `eplb_config.communicator` and `elastic_ep_max_dp_size` as
+   `__post_init__` sets them on a GPU (`set_eplb_as_on_a_gpu`; the emulator hashes READY the same
+   way), and the redundant experts (refused with EPLB off; set on the frontend of an MoE fleet
+   recreated at a size it was resized to). What vLLM would have checked about them (EP on, NIXL for
+   async EPLB) the engines check at their own startup.
 
 Not a change of vLLM's code but of how corefleet's client answers one of its methods:
 `KubeDPLBClient.call_utility_all_async` overrides `AsyncMPClient.call_utility_all_async`
@@ -270,11 +272,15 @@ def remove_routes(app: Any, paths: Iterable[str]) -> list[str]:
     return removed
 
 
-def set_eplb_as_on_a_gpu(config: ParallelConfig, *, enable_eplb: bool, enable_elastic_ep: bool) -> None:
+def set_eplb_as_on_a_gpu(config: ParallelConfig, *, enable_eplb: bool, enable_elastic_ep: bool,
+                         elastic_ep_max_dp_size: int | None = None) -> None:
     """Set EPLB and elastic EP on a ParallelConfig built with both off, as `ParallelConfig.__post_init__` sets
-    them where EPLB runs (CUDA): the flags, and the EPLB communicator it picks when none is given (change 9)."""
+    them where EPLB runs (CUDA): the flags, the EPLB communicator it picks when none is given, and the
+    elastic-EP maximum size (built with elastic EP off, it is the DP size) (change 9)."""
     config.enable_eplb = enable_eplb
     config.enable_elastic_ep = enable_elastic_ep
+    if enable_elastic_ep and elastic_ep_max_dp_size is not None:
+        config.elastic_ep_max_dp_size = elastic_ep_max_dp_size
     if enable_eplb and config.eplb_config.communicator is None:
         from vllm.distributed.nixl_utils import is_nixl_available
 
@@ -295,13 +301,19 @@ def install_frontend_eplb_config() -> None:
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         if not self.enable_eplb or current_platform.is_cuda_alike() or current_platform.is_xpu():
             return original(self, *args, **kwargs)
-        eplb, elastic = self.enable_eplb, self.enable_elastic_ep
+        eplb, elastic, eplb_config = self.enable_eplb, self.enable_elastic_ep, self.eplb_config
+        redundant = int(getattr(eplb_config, "num_redundant_experts", 0) or 0)
         self.enable_eplb = self.enable_elastic_ep = False
+        if redundant:  # vLLM refuses redundant experts with EPLB off: they are set afterwards too
+            self.eplb_config = copy.copy(eplb_config)
+            self.eplb_config.num_redundant_experts = 0
         try:
             config = original(self, *args, **kwargs)
         finally:
-            self.enable_eplb, self.enable_elastic_ep = eplb, elastic
-        set_eplb_as_on_a_gpu(config.parallel_config, enable_eplb=eplb, enable_elastic_ep=elastic)
+            self.enable_eplb, self.enable_elastic_ep, self.eplb_config = eplb, elastic, eplb_config
+        set_eplb_as_on_a_gpu(config.parallel_config, enable_eplb=eplb, enable_elastic_ep=elastic,
+                             elastic_ep_max_dp_size=self.elastic_ep_max_dp_size)
+        config.parallel_config.eplb_config.num_redundant_experts = redundant
         return config
 
     EngineArgs.create_engine_config = create_engine_config

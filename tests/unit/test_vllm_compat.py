@@ -449,3 +449,38 @@ def test_eplb_is_set_on_a_built_config_as_a_gpu_would_have_it(elastic: bool, com
     assert (config.enable_eplb, config.enable_elastic_ep, config.eplb_config.communicator) == (True, elastic,
                                                                                                communicator)
     assert config.compute_hash() != plain
+
+
+def test_the_elastic_ep_maximum_is_set_as_a_gpu_would_have_it() -> None:
+    """Change 9: built with elastic EP off, vLLM makes the maximum the DP size; set afterwards, a maximum above the
+    size (a fleet's maxReplicas) reaches the hash as on a GPU, where the engines hash it."""
+    from vllm.config import ParallelConfig
+
+    config = ParallelConfig(data_parallel_size=2, enable_expert_parallel=True, elastic_ep_max_dp_size=4)
+    assert config.elastic_ep_max_dp_size == 2  # what construction with elastic EP off leaves
+    at_size = config.compute_hash()
+    vllm_compat.set_eplb_as_on_a_gpu(config, enable_eplb=True, enable_elastic_ep=True, elastic_ep_max_dp_size=4)
+    assert config.elastic_ep_max_dp_size == 4
+    other = ParallelConfig(data_parallel_size=2, enable_expert_parallel=True)
+    vllm_compat.set_eplb_as_on_a_gpu(other, enable_eplb=True, enable_elastic_ep=True, elastic_ep_max_dp_size=2)
+    assert config.compute_hash() != other.compute_hash() != at_size  # the maximum is hashed
+
+
+def test_the_frontends_config_keeps_the_engines_eplb_settings(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Change 9 on a real EngineArgs: an MoE frontend's config, built on this CPU platform, has what the engines'
+    have on a GPU: EPLB and elastic EP on, their maximum, and redundant experts (refused with EPLB off)."""
+    from vllm.config.parallel import EPLBConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    from corefleet_client.tinymodel import write_tiny_model
+
+    monkeypatch.setattr(EngineArgs, "create_engine_config", EngineArgs.create_engine_config)  # restored after
+    vllm_compat.install_frontend_eplb_config()
+    model = write_tiny_model(tmp_path / "m", moe=True)
+    args = EngineArgs(model=str(model), data_parallel_size=2, data_parallel_size_local=0, enable_expert_parallel=True,
+                      enable_eplb=True, enable_elastic_ep=True, elastic_ep_max_dp_size=4,
+                      eplb_config=EPLBConfig(num_redundant_experts=4), load_format="dummy", max_model_len=256)
+    pc = args.create_engine_config().parallel_config
+    assert (pc.enable_eplb, pc.enable_elastic_ep, pc.elastic_ep_max_dp_size) == (True, True, 4)
+    assert pc.eplb_config.num_redundant_experts == 4
+    assert (args.enable_eplb, args.eplb_config.num_redundant_experts) == (True, 4)  # the caller's args as they were

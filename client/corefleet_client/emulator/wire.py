@@ -191,6 +191,10 @@ def compute_parallel_config_hash(cfg: EmulatorConfig) -> str | None:
     # vLLM refuses EPLB (hence elastic EP) on platforms other than CUDA/ROCm/XPU, which is where the
     # emulator runs in place of a GPU engine. Build the config without them and set the fields to
     # the values `ParallelConfig.__post_init__` gives them on a GPU: the hash only reads field values.
+    # Redundant experts need EPLB on: they are set after construction too.
+    redundant = int(cfg.eplb_config.get("num_redundant_experts", 0))
+    if redundant:
+        kwargs["eplb_config"] = EPLBConfig(**{**cfg.eplb_config, "num_redundant_experts": 0})
     try:
         config = ParallelConfig(**{**kwargs, "enable_eplb": False, "enable_elastic_ep": False})
     except ValueError as e:
@@ -202,9 +206,9 @@ def compute_parallel_config_hash(cfg: EmulatorConfig) -> str | None:
         return None
     from corefleet_client.vllm_compat import set_eplb_as_on_a_gpu
 
-    set_eplb_as_on_a_gpu(config, enable_eplb=cfg.enable_eplb, enable_elastic_ep=cfg.enable_elastic_ep)
-    if cfg.enable_elastic_ep and cfg.elastic_ep_max_dp_size is not None:
-        config.elastic_ep_max_dp_size = cfg.elastic_ep_max_dp_size
+    set_eplb_as_on_a_gpu(config, enable_eplb=cfg.enable_eplb, enable_elastic_ep=cfg.enable_elastic_ep,
+                         elastic_ep_max_dp_size=cfg.elastic_ep_max_dp_size)
+    config.eplb_config.num_redundant_experts = redundant
     return _hash_as_vllm_config_would(config, cfg)
 
 
