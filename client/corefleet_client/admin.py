@@ -214,6 +214,9 @@ class ResizeOperation(_Ranked):
     error: str = ""  # why it failed
     fleet_intact: bool = True  # after a failure: the fleet still serves at from_replicas (else recreate it)
     replace: tuple[int, ...] = ()  # a replacement (from_replicas == to_replicas): the ranks it gives new engines
+    # MoE (elastic EP): the fleet's redundant experts at to_replicas (vLLM's R'); a new rank's pod is started with
+    # it in --eplb-config. None for dense fleets.
+    num_redundant_experts: int | None = None
 
     @property
     def scale_up(self) -> bool:
@@ -236,6 +239,8 @@ class ResizeOperation(_Ranked):
             join_timeout_s=float(data.get("join_timeout_s", 0.0)), message=data.get("message", ""),
             error=data.get("error", ""), fleet_intact=bool(data.get("fleet_intact", True)),
             replace=tuple(int(r) for r in data.get("replace", ())),
+            num_redundant_experts=None if data.get("num_redundant_experts") is None
+            else int(data["num_redundant_experts"]),
         )
 
 

@@ -27,7 +27,7 @@ import base64
 import hashlib
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from corefleet_client import commands
@@ -103,12 +103,15 @@ def engine_pod(
     frontend_address: str,
     scale_up: bool = False,
     fleet_generation: int = 0,
+    num_redundant_experts: int | None = None,
 ) -> JSON:
     """The pod of data-parallel rank `rank`: one headless vLLM engine core on `tensorParallelSize` GPUs.
 
     `frontend_address` is the DP master address the engine handshakes with (the frontend pod's DNS
     name). `scale_up` marks a pod added to a running fleet by a live scale-up
     (`VLLM_ELASTIC_EP_SCALE_UP_LAUNCH=1`); pods of a fresh or recreated fleet never carry it.
+    `num_redundant_experts` (an MoE scale-up's R', computed by the frontend) goes into the engine's
+    `--eplb-config`, merged with the user's (vLLM hashes the EPLB config: every rank must agree).
     """
     _check_size(dp_size)
     if not 0 <= rank < dp_size:
@@ -131,7 +134,7 @@ def engine_pod(
             "--tensor-parallel-size", str(tp),
             "--load-format", spec.engine.loadFormat,
             *_expert_parallel_flags(spec, dp_size),
-            *spec.engine.args,
+            *_user_args(spec, num_redundant_experts),
         ],
     )
     env = _downward_env()
@@ -196,12 +199,14 @@ def coordinator_pod(fleet: FleetRef, *, dp_size: int, fleet_generation: int = 0)
     return _pod(fleet, name, constants.ROLE_COORDINATOR, container, [], dp_size, fleet_generation)
 
 
-def frontend_pod(fleet: FleetRef, *, dp_size: int, coordinator_address: str, fleet_generation: int = 0) -> JSON:
+def frontend_pod(fleet: FleetRef, *, dp_size: int, coordinator_address: str, fleet_generation: int = 0,
+                 num_redundant_experts: int | None = None) -> JSON:
     """The vLLM API server with corefleet's DPLB client, the engines' handshake ROUTER and the admin API.
 
     vLLM's flags mirror the engines' (same model, parallel layout and user args, so the frontend's
     config matches the ranks': max model length, served model name, tokenizer, ...); it runs no
     engine itself (`--data-parallel-size-local 0`) and is the DP master at its own pod IP.
+    `num_redundant_experts`: as for `engine_pod` (an MoE fleet recreated at a size it was resized to).
     """
     _check_size(dp_size)
     spec = fleet.spec
@@ -225,7 +230,7 @@ def frontend_pod(fleet: FleetRef, *, dp_size: int, coordinator_address: str, fle
         vllm_flags=[
             "--tensor-parallel-size", str(spec.engine.tensorParallelSize),
             *_expert_parallel_flags(spec, dp_size),
-            *spec.engine.args,
+            *_user_args(spec, num_redundant_experts),
         ],
     )
     container: JSON = {
@@ -380,9 +385,12 @@ def fleet_children(
     admin_token: str,
     fleet_generation: int = 0,
     scale_up_ranks: frozenset[int] = frozenset(),
+    num_redundant_experts: int | None = None,
 ) -> list[JSON]:
     """Every object of a fleet of `dp_size` ranks, in a stable order: the Secret, the Services, the
-    PodDisruptionBudget, the NetworkPolicy (if any), the coordinator, the frontend, then the engines by rank."""
+    PodDisruptionBudget, the NetworkPolicy (if any), the coordinator, the frontend, then the engines by rank.
+    `num_redundant_experts` (MoE): the redundant experts every rank and the frontend start with, if not the
+    user's (`status.redundantExperts` of a fleet recreated at a size it was resized to)."""
     _check_size(dp_size)
     unknown = sorted(r for r in scale_up_ranks if not 0 <= r < dp_size)
     if unknown:
@@ -393,10 +401,11 @@ def fleet_children(
     children = fleet_objects(fleet, admin_token=admin_token, dp_size=dp_size)
     children.append(coordinator_pod(fleet, dp_size=dp_size, fleet_generation=fleet_generation))
     children.append(frontend_pod(fleet, dp_size=dp_size, coordinator_address=coordinator_address,
-                                 fleet_generation=fleet_generation))
+                                 fleet_generation=fleet_generation, num_redundant_experts=num_redundant_experts))
     children += [
         engine_pod(fleet, rank, dp_size=dp_size, frontend_address=frontend_address,
-                   scale_up=rank in scale_up_ranks, fleet_generation=fleet_generation)
+                   scale_up=rank in scale_up_ranks, fleet_generation=fleet_generation,
+                   num_redundant_experts=num_redundant_experts)
         for rank in range(dp_size)
     ]
     return children
@@ -546,6 +555,57 @@ def _coord_store_port(fleet: FleetRef) -> int | None:
     pod and the frontend advertises to every engine (corefleet_client.coordstore); vLLM's multiprocess launch
     creates none, and every elastic-EP engine opens it at startup at engine 0's address."""
     return constants.COORD_STORE_PORT if fleet.spec.expertParallel else None
+
+
+EPLB_CONFIG_FLAG = "--eplb-config"
+
+
+def _user_args(spec: EngineCoreSetSpec, num_redundant_experts: int | None) -> list[str]:
+    """The user's vLLM args, with the redundant experts set if given (MoE only)."""
+    if num_redundant_experts is None or not spec.expertParallel:
+        return list(spec.engine.args)
+    return with_redundant_experts(spec.engine.args, num_redundant_experts)
+
+
+def with_redundant_experts(args: Sequence[str], redundant: int) -> list[str]:
+    """`args` with the EPLB config's `num_redundant_experts` set to `redundant`, the user's other EPLB settings kept.
+
+    vLLM's parser (FlexibleArgumentParser) folds the dotted forms (`--eplb-config.KEY VALUE`,
+    `--eplb-config.KEY=VALUE`, values read as JSON or with a size suffix) into one dict it appends as
+    a last `--eplb-config`, which replaces any JSON form whole. So: with dotted forms, the user's
+    `num_redundant_experts` among them is dropped and `--eplb-config.num_redundant_experts R` added
+    (vLLM parses the rest as the user wrote it); without, the last JSON form (`--eplb-config JSON` or
+    `=JSON`) is merged with R and written back as the one `--eplb-config`."""
+    dotted_key = f"{EPLB_CONFIG_FLAG}.num_redundant_experts"
+    names = [a.partition("=")[0] for a in args]
+    if any(n.startswith(EPLB_CONFIG_FLAG + ".") for n in names):
+        out: list[str] = []
+        i = 0
+        while i < len(args):
+            name, eq, _ = args[i].partition("=")
+            if name == dotted_key:
+                i += 1 if eq else 2
+                continue
+            out.append(args[i])
+            i += 1
+        return [*out, dotted_key, str(redundant)]
+    out = []
+    config: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        name, eq, inline = args[i].partition("=")
+        if name == EPLB_CONFIG_FLAG:
+            value = inline if eq else (args[i + 1] if i + 1 < len(args) else "")
+            i += 1 if eq else 2
+            try:
+                parsed = json.loads(value)
+            except json.JSONDecodeError:
+                parsed = None
+            config = parsed if isinstance(parsed, dict) else {}
+            continue
+        out.append(args[i])
+        i += 1
+    return [*out, EPLB_CONFIG_FLAG, json.dumps({**config, "num_redundant_experts": redundant}, sort_keys=True)]
 
 
 def _expert_parallel_flags(spec: EngineCoreSetSpec, dp_size: int) -> list[str]:

@@ -510,6 +510,10 @@ class EngineCoreSetStatus:
         "needs identical ranks, or a recovery). Every fleet pod carries the incarnation it belongs to.",
         minimum=0))
     endpoint: str = field(default="", metadata=meta("The OpenAI-compatible endpoint (Service URL)."))
+    redundantExperts: int | None = field(default=None, metadata=meta(
+        "MoE fleets: the redundant experts (vLLM's num_redundant_experts) at the committed size after the last "
+        "in-place resize, as the frontend computed them. Elastic EP keeps the physical experts per rank; a "
+        "fleet recreated at this size starts with them, so it can resize as before.", minimum=0))
 
     # What defines the fleet the stored status describes: which incarnation its pods belong to, its
     # committed size, and the resize it may have in flight. Unreadable, nothing may be acted on.

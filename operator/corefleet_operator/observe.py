@@ -53,6 +53,7 @@ class ResizeObs:
     message: str = ""
     error: str = ""
     fleet_intact: bool = True  # after a failure: the fleet still serves at the size before
+    num_redundant_experts: int | None = None  # MoE: R' at the new size (new ranks' --eplb-config); None if dense
 
 
 @dataclass(frozen=True)
@@ -241,4 +242,6 @@ def resize_obs(operation: Mapping[str, Any]) -> ResizeObs:
         message=str(operation.get("message", "")),
         error=str(operation.get("error", "")),
         fleet_intact=bool(operation.get("fleet_intact", True)),
+        num_redundant_experts=None if operation.get("num_redundant_experts") is None
+        else int(operation["num_redundant_experts"]),
     )

@@ -62,10 +62,14 @@ The rules:
     `RESIZE_RETRY_SECONDS` unless `replicas` changes; one after which it cannot is a recovery;
   - the operation is followed by asking the frontend on every reconcile (`requeue_after`); a
     frontend that stops answering past the operation's own timeouts is a recovery;
+  - MoE fleets (`expertParallel`) resize through the same operation (the frontend runs vLLM's
+    elastic-EP protocol); a new rank's pod carries the new size, `VLLM_ELASTIC_EP_SCALE_UP_LAUNCH=1`
+    and the fleet's redundant experts at the new size (R' in `--eplb-config`), which only the
+    frontend can compute (it knows the model's experts): the pods are created once the frontend's
+    account of the operation names R'. An MoE resize that fails after its ranks were told to
+    reconfigure leaves the fleet unusable (`fleet_intact` false): a recovery;
   - a fleet that never served (Starting, or Restarting) is recreated at the new size instead, a
-    stopped fleet (0) starts at the new size, and 0 stops a fleet (once no resize runs). MoE fleets
-    (`expertParallel`) are recreated at the new size: their in-place resize (vLLM's elastic-EP
-    protocol) is not built yet.
+    stopped fleet (0) starts at the new size, and 0 stops a fleet (once no resize runs).
 * Services, the admin Secret and the NetworkPolicy are applied whenever they are missing or differ
   from what the builders produce, so drift is repaired; nothing is written when nothing changed.
 
@@ -266,6 +270,7 @@ class _Resize:
     leaving: frozenset[int] = frozenset()  # ranks being removed, whose pods stay until retired
     retired: frozenset[int] = frozenset()  # ranks whose pods may go now
     rank_states: dict[int, tuple[RankPhase, str]] = field(default_factory=dict)
+    redundant_experts: int | None = None  # MoE: R' as the frontend computed it (new ranks' pods need it)
 
 
 def _ready(pod: PodObs | None) -> bool:
@@ -312,6 +317,7 @@ def _continue_resize(fleet: FleetRef, observed: Observed, op: OperationStatus, c
                                      float(spec.scaling.readyTimeoutSeconds)))
     else:
         seen = frontend.resize
+        r.redundant_experts = seen.num_redundant_experts
         for rank, (state, message) in seen.ranks.items():
             if state in ("Joining", "Serving", "Draining", "Retired", "Failed"):
                 r.rank_states[rank] = (state, message)  # type: ignore[assignment]
@@ -646,6 +652,11 @@ def plan(fleet: FleetRef, observed: Observed, now: str) -> Plan:
         resize = _continue_resize(fleet, observed, running, committed, current, now)
         events += resize.events
         operation, committed = resize.operation, resize.committed
+    # MoE: the redundant experts belong to the committed size they were reported for (status.redundantExperts).
+    redundant_size, redundant_now = old.replicas, old.redundantExperts
+    if resize is not None and resize.operation is not None and resize.operation.phase == "Completed" \
+            and committed != old.replicas:
+        redundant_size, redundant_now = committed, resize.redundant_experts
     moving = resize.joining | resize.leaving if resize is not None else frozenset()
     if replacing is not None:
         moving = frozenset(running.replace) if running is not None else frozenset()
@@ -766,14 +777,13 @@ def plan(fleet: FleetRef, observed: Observed, now: str) -> Plan:
             phase = "Starting"
             committed = desired
             events.append(Event("Normal", "Creating", f"creating a fleet of {desired} ranks of {spec.model}"))
-        elif never_served or spec.expertParallel:
+        elif never_served:
             generation += 1
             new_incarnation = True
             phase = "Restarting"
-            why = ("MoE fleets are resized by recreating them (in-place elastic EP is not built yet)"
-                   if spec.expertParallel else "the fleet was not serving yet")
-            events.append(Event("Normal", "Restarting", f"replicas {committed} -> {desired}: {why}: recreating all "
-                                                        f"ranks (incarnation {generation})"))
+            events.append(Event("Normal", "Restarting", f"replicas {committed} -> {desired}: the fleet was not "
+                                                        f"serving yet: recreating all ranks "
+                                                        f"(incarnation {generation})"))
             committed = desired
         elif old.phase == "Running" and (wait := _retry_wait(old, desired, now)) == 0:
             resize = _start_resize(fleet, committed, generation, now)
@@ -811,20 +821,25 @@ def plan(fleet: FleetRef, observed: Observed, now: str) -> Plan:
         actions += replacing.actions
         if not replacing.create:
             held = {constants.engine_name(fleet.name, rank) for rank in replacing.operation.replace}
+    redundant = resize.redundant_experts if resize is not None else None
+    if spec.expertParallel and redundant is None:  # an MoE scale-up's pods need R' from the frontend first
+        held |= {constants.engine_name(fleet.name, rank) for rank in joining}
     if in_flight and resize is not None and resize.operation is not None:  # retired before the resize ends
         events += [Event("Normal", "RankRetired", f"rank {p.rank} retired by resize {resize.operation.id}: "
                                                   f"deleting pod {p.name}")
                    for p in stale if p.rank in resize.retired and p.fleet_generation == generation]
 
     created_pods: list[str] = []
+    fleet_redundant = redundant_now if committed == redundant_size and spec.expertParallel else None
     if committed > 0:
         children = builders.fleet_children(fleet, dp_size=committed, admin_token=observed.admin_token,
-                                           fleet_generation=generation)
+                                           fleet_generation=generation, num_redundant_experts=fleet_redundant)
         ns = fleet.namespace
         frontend_address = constants.pod_dns(fleet.name, constants.frontend_name(fleet.name), ns)
         to = operation.toReplicas if operation is not None else committed
         children += [builders.engine_pod(fleet, rank, dp_size=to, frontend_address=frontend_address,
-                                         scale_up=spec.expertParallel, fleet_generation=generation)
+                                         scale_up=spec.expertParallel, fleet_generation=generation,
+                                         num_redundant_experts=redundant if spec.expertParallel else None)
                      for rank in sorted(joining)]
     else:  # a stopped fleet keeps its endpoint, Secret and policy, and has no pods
         children = builders.fleet_objects(fleet, admin_token=observed.admin_token)
@@ -912,7 +927,7 @@ def plan(fleet: FleetRef, observed: Observed, now: str) -> Plan:
         phase=new_phase, fleet_generation=generation, recoveries=recoveries, replicas=committed,
         ranks=tuple(ranks), operation=operation, new_incarnation=new_incarnation and not fresh,
         desired=desired, retry_in=requeue if not in_flight and not backoff_left else None, recovery=recovery,
-        max_recoveries=spec.scaling.maxRecoveries,
+        max_recoveries=spec.scaling.maxRecoveries, redundant_experts=fleet_redundant,
     )
     status = compute_status(fleet, observed.generation, old, pods_now, decision, now)
     deadline_event = _ready_timeout_event(old, status)
@@ -953,7 +968,8 @@ def _plan_failed(fleet: FleetRef, observed: Observed, recovery: RecoveryStatus, 
         operation = replace(operation, phase="Failed", finishedAt=now, message="the fleet was given up")
     decision = Decision(phase="Failed", fleet_generation=old.fleetGeneration, recoveries=recoveries,
                         replicas=committed, ranks=tuple(ranks), operation=operation, desired=fleet.spec.replicas,
-                        recovery=recovery, max_recoveries=fleet.spec.scaling.maxRecoveries)
+                        recovery=recovery, max_recoveries=fleet.spec.scaling.maxRecoveries,
+                        redundant_experts=old.redundantExperts)
     status = compute_status(fleet, observed.generation, old, kept, decision, now)
     return Plan(status=status, actions=tuple(actions), events=tuple(events))
 

@@ -53,6 +53,7 @@ class Decision:
     retry_in: float | None = None  # a failed resize to `desired` is tried again in this many seconds
     recovery: RecoveryStatus | None = None  # the recovery streak the fleet is in
     max_recoveries: int = 0  # spec.scaling.maxRecoveries
+    redundant_experts: int | None = None  # MoE: R at `replicas` after the last in-place resize
 
 
 def exhausted_message(recovery: RecoveryStatus, budget: int) -> str:
@@ -223,6 +224,7 @@ def compute_status(fleet: FleetRef, generation: int, old: EngineCoreSetStatus, p
         recovery=decision.recovery,
         fleetGeneration=decision.fleet_generation,
         endpoint=endpoint(fleet),
+        redundantExperts=decision.redundant_experts,
     )
 
 

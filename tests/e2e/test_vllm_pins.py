@@ -366,3 +366,39 @@ def test_elastic_ep_routes_pinned() -> None:
     assert "app = build_app(args, supported_tasks, model_config)" in inspect.getsource(entry.build_and_serve)
     router = importlib.import_module("vllm.entrypoints.serve.elastic_ep.api_router")
     assert {r.path for r in router.router.routes} == {"/scale_elastic_ep", "/is_scaling_elastic_ep"}
+
+
+def test_elastic_ep_client_steps_pinned(core_client: ModuleType) -> None:
+    """What `frontend.elastic` replaces and reuses of vLLM's Ray-bound elastic-EP client (docs/vllm-protocol.md
+    §10.2): the output task hands call id -1 to the class's `eep_process_engine_core_notification` as
+    (client, (type, rank)); the reconfigure request's fields; the ready keys; the pause mode; R'."""
+    task = inspect.getsource(core_client.AsyncMPClient._ensure_output_queue_task)
+    assert 'getattr(self.__class__, "eep_process_engine_core_notification", None)' in task
+    assert "outputs.utility_output.call_id == EEP_NOTIFICATION_CALL_ID" in task
+    assert "notification_callback_handler(_self, notification_data)" in task
+    assert core_client.EEP_NOTIFICATION_CALL_ID == -1
+    request = inspect.getsource(core_client.DPLBAsyncMPClient._make_reconfig_request)
+    for field in ("new_data_parallel_size=", "new_data_parallel_rank=rank_type", "new_data_parallel_master_ip=",
+                  "new_data_parallel_master_port=", "new_data_parallel_master_port_list=", "coord_store_port="):
+        assert field in request, field
+    prepare = inspect.getsource(core_client.DPLBAsyncMPClient.prepare_elastic_ep)
+    assert '"Only ray DP backend supports scaling elastic EP"' in prepare  # why corefleet has its own steps
+    assert "num_physical_experts * new_data_parallel_size // cur_data_parallel_size" in prepare  # ExpertLayout
+    up = inspect.getsource(core_client.DPLBAsyncMPClient._prepare_scale_up_elastic_ep)
+    assert '"reinitialize_distributed", reconfig_request, engine=engine' in up
+    assert 'f"eep_ready/{rank}"' in up
+    commit_up = inspect.getsource(core_client.DPLBAsyncMPClient._commit_scale_up_elastic_ep)
+    assert '"commit_prepared_elastic_ep", engine=engine' in commit_up
+    down = inspect.getsource(core_client.DPLBAsyncMPClient._commit_scale_down_elastic_ep)
+    assert "ReconfigureRankType.SHUTDOWN_CURRENT_RANK" in down
+    mode = inspect.getsource(core_client.DPLBAsyncMPClient._eep_commit_pause_mode)
+    assert 'return "keep"' in mode  # elastic.PAUSE_MODE
+    engine = importlib.import_module("vllm.v1.engine")
+    assert [t.value for t in engine.EEPNotificationType] == ["RECONFIGURE_FINISHED", "SHUTDOWN_COMPLETE"]
+    core = importlib.import_module("vllm.v1.engine.core")
+    reinit = inspect.getsource(core.DPEngineCoreProc.reinitialize_distributed)
+    assert "Elastic EP reconfiguration is already active" in reinit  # a second one is refused (the emulator too)
+    parallel = importlib.import_module("vllm.config.parallel")
+    hashed = inspect.getsource(parallel.ParallelConfig.compute_hash)
+    assert '"data_parallel_size"' not in hashed  # the size is hashed ...
+    assert '"_coord_store_port"' in hashed  # ... the store is not

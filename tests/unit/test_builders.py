@@ -90,8 +90,8 @@ GOLDEN_CASES: dict[str, Callable[[], Any]] = {
     "engine-pod-rank1.yaml": lambda: builders.engine_pod(
         _rich().obj(), 1, dp_size=2, frontend_address=FRONTEND_DNS, fleet_generation=3),
     "engine-pod-scaleup.yaml": lambda: builders.engine_pod(
-        make_ecs("a").replicas(3).obj(), 2, dp_size=3, frontend_address=FRONTEND_DNS, scale_up=True,
-        fleet_generation=1),
+        _moe().replicas(4).obj(), 2, dp_size=4, frontend_address=FRONTEND_DNS, scale_up=True,
+        fleet_generation=1, num_redundant_experts=4),
     "engine-pod-moe.yaml": lambda: builders.engine_pod(
         _moe().obj(), 0, dp_size=2, frontend_address=FRONTEND_DNS),
     "coordinator-pod.yaml": lambda: builders.coordinator_pod(_rich().obj(), dp_size=2, fleet_generation=3),

@@ -12,6 +12,7 @@ Invariants are checked after every step.
 from __future__ import annotations
 
 import datetime
+import json
 import random
 import uuid
 from collections.abc import Mapping
@@ -55,10 +56,11 @@ class Op:
     age: int = 0
     cancel: str = ""
     replace: tuple[int, ...] = ()  # a replacement in place: these Dead ranks get new engines
+    redundant: int | None = None  # MoE: R' at the new size
 
     def obs(self) -> ResizeObs:
         return ResizeObs(id=self.id, phase=self.phase, ranks=dict(self.ranks), message=self.phase.lower(),
-                         error=self.error, fleet_intact=self.intact)
+                         error=self.error, fleet_intact=self.intact, num_redundant_experts=self.redundant)
 
 
 @dataclass
@@ -75,6 +77,8 @@ class Frontend:
     started: int = 0  # StartResize calls that started an operation
     dead: set[int] = field(default_factory=set)  # ranks whose engine's connection is gone (their pod ended or went)
     engines: dict[int, str] = field(default_factory=dict)  # rank -> the UID of the pod whose engine it is connected to
+    experts: int | None = None  # MoE: the model's experts E (R' = (E + R) * to / frm - E)
+    redundant: int = 0  # MoE: R at the committed size
 
     def running(self) -> list[Op]:
         return [o for o in self.ops.values() if o.phase not in ("Completed", "Failed")]
@@ -93,6 +97,7 @@ class World:
     clock: int = 0  # seconds since T0
     drop_actions: bool = False  # the operator dies after writing the status, before acting
     built_size: dict[str, int] = field(default_factory=dict)  # pod -> the data-parallel size it was built for
+    built_redundant: dict[str, int] = field(default_factory=dict)  # pod -> its --eplb-config's redundant experts
     crash: set[str] = field(default_factory=set)  # pods (by name) whose container exits as soon as it starts
     hang: set[str] = field(default_factory=set)  # pods (by name) that start and never become Ready
     rank_states: dict[int, RankObs] = field(default_factory=dict)  # what the frontend says of ranks (else Serving)
@@ -160,6 +165,11 @@ class World:
             f.started += 1
             return
         op = Op(a.resize_id, f.size, a.replicas)
+        if f.experts is not None:
+            op.redundant = (f.experts + f.redundant) * op.to // op.frm - f.experts
+            if op.redundant < 0:  # what the real frontend refuses (400), naming the minimum
+                f.refuse_seen[a.resize_id] = f"Cannot scale to data_parallel_size {op.to}, minimum is {op.frm}"
+                return
         if op.to > op.frm:
             op.ranks = {r: ("Joining", "") for r in range(op.frm, op.to)}
         else:
@@ -176,6 +186,7 @@ class World:
             f.ops.clear()
             f.dead.clear()
             f.engines.clear()
+            f.redundant = self.built_redundant.get(f"{self.fleet.name}-frontend", 0) if pod is not None else 0
             f.uid = pod.uid if pod is not None else ""
             f.size = self.built_size.get(f"{self.fleet.name}-frontend", 0) if pod is not None else 0
             return
@@ -210,6 +221,7 @@ class World:
                 new = [self.pods.get(f"{self.fleet.name}-engine-{r}") for r in range(op.frm, op.to)]
                 if op.age >= 3 and all(p is not None and p.ready and not p.terminating for p in new):
                     op.phase, f.size = "Completed", op.to
+                    f.redundant = op.redundant if op.redundant is not None else f.redundant
                     f.engines = {r: uid for r, uid in f.engines.items() if r not in op.ranks}
                     op.ranks = {r: ("Serving", "") for r in op.ranks}
                 elif op.age > f.join_steps:
@@ -222,6 +234,7 @@ class World:
                 pass  # their requests are finishing
             else:
                 op.phase, f.size = "Completed", op.to
+                f.redundant = op.redundant if op.redundant is not None else f.redundant
                 f.engines = {r: uid for r, uid in f.engines.items() if r not in op.ranks}
                 op.ranks = {r: ("Retired", "") for r in op.ranks}
 
@@ -270,6 +283,8 @@ class World:
                     size = next((int(args[i + 1]) for i, x in enumerate(args)
                                  if x in ("--data-parallel-size", "--engine-count")), 0)
                     self.built_size[meta["name"]] = size
+                    eplb = [json.loads(args[i + 1]) for i, x in enumerate(args) if x == "--eplb-config"]
+                    self.built_redundant[meta["name"]] = eplb[-1]["num_redundant_experts"] if eplb else 0
                     self.pods[meta["name"]] = PodObs(
                         name=meta["name"], uid=str(uuid.uuid4()), role=meta["labels"][constants.LABEL_ROLE],
                         rank=int(meta["labels"][constants.LABEL_RANK]) if constants.LABEL_RANK in meta["labels"]
@@ -470,7 +485,10 @@ def check_replacement_invariants(world: World, before: Observed, p: Plan, create
 
 
 def new_world(fleet: FleetRef) -> World:
-    return World(fleet=fleet)
+    world = World(fleet=fleet)
+    if fleet.spec.expertParallel:
+        world.frontend.experts = 0  # R' is 0 at every size (a test that needs another sets the experts)
+    return world
 
 
 def running(replicas: int, moe: bool = False) -> World:
@@ -986,16 +1004,82 @@ def test_a_fleet_that_never_served_is_recreated_at_the_new_size() -> None:
     assert w.frontend.started == 0
 
 
-def test_moe_fleets_are_recreated_at_the_new_size() -> None:
+def test_moe_fleets_resize_in_place_and_new_pods_wait_for_the_frontends_redundant_experts() -> None:
     w = new_world(make_ecs("m").replicas(2).max_replicas(4).expert_parallel().obj())
+    w.frontend.experts = 4
+    w.converge()
+    survivors = {n: q.uid for n, q in w.pods.items()}
+    w.set_spec(make_ecs("m").replicas(4).max_replicas(4).expert_parallel().obj().spec)
+    p = w.step()
+    assert w.status.phase == "Scaling"
+    assert [a for a in p.actions if isinstance(a, StartResize)]
+    assert not [a for a in p.actions if isinstance(a, Apply) and a.obj["kind"] == "Pod"]  # R' is not known yet
+    p = w.step()
+    new = [a.obj for a in p.actions if isinstance(a, Apply) and a.obj["kind"] == "Pod"]
+    assert [o["metadata"]["name"] for o in new] == ["m-engine-2", "m-engine-3"]
+    container = new[0]["spec"]["containers"][0]
+    args = container["args"]
+    assert args[args.index("--data-parallel-size") + 1] == "4"
+    assert json.loads(args[len(args) - 1 - args[::-1].index("--eplb-config") + 1]) == {"num_redundant_experts": 4}
+    assert {"name": constants.ENV_SCALE_UP_LAUNCH, "value": "1"} in container["env"]
+    w.converge()
+    assert (w.status.replicas, w.status.fleetGeneration, w.status.recoveries) == (4, 1, 0)
+    assert {n: w.pods[n].uid for n in survivors} == survivors
+    assert w.frontend.started == 1
+
+    w.set_spec(make_ecs("m").replicas(2).max_replicas(4).expert_parallel().obj().spec)
+    w.converge()
+    assert (w.status.replicas, w.status.fleetGeneration, w.status.recoveries) == (2, 1, 0)
+    assert sorted(w.pods) == sorted(survivors)
+    assert {n: w.pods[n].uid for n in survivors} == survivors
+
+    w.set_spec(make_ecs("m").replicas(1).max_replicas(4).expert_parallel().obj().spec)  # below vLLM's minimum
+    for _ in range(3):
+        w.step()
+    assert w.status.operation is not None
+    assert w.status.operation.phase == "Failed"
+    assert "minimum is 2" in w.status.operation.message
+    assert (w.status.phase, w.status.replicas, w.status.fleetGeneration) == ("Running", 2, 1)
+    assert any("minimum is 2" in m for m in w.events("ResizeFailed"))
+
+
+def test_an_moe_fleet_recreated_at_a_size_it_was_resized_to_keeps_its_redundant_experts() -> None:
+    """Elastic EP keeps the physical experts per rank: a fleet born at 2 ranks of 4 experts has 4 redundant ones
+    at 4 ranks. Recreated at 4 (a recovery) with none, it could not go back to 2 (vLLM: minimum is 4)."""
+    w = new_world(make_ecs("m").replicas(2).max_replicas(4).expert_parallel().obj())
+    w.frontend.experts = 4
+    w.converge()
+    assert w.status.redundantExperts is None  # the user's (none given: vLLM's default)
+    w.set_spec(make_ecs("m").replicas(4).max_replicas(4).expert_parallel().obj().spec)
+    w.converge()
+    assert (w.status.replicas, w.status.redundantExperts) == (4, 4)
+    w.fail("m-engine-1")
+    w.converge()
+    assert (w.status.fleetGeneration, w.status.recoveries, w.status.redundantExperts) == (2, 1, 4)
+    assert {n: w.built_redundant[n] for n in ("m-frontend", *w.engines())} == {
+        "m-frontend": 4, "m-engine-0": 4, "m-engine-1": 4, "m-engine-2": 4, "m-engine-3": 4}
+    w.set_spec(make_ecs("m").replicas(2).max_replicas(4).expert_parallel().obj().spec)
+    w.converge()
+    assert (w.status.replicas, w.status.fleetGeneration, w.status.redundantExperts) == (2, 2, 0)
+    assert w.status.operation is not None
+    assert w.status.operation.phase == "Completed"
+
+
+def test_an_moe_resize_that_leaves_the_fleet_unusable_is_a_recovery() -> None:
+    w = new_world(make_ecs("m").replicas(2).max_replicas(4).expert_parallel().obj())
+    w.frontend.experts = 4
     w.converge()
     w.set_spec(make_ecs("m").replicas(3).max_replicas(4).expert_parallel().obj().spec)
+    w.step()
+    w.step()
+    op = w.frontend.running()[0]
+    op.phase, op.error, op.intact = "Failed", "eep_ready/2 not set (the MoE fleet must be recreated)", False
     p = w.step()
-    assert w.status.phase == "Restarting"
-    assert "MoE" in next(e.message for e in p.events if e.reason == "Restarting")
-    w.converge()
-    assert w.status.replicas == 3
-    assert w.frontend.started == 0
+    assert w.status.phase == "Recovering"
+    assert "eep_ready/2 not set" in next(e.message for e in p.events if e.reason == "RankLost")
+    w.converge()  # recreated at the committed 2 ranks, then resized in place to 3 again
+    assert (w.status.replicas, w.status.fleetGeneration, w.status.recoveries) == (3, 2, 1)
+    assert w.built_size["m-engine-0"] == 2
 
 
 def test_random_sequences_keep_the_invariants_and_converge() -> None:

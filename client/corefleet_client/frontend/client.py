@@ -111,7 +111,8 @@ from vllm.v1.engine.utils import (
 
 from corefleet_client import vllm_compat
 from corefleet_client.admin import RankState, ResizeOperation, ResizePhase
-from corefleet_client.frontend.fleet import Fleet, RankRecord, describe, identity
+from corefleet_client.frontend.elastic import ElasticEPResize
+from corefleet_client.frontend.fleet import ExpertLayout, Fleet, RankRecord, describe, identity
 from corefleet_client.frontend.replace import RankReplacement
 from corefleet_client.frontend.stats import FleetStatLoggers
 
@@ -231,7 +232,7 @@ class HandshakeAbort:
                 os.close(fd)
 
 
-class KubeDPLBClient(RankReplacement, DPLBAsyncMPClient):  # type: ignore[misc]  # vLLM is not type-checked
+class KubeDPLBClient(ElasticEPResize, RankReplacement, DPLBAsyncMPClient):  # type: ignore[misc]  # vLLM is not type-checked
     """vLLM's DPLB client over engines in other pods, for fleets of any size (see the module docstring)."""
 
     options: ClassVar[FleetOptions | None] = None
@@ -263,6 +264,11 @@ class KubeDPLBClient(RankReplacement, DPLBAsyncMPClient):  # type: ignore[misc] 
         self._fleet_options: FleetOptions = options
         self._fleet: Fleet = fleet
         fleet.moe = bool(vllm_config.model_config.is_moe)
+        pc = vllm_config.parallel_config
+        if fleet.moe and pc.enable_elastic_ep:
+            fleet.experts = ExpertLayout(num_experts=int(vllm_config.model_config.get_num_experts()),
+                                         num_redundant_experts=int(pc.eplb_config.num_redundant_experts),
+                                         max_size=int(pc.elastic_ep_max_dp_size))
         addresses = self._fleet_client_addresses(vllm_config)
         vllm_compat.init_dplb_client(self, vllm_config, executor_class, log_stats, addresses, client_count,
                                      client_index, renderer)
@@ -280,9 +286,12 @@ class KubeDPLBClient(RankReplacement, DPLBAsyncMPClient):  # type: ignore[misc] 
 
     # ---- startup -------------------------------------------------------------------------------
     def _handshake(self, vllm_config: Any, handshake_socket: Any, engines: list[CoreEngine],
-                   abort: HandshakeAbort | None = None) -> None:
-        """vLLM's HELLO -> INIT -> READY exchange with `engines` on a bound handshake ROUTER."""
-        pc = vllm_config.parallel_config
+                   abort: HandshakeAbort | None = None, parallel_config: Any = None) -> None:
+        """vLLM's HELLO -> INIT -> READY exchange with `engines` on a bound handshake ROUTER.
+
+        `parallel_config`: the one INIT advertises and READY's hash is checked against, if not the
+        fleet's own (an elastic-EP scale-up's: the new size, its ports, store and R')."""
+        pc = parallel_config if parallel_config is not None else vllm_config.parallel_config
         options = self._fleet_options
         coordinated_dp = pc.data_parallel_size > 1 and vllm_config.model_config.is_moe
         progress = {e.index: e for e in engines}
@@ -290,7 +299,8 @@ class KubeDPLBClient(RankReplacement, DPLBAsyncMPClient):  # type: ignore[misc] 
         try:
             wait_for_engine_startup(
                 handshake_socket, engines,
-                vllm_compat.advertised_parallel_config(pc, options.engine0_address, options.coord_store_port),
+                pc if parallel_config is not None
+                else vllm_compat.advertised_parallel_config(pc, options.engine0_address, options.coord_store_port),
                 coordinated_dp, vllm_config.cache_config,
                 CoreEngineLaunch(engine_manager=None, coordinator=None, addresses=self._engine_addresses,
                                  tensor_queue=None, watched_frontend_processes=[abort] if abort else []),
@@ -670,6 +680,8 @@ class KubeDPLBClient(RankReplacement, DPLBAsyncMPClient):  # type: ignore[misc] 
         try:
             if op.replace:
                 await self._replace(op)
+            elif self._fleet.moe:
+                await (self._eep_scale_up(op) if op.scale_up else self._eep_scale_down(op))
             elif op.scale_up:
                 await self._scale_up(op)
             else:
@@ -730,10 +742,11 @@ class KubeDPLBClient(RankReplacement, DPLBAsyncMPClient):  # type: ignore[misc] 
         self._fleet.commit_size(to)
         self._fleet.finish_resize(op.id)
 
-    async def _run_handshake(self, op: ResizeOperation, engines: list[CoreEngine], address: str) -> None:
+    async def _run_handshake(self, op: ResizeOperation, engines: list[CoreEngine], address: str,
+                             parallel_config: Any = None) -> None:
         abort = self._handshake_abort = HandshakeAbort(op.id)
         loop = asyncio.get_running_loop()
-        handshake = loop.run_in_executor(None, self._handshake_new_ranks, engines, address, abort)
+        handshake = loop.run_in_executor(None, self._handshake_new_ranks, engines, address, abort, parallel_config)
         try:
             done, _ = await asyncio.wait({handshake}, timeout=op.join_timeout_s)
             if not done:
@@ -753,7 +766,8 @@ class KubeDPLBClient(RankReplacement, DPLBAsyncMPClient):  # type: ignore[misc] 
             self._handshake_abort = None
             abort.close()
 
-    def _handshake_new_ranks(self, engines: list[CoreEngine], address: str, abort: HandshakeAbort) -> None:
+    def _handshake_new_ranks(self, engines: list[CoreEngine], address: str, abort: HandshakeAbort,
+                             parallel_config: Any = None) -> None:
         """The thread: bind the handshake ROUTER again and run vLLM's handshake on it.
 
         The ROUTER closed at the end of the last handshake may still hold the port for a moment:
@@ -766,7 +780,7 @@ class KubeDPLBClient(RankReplacement, DPLBAsyncMPClient):  # type: ignore[misc] 
             try:
                 with zmq_socket_ctx(address, zmq.ROUTER, bind=True, router_handover=True) as handshake_socket:
                     bound = True
-                    self._handshake(self.vllm_config, handshake_socket, engines, abort)
+                    self._handshake(self.vllm_config, handshake_socket, engines, abort, parallel_config)
                 return
             except zmq.ZMQError as e:
                 if bound or e.errno != errno.EADDRINUSE or time.monotonic() > deadline or abort.reason:

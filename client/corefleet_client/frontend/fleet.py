@@ -79,6 +79,32 @@ class RankRecord:
     since: float = dataclasses.field(default_factory=time.time)  # when it entered its state
 
 
+@dataclass
+class ExpertLayout:
+    """An elastic-EP fleet's experts: what vLLM's `DPLBAsyncMPClient.prepare_elastic_ep` checks a new size against.
+
+    Elastic EP keeps the physical experts per rank fixed: at size M the fleet has
+    (E + R) * M / N - E redundant experts (R'), and a size where that is negative cannot hold the
+    logical experts (vLLM refuses it, naming the minimum)."""
+
+    num_experts: int  # E, the model's logical (routed) experts
+    num_redundant_experts: int  # R, at the committed size
+    max_size: int  # --elastic-ep-max-dp-size
+
+    def redundant_at(self, frm: int, to: int) -> int:
+        """R' at size `to` from size `frm`; ValueError (vLLM's words) when `to` is refused."""
+        if to > self.max_size:
+            raise ValueError(f"Cannot scale to data_parallel_size {to}; --elastic-ep-max-dp-size is "
+                             f"{self.max_size} (the fleet's maxReplicas)")
+        physical = self.num_experts + self.num_redundant_experts
+        redundant = physical * to // frm - self.num_experts
+        if redundant < 0:
+            minimum = -(-self.num_experts * frm // physical)
+            raise ValueError(f"Cannot scale to data_parallel_size {to}, minimum is {minimum}: elastic EP keeps "
+                             f"{physical // frm} physical experts per rank, and the model has {self.num_experts}")
+        return redundant
+
+
 class Fleet:
     """Ranks, counters and resize operations of one frontend (see the module docstring)."""
 
@@ -97,6 +123,7 @@ class Fleet:
         self._current: str | None = None
         # Set by the client before any rank joins: an MoE fleet's ranks share collectives, none is replaced alone.
         self.moe = False
+        self.experts: ExpertLayout | None = None  # MoE with elastic EP: set by the client, updated by each resize
         self._beat: float | None = None  # when the serving event loop last showed progress (monotonic)
 
     # ---- liveness of the frontend itself ----------------------------------------------------------
@@ -218,13 +245,23 @@ class Fleet:
             return ResizeOperation(id=request.id, from_replicas=frm, to_replicas=to, phase=ResizePhase.COMPLETED,
                                    started_at=now, finished_at=now, drain_timeout_s=request.drain_timeout_s,
                                    join_timeout_s=request.join_timeout_s, message=f"the fleet already has {to} rank(s)")
+        redundant = None
+        if self.moe:
+            if self.experts is None:
+                raise ResizeRefused(HTTPStatus.BAD_REQUEST, "this MoE fleet runs without elastic EP "
+                                    "(--enable-elastic-ep): it can only be recreated at a new size")
+            try:
+                redundant = self.experts.redundant_at(frm, to)
+            except ValueError as e:
+                raise ResizeRefused(HTTPStatus.BAD_REQUEST, str(e)) from None
         if to > frm:
             ranks = tuple(ResizeRank(r, RankState.JOINING, "waiting for the engine's HELLO") for r in range(frm, to))
         else:
             ranks = tuple(ResizeRank(r, RankState.SERVING) for r in range(to, frm))
         return ResizeOperation(id=request.id, from_replicas=frm, to_replicas=to, phase=ResizePhase.PENDING,
                                ranks=ranks, started_at=now, drain_timeout_s=request.drain_timeout_s,
-                               join_timeout_s=request.join_timeout_s, message="accepted")
+                               join_timeout_s=request.join_timeout_s, message="accepted",
+                               num_redundant_experts=redundant)
 
     def _replace_op(self, request: ResizeRequest, replace: tuple[int, ...]) -> ResizeOperation:
         """A replacement's operation, Pending, once its preconditions hold (under the lock); raises ResizeRefused."""
