@@ -2,7 +2,7 @@
 """Resizing a serving fleet: corefleet's in-place resize against the restart path, on the same fleet and load.
 
     flock /tmp/corefleet-heavy.lock .venv/bin/python bench/bench_resize.py [--small 8] [--large 16]
-        [--workers 8] [--max-tokens 24] [--token-delay-ms 10] [--steady 20]
+        [--workers 8] [--max-tokens 24] [--token-delay-ms 10] [--steady 20] [--moe]
 
 One run, one fleet, one load. The real control plane (etcd + kube-apiserver + controller-manager +
 scheduler), the operator as its own process, and tests/podrunner.py as the kubelet; the frontend
@@ -31,6 +31,10 @@ steps also the time corefleet itself adds: for a scale-up, `replicas` changed ->
 minus the slowest new engine's own start (its process started -> its READY sent to the frontend,
 from the launcher's log); for a scale-down, minus the drain (until the leaving ranks had no request
 left). Goals: 0 failed requests in place, p99 added < 1 s, corefleet's own added time < 2 s.
+
+`--moe` runs an `expertParallel` fleet of a tiny Mixtral with `--experts` experts (16 by default): the
+in-place steps are then vLLM's elastic-EP protocol (frontend.elastic), the restart steps the same
+recreation.
 
 The figure: RATIO in-place/restart of the time until the new size serves, per direction. The exit
 status is non-zero only on errors (a fleet that does not settle), never on a missed goal.
@@ -94,6 +98,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--token-delay-ms", type=int, default=10)
     p.add_argument("--steady", type=float, default=20.0, help="seconds of load measured before each change")
     p.add_argument("--settle-timeout", type=float, default=900.0)
+    p.add_argument("--moe", action="store_true", help="an expertParallel (MoE, elastic EP) fleet")
+    p.add_argument("--experts", type=int, default=16, help="the MoE model's experts (with --moe)")
     return p.parse_args(argv)
 
 
@@ -205,12 +211,16 @@ class Bench:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="bench-resize-"))
-    print(f"bench_resize: {platform.node()}, {os.cpu_count()} CPUs; emulated engines, {args.token_delay_ms} ms/token; "
+    kind = "MoE (elastic EP) emulated engines" if args.moe else "emulated engines"
+    print(f"bench_resize: {platform.node()}, {os.cpu_count()} CPUs; {kind}, {args.token_delay_ms} ms/token; "
           f"{args.workers} clients, {args.max_tokens} tokens each; {args.small} <-> {args.large} ranks; in {work}",
           flush=True)
-    model = write_tiny_model(work / "tiny")
+    model = write_tiny_model(work / "tiny", moe=args.moe)
     config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": CONTEXT}))
+    config["max_position_embeddings"] = CONTEXT
+    if args.moe:
+        config["num_local_experts"] = args.experts
+    (model / "config.json").write_text(json.dumps(config))
     flags = list(VLLM_CPU_FLAGS)
     del flags[flags.index("--load-format"):flags.index("--load-format") + 2]
     flags[flags.index("--max-model-len") + 1] = str(CONTEXT)
@@ -223,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         k8s.kubectl("create", "namespace", ns)
         with PodRunner(k8s, ns, work / "pods", engine=emulator) as runner, \
                 OperatorProcess(k8s, ns, work, resync_seconds=30) as operator:
-            ecs = (make_ecs(NAME, ns).model(str(model)).replicas(args.small).max_replicas(args.large)
+            ecs = make_ecs(NAME, ns).model(str(model)).replicas(args.small).max_replicas(args.large)
+            ecs = ((ecs.expert_parallel() if args.moe else ecs)
                    .set("engine.loadFormat", "dummy").set("scaling.readyTimeoutSeconds", int(args.settle_timeout))
                    .set("scaling.drainTimeoutSeconds", 60).arg(*flags, "--served-model-name", SERVED).manifest())
             k8s.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(ecs))

@@ -5,8 +5,13 @@ The control plane is real, the operator runs as its own process, `podrunner` run
 processes, the frontend and the coordinator are real vLLM (the frontend builds its config with the
 engines' EPLB and elastic-EP flags: vllm_compat change 9), and each engine pod runs corefleet's
 wire-level engine emulator, which needs what a vLLM elastic-EP engine needs at startup: the
-coordination store at the DP master address, engine 0's (issue 11; served by engine 0's pod,
-`corefleet_client.coordstore`). Resizes of MoE fleets in place are issue 11's next steps.
+coordination store at the DP master address, engine 0's (served by engine 0's pod,
+`corefleet_client.coordstore`), and enforces vLLM's elastic-EP ordering in a resize (a client that
+gets it wrong fails against it). Resizes run in place through the frontend's elastic-EP client
+(`frontend.elastic`): 2 -> 4 -> 2 under load, 1 refused (below vLLM's minimum for the experts), and
+the faults: an operator restarted mid-resize, a leaving rank killed before its SHUTDOWN_COMPLETE, a
+new rank that never gets ready.
+The recovery after engine 0 is killed runs last (it recreates the fleet).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from corefleet_client.tinymodel import VLLM_CPU_FLAGS, write_tiny_model
 from corefleet_operator import constants
 from corefleet_operator.localcluster import LocalControlPlane
 from factories import make_ecs
-from fleettest import FleetView, OperatorProcess, wait_for
+from fleettest import FleetView, Load, OperatorProcess, PinnedStream, ResizeWatch, wait_for
 from podrunner import PodRunner
 
 pytestmark = pytest.mark.e2e
@@ -34,11 +39,13 @@ NAME = "moe"
 SERVED = "tiny-moe"
 SETTLE = 240.0
 JOIN_TIMEOUT = 90
+CONTEXT = 4096  # long enough for requests that stay in flight for seconds at the token delay
 
 
 class Setup:
-    def __init__(self, k8s: LocalControlPlane, ns: str, runner: PodRunner, fleet: FleetView) -> None:
-        self.k8s, self.ns, self.runner, self.fleet = k8s, ns, runner, fleet
+    def __init__(self, k8s: LocalControlPlane, ns: str, runner: PodRunner, fleet: FleetView,
+                 operator: OperatorProcess) -> None:
+        self.k8s, self.ns, self.runner, self.fleet, self.operator = k8s, ns, runner, fleet, operator
 
     def settle(self, replicas: int) -> None:
         wait_for(lambda: self.fleet.settled(replicas), SETTLE, f"{NAME} Running at {replicas} ranks",
@@ -48,6 +55,25 @@ class Setup:
         pod = self.runner.pod(constants.engine_name(NAME, rank))
         assert pod.log is not None
         return pod.log.read_text(errors="replace")
+
+    def frontend_log(self) -> str:
+        pod = self.runner.pod(constants.frontend_name(NAME))
+        assert pod.log is not None
+        return pod.log.read_text(errors="replace")
+
+    def load(self, workers: int = 2) -> Load:
+        return Load(f"http://{self.fleet.frontend_ip()}:8000", SERVED, workers=workers, max_tokens=16).start()
+
+    def op(self) -> dict[str, object]:
+        op: dict[str, object] = self.fleet.status().get("operation") or {}
+        return op
+
+    def wait_op(self, *phases: str, timeout: float = SETTLE) -> dict[str, object]:
+        return wait_for(lambda: (op := self.op()).get("phase") in phases and op, timeout,
+                        f"status.operation in {phases}", interval=0.05, on_timeout=self.fleet.describe)
+
+    def uids(self) -> dict[str, str]:
+        return {n: p["metadata"]["uid"] for n, p in self.fleet.pods().items()}
 
     def complete(self) -> dict[str, object]:
         body = json.dumps({"model": SERVED, "prompt": "Once upon a time", "max_tokens": 8, "ignore_eos": True})
@@ -63,17 +89,20 @@ def setup(k8s: LocalControlPlane, crd_installed: None, module_namespace: str,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     tmp = tmp_path_factory.mktemp("moe-emulator")
     model = write_tiny_model(tmp / "tiny-moe", moe=True)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": CONTEXT}))
     flags = list(VLLM_CPU_FLAGS)
     i = flags.index("--load-format")
     del flags[i:i + 2]
+    flags[flags.index("--max-model-len") + 1] = str(CONTEXT)
     emulator = (commands.EMULATOR_MODULE, "--token-delay-ms", "10")
     with PodRunner(k8s, module_namespace, tmp / "pods", engine=emulator) as runner, \
             OperatorProcess(k8s, module_namespace, tmp) as operator:
-        ecs = (make_ecs(NAME, module_namespace).model(str(model)).replicas(2).max_replicas(2).tp(1).expert_parallel()
+        ecs = (make_ecs(NAME, module_namespace).model(str(model)).replicas(2).max_replicas(4).tp(1).expert_parallel()
                .set("engine.loadFormat", "dummy").set("scaling.readyTimeoutSeconds", JOIN_TIMEOUT)
                .arg(*flags, "--served-model-name", SERVED).manifest())
         k8s.kubectl("apply", "-n", module_namespace, "-f", "-", input=json.dumps(ecs))
-        s = Setup(k8s, module_namespace, runner, FleetView(k8s, module_namespace, NAME, runner, SERVED))
+        s = Setup(k8s, module_namespace, runner, FleetView(k8s, module_namespace, NAME, runner, SERVED), operator)
         s.settle(2)
         yield s
         operator.check_clean()
@@ -94,6 +123,131 @@ def test_the_engines_start_through_engine_0s_coordination_store_and_serve(setup:
         assert store_address(s.engine_log(rank)) == f"{engine0_ip}:{constants.COORD_STORE_PORT}"
     result = s.complete()
     assert result["usage"]["completion_tokens"] == 8, result  # type: ignore[index]
+
+
+def test_2_4_2_in_place_under_load_and_1_refused(setup: Setup) -> None:
+    s = setup
+    before = s.uids()
+    generation = s.fleet.status()["fleetGeneration"]
+    load = s.load()
+    try:
+        with ResizeWatch(s.fleet) as up:
+            s.fleet.scale(4)
+            s.settle(4)
+
+        def every_rank_served() -> bool:
+            status = s.fleet.admin().fleet()
+            return status.data_parallel_size == 4 and all(r.requests_total > 0 for r in status.ranks)
+
+        wait_for(every_rank_served, 30, "every rank, the new ones too, to serve requests")
+        # A long request on a leaving rank: the drain lets it finish before the ranks reconfigure.
+        long = PinnedStream(f"http://{s.fleet.frontend_ip()}:8000", SERVED, rank=3, max_tokens=300)
+        assert long.first_token.wait(30)
+        with ResizeWatch(s.fleet) as down:
+            s.fleet.scale(2)
+            s.settle(2)
+    finally:
+        load.stop()
+    assert long.result() == (True, "finish_reason length")
+    assert load.outcomes, "the load sent nothing"
+    assert not load.failures(), load.summary()
+    after = s.uids()
+    for name in before:  # the coordinator, the frontend and ranks 0 and 1: never restarted
+        assert after[name] == before[name], f"{name} was recreated"
+    assert "Preparing" in up.phases, up.phases
+    assert up.phases[-1] == "Completed", up.phases
+    assert "Draining" in down.phases, down.phases
+    assert down.phases[-1] == "Completed", down.phases
+    for rank in (2, 3):  # each leaving pod deleted only once its rank sent SHUTDOWN_COMPLETE (Retired)
+        name = constants.engine_name(NAME, rank)
+        assert rank in down.retired_at, (rank, down.retired_at)
+        assert down.retired_at[rank] <= down.deleted_at[name], f"{name} deleted before rank {rank} was retired"
+    log = s.frontend_log()
+    ups = [o for o in s.fleet.admin().resizes() if o.phase == "Completed"]
+    assert [(o.from_replicas, o.to_replicas, o.num_redundant_experts) for o in ups[:2]] == [(4, 2, 0), (2, 4, 4)]
+    for op in ups[:2]:  # every notification accounted for, in the frontend's log
+        assert f"Resize {op.id}: RECONFIGURE_FINISHED from rank 0" in log, log[-4000:]
+    for rank in (2, 3):
+        assert f"Resize {ups[0].id}: SHUTDOWN_COMPLETE from rank {rank}" in log, log[-4000:]
+    reasons = [r for r, _ in s.fleet.events() if r.startswith("Resize") or r == "RankRetired"]
+    assert reasons.count("ResizeStarted") >= 2, reasons
+    assert reasons[-1] == "ResizeCompleted", reasons
+    assert reasons.index("ResizeStarted") < reasons.index("ResizeCompleted"), reasons
+    st = s.fleet.status()
+    assert (st["replicas"], st["fleetGeneration"], st["recoveries"]) == (2, generation, 0), st
+
+    # Below the experts' minimum: vLLM's check, a clear refusal, and the fleet serves on at 2.
+    s.fleet.scale(1)
+    failed = s.wait_op("Failed", timeout=60)
+    assert "minimum is 2" in str(failed["message"]), failed
+    assert any(r == "ResizeFailed" and "minimum is 2" in m for r, m in s.fleet.events())
+    s.fleet.scale(2)
+    s.settle(2)
+    assert s.fleet.status()["fleetGeneration"] == generation
+    assert s.complete()["usage"]["completion_tokens"] == 8  # type: ignore[index]
+
+
+def test_the_operator_restarted_mid_resize_carries_the_one_operation_on(setup: Setup) -> None:
+    s = setup
+    generation = s.fleet.status()["fleetGeneration"]
+    s.fleet.scale(3)
+    up = s.wait_op("Pending", "Preparing")
+    s.operator.kill()
+    s.operator.start()
+    s.settle(3)
+    assert (s.op()["id"], s.op()["phase"]) == (up["id"], "Completed")
+    started = [m for r, m in s.fleet.events() if r == "ResizeStarted" and str(up["id"]) in m]
+    assert len(started) <= 1, started
+    st = s.fleet.status()
+    assert (st["replicas"], st["fleetGeneration"]) == (3, generation), st
+    assert s.complete()["usage"]["completion_tokens"] == 8  # type: ignore[index]
+
+
+def test_a_leaving_rank_killed_before_shutdown_complete_fails_the_resize_and_the_fleet_recovers(
+        setup: Setup) -> None:
+    s = setup
+    s.settle(3)
+    before = s.fleet.status()
+    long = PinnedStream(f"http://{s.fleet.frontend_ip()}:8000", SERVED, rank=2, max_tokens=3000)
+    assert long.first_token.wait(30)
+    s.fleet.scale(2)
+    s.wait_op("Draining")
+    os.killpg(s.fleet.engine_pid(2), signal.SIGKILL)  # the leaving rank, before it could shut down
+    ok, detail = long.result()
+    assert not ok, detail
+    assert "rank 2" in detail, detail
+    wait_for(lambda: s.fleet.status().get("fleetGeneration") == before["fleetGeneration"] + 1, 120,
+             "a recovery (the MoE fleet lost a member of its collectives)", on_timeout=s.fleet.describe)
+    op = s.fleet.status()["operation"]
+    assert op["phase"] == "Failed", op
+    assert "rank 2" in op["message"], op
+    lost = [m for r, m in s.fleet.events() if r == "RankLost"]
+    assert any("left the fleet unusable: rank 2 died" in m for m in lost), lost
+    s.settle(2)  # recovered at the committed 3 ranks, then resized in place to 2
+    st = s.fleet.status()
+    assert (st["recoveries"], st["replicas"]) == (before["recoveries"] + 1, 2), st
+    assert s.complete()["usage"]["completion_tokens"] == 8  # type: ignore[index]
+
+
+def test_a_new_rank_that_never_gets_ready_fails_the_resize_after_the_join_timeout_and_the_fleet_recovers(
+        setup: Setup) -> None:
+    s = setup
+    s.settle(2)
+    before = s.fleet.status()
+    s.runner.hold.add(constants.engine_name(NAME, 2))  # its pod is bound but never starts: no eep_ready/2
+    try:
+        s.fleet.scale(3)
+        failed = s.wait_op("Failed", timeout=JOIN_TIMEOUT + 60)
+        assert "did not join within the join timeout" in str(failed["message"]), failed
+        s.fleet.scale(2)  # give up on 3 (else the recovered fleet resizes to it again)
+        wait_for(lambda: s.fleet.status().get("fleetGeneration") == before["fleetGeneration"] + 1, 120,
+                 "a recovery (the old ranks were told to reconfigure: no way back)", on_timeout=s.fleet.describe)
+    finally:
+        s.runner.hold.clear()
+    s.settle(2)
+    st = s.fleet.status()
+    assert (st["recoveries"], st["replicas"]) == (before["recoveries"] + 1, 2), st
+    assert s.complete()["usage"]["completion_tokens"] == 8  # type: ignore[index]
 
 
 def test_a_killed_engine_0_takes_its_store_and_the_fleet_recovers_with_a_new_one(setup: Setup) -> None:
