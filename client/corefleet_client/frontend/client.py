@@ -113,7 +113,7 @@ from corefleet_client import vllm_compat
 from corefleet_client.admin import RankState, ResizeOperation, ResizePhase
 from corefleet_client.frontend.elastic import ElasticEPResize
 from corefleet_client.frontend.fleet import ExpertLayout, Fleet, RankRecord, describe, identity
-from corefleet_client.frontend.replace import RankReplacement
+from corefleet_client.frontend.replace import RankReplacement, remote_engine
 from corefleet_client.frontend.stats import FleetStatLoggers
 
 logger = logging.getLogger("corefleet.frontend")
@@ -321,7 +321,7 @@ class KubeDPLBClient(ElasticEPResize, RankReplacement, DPLBAsyncMPClient):  # ty
             addresses.coordinator_output = options.back_output
             addresses.frontend_stats_publish_address = options.front_publish
             self._engine_addresses: EngineZmqAddresses = addresses
-            engines = [_core_engine(rank) for rank in range(pc.data_parallel_size)]
+            engines = [remote_engine(rank) for rank in range(pc.data_parallel_size)]
             handshake_address = get_tcp_uri(pc.data_parallel_master_ip, pc.data_parallel_rpc_port)
             logger.info("Waiting for %d engine(s) to handshake on %s; coordinator at %s",
                         len(engines), handshake_address, options.coordinator_address)
@@ -710,7 +710,7 @@ class KubeDPLBClient(ElasticEPResize, RankReplacement, DPLBAsyncMPClient):  # ty
                                       message=f"waiting for {describe(new)} to handshake on {address}")
             self._check_cancel(op)
             self._discard_stale_ready_responses()
-            engines = [_core_engine(rank) for rank in new]
+            engines = [remote_engine(rank) for rank in new]
             await self._run_handshake(op, engines, address)
             joined.update(new)
             for rank in new:
@@ -731,16 +731,21 @@ class KubeDPLBClient(ElasticEPResize, RankReplacement, DPLBAsyncMPClient):  # ty
             raise e from None
         # 3. Commit: loggers first, then routing, then the stats task and the coordinator.
         self._fleet.update_resize(op.id, phase=ResizePhase.COMMITTING, message=f"adding {describe(new)}")
+        await self._route_new_ranks(new, to)
+        self._fleet.commit_size(to)
+        self._fleet.finish_resize(op.id)
+
+    async def _route_new_ranks(self, new: list[int], size: int) -> None:
+        """New ranks into the routing: the stat loggers first (vLLM's Prometheus logger raises on an unknown
+        engine index), then the identities, the size, and `SCALE_ELASTIC_EP` to the stats task and coordinator."""
         if self._stat_loggers is not None:
-            self._stat_loggers.resize(to)
+            self._stat_loggers.resize(size)
         for rank in new:
             self._records[rank] = self._fleet.record(rank)
             self._fleet.set_rank(rank, RankState.SERVING)
         self.core_engines.extend(identity(rank) for rank in new)
-        pc.data_parallel_size = to
-        await self._announce_size(to)
-        self._fleet.commit_size(to)
-        self._fleet.finish_resize(op.id)
+        self.vllm_config.parallel_config.data_parallel_size = size
+        await self._announce_size(size)
 
     async def _run_handshake(self, op: ResizeOperation, engines: list[CoreEngine], address: str,
                              parallel_config: Any = None) -> None:
@@ -832,9 +837,7 @@ class KubeDPLBClient(ElasticEPResize, RankReplacement, DPLBAsyncMPClient):  # ty
         self._fleet.update_resize(op.id, phase=ResizePhase.DRAINING,
                                   message=f"{describe(leaving)} finish their in-flight requests "
                                           f"(at most {op.drain_timeout_s:g}s)")
-        for rank in leaving:
-            self._unroutable[rank] = f"rank {rank} is being retired by resize {op.id} ({frm} -> {to})"
-            self._fleet.set_rank(rank, RankState.DRAINING, f"{len(self._requests_on(rank))} request(s) in flight")
+        self._stop_routing_to(op, leaving)
         try:
             await self._drain(op, leaving)
         except ResizeFailed:
@@ -866,6 +869,13 @@ class KubeDPLBClient(ElasticEPResize, RankReplacement, DPLBAsyncMPClient):  # ty
             self._fleet.forget_rank(rank)
         self._fleet.commit_size(to)
         self._fleet.finish_resize(op.id)
+
+    def _stop_routing_to(self, op: ResizeOperation, leaving: list[int]) -> None:
+        """Leaving ranks get no new request (the router sees them fully loaded; a pinned one gets a 503)."""
+        for rank in leaving:
+            self._unroutable[rank] = f"rank {rank} is being retired by resize {op.id} ({op.from_replicas} -> " \
+                                     f"{op.to_replicas})"
+            self._fleet.set_rank(rank, RankState.DRAINING, f"{len(self._requests_on(rank))} request(s) in flight")
 
     async def _drain(self, op: ResizeOperation, leaving: list[int]) -> None:
         deadline = time.monotonic() + op.drain_timeout_s
@@ -913,12 +923,6 @@ class KubeDPLBClient(ElasticEPResize, RankReplacement, DPLBAsyncMPClient):  # ty
                 raise ResizeFailed(f"vLLM's stats task did not apply the new size {size} within "
                                    f"{ANNOUNCE_TIMEOUT_S:g}s", fleet_intact=False)
             await asyncio.sleep(0.01)
-
-
-def _core_engine(rank: int) -> CoreEngine:
-    engine = CoreEngine(index=rank, local=False)
-    engine.index = rank  # vLLM keeps only the identity
-    return engine
 
 
 def _vllm_version() -> str:

@@ -65,11 +65,12 @@ from typing import Any, Protocol
 
 from vllm.utils.network_utils import get_tcp_uri
 from vllm.v1.engine import EEPNotificationType, ReconfigureDistributedRequest, ReconfigureRankType
-from vllm.v1.engine.utils import CoreEngine
+from vllm.v1.engine.utils import CoreEngine  # the _Host protocol's handshake
 
 from corefleet_client import coordstore
 from corefleet_client.admin import RankState, ResizeOperation, ResizePhase
 from corefleet_client.frontend.fleet import Fleet, RankRecord, describe, identity
+from corefleet_client.frontend.replace import remote_engine
 
 logger = logging.getLogger("corefleet.frontend")
 
@@ -124,6 +125,10 @@ class _Host(Protocol):
     async def _send_utility_call(self, engine: bytes, method: str, args: tuple[Any, ...]) -> asyncio.Future[Any]: ...
 
     async def _drain(self, op: ResizeOperation, leaving: list[int]) -> None: ...
+
+    def _stop_routing_to(self, op: ResizeOperation, leaving: list[int]) -> None: ...
+
+    async def _route_new_ranks(self, new: list[int], size: int) -> None: ...
 
     async def _announce_size(self, size: int, replaced: list[int] | None = None) -> None: ...
 
@@ -224,7 +229,7 @@ class ElasticEPResize:
         handshake: asyncio.Task[None] | None = None
         try:
             # 1. The new ranks handshake while the old ones prepare: neither finishes without the other.
-            engines = [_new_engine(rank) for rank in new]
+            engines = [remote_engine(rank) for rank in new]
             handshake = asyncio.create_task(self._run_handshake(op, engines, address, parallel_config=new_pc))
             self._fleet.update_resize(op.id, message=f"reinitialize_distributed({to}) to {describe(old)}; waiting for "
                                                      f"{describe(new)} to handshake on {address}")
@@ -249,14 +254,7 @@ class ElasticEPResize:
             await self._eep_call(op, old, "commit_prepared_elastic_ep", (), commit_deadline,
                                  "commit_prepared_elastic_ep")
             await self._eep_wait(op, eep.finished, commit_deadline, "RECONFIGURE_FINISHED from rank 0", old)
-            if self._stat_loggers is not None:
-                self._stat_loggers.resize(to)
-            for rank in new:
-                self._records[rank] = self._fleet.record(rank)
-                self._fleet.set_rank(rank, RankState.SERVING)
-            self.core_engines.extend(identity(rank) for rank in new)
-            pc.data_parallel_size = to
-            await self._announce_size(to)
+            await self._route_new_ranks(new, to)
             await self._eep_call(op, old, "resume_scheduler", (), commit_deadline, "resume_scheduler")
         except BaseException as e:
             if handshake is not None and not handshake.done():
@@ -289,9 +287,7 @@ class ElasticEPResize:
         self._fleet.update_resize(op.id, phase=ResizePhase.DRAINING,
                                   message=f"{describe(leaving)} finish their in-flight requests "
                                           f"(at most {op.drain_timeout_s:g}s)")
-        for rank in leaving:
-            self._unroutable[rank] = f"rank {rank} is being retired by resize {op.id} ({frm} -> {to})"
-            self._fleet.set_rank(rank, RankState.DRAINING, f"{len(self._requests_on(rank))} request(s) in flight")
+        self._stop_routing_to(op, leaving)
         try:
             await self._drain(op, leaving)
             self._eep_alive(op, survivors + leaving)
@@ -491,12 +487,6 @@ def _store_client(host: str, port: int) -> Any:
 
     return TCPStore(host, port, is_master=False, world_size=-1, wait_for_workers=False,
                     timeout=datetime.timedelta(seconds=30))
-
-
-def _new_engine(rank: int) -> CoreEngine:
-    engine = CoreEngine(index=rank, local=False)
-    engine.index = rank  # vLLM keeps only the identity
-    return engine
 
 
 def _why(e: BaseException) -> str:

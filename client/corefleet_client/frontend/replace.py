@@ -97,7 +97,8 @@ class _Host(Protocol):
     def _ignore_load_until_routed(self, rank: int) -> None: ...
 
 
-def _new_engine(rank: int) -> CoreEngine:
+def remote_engine(rank: int) -> CoreEngine:
+    """vLLM's handshake bookkeeping for one engine of another pod (shared by startup, scale-up and replacement)."""
     engine = CoreEngine(index=rank, local=False)
     engine.index = rank  # vLLM keeps only the identity
     return engine
@@ -151,7 +152,7 @@ class RankReplacement:
                                                            "engine's HELLO")
             self._check_cancel(op)
             self._discard_stale_ready_responses()
-            await self._run_handshake(op, [_new_engine(rank) for rank in ranks], address)
+            await self._run_handshake(op, [remote_engine(rank) for rank in ranks], address)
             for rank in ranks:
                 self._fleet.set_rank(rank, RankState.DEAD, f"being replaced by {op.id}: the new engine is "
                                                            "READY; reading its ready response")
