@@ -26,6 +26,7 @@ from collections.abc import Iterator
 import pytest
 
 from corefleet_client import commands
+from corefleet_client.admin import RankState
 from corefleet_client.tinymodel import VLLM_CPU_FLAGS, write_tiny_model
 from corefleet_operator import constants
 from corefleet_operator.localcluster import LocalControlPlane
@@ -169,6 +170,9 @@ def test_2_4_2_in_place_under_load_and_1_refused(setup: Setup) -> None:
         assert f"Resize {op.id}: RECONFIGURE_FINISHED from rank 0" in log, log[-4000:]
     for rank in (2, 3):
         assert f"Resize {ups[0].id}: SHUTDOWN_COMPLETE from rank {rank}" in log, log[-4000:]
+    # ... and in the operation's state: each leaving rank Retired by its own SHUTDOWN_COMPLETE.
+    assert [(r.rank, r.state) for r in ups[0].ranks] == [(2, RankState.RETIRED), (3, RankState.RETIRED)]
+    assert all(r.message.startswith("SHUTDOWN_COMPLETE") for r in ups[0].ranks), ups[0].ranks
     reasons = [r for r, _ in s.fleet.events() if r.startswith("Resize") or r == "RankRetired"]
     assert reasons.count("ResizeStarted") >= 2, reasons
     assert reasons[-1] == "ResizeCompleted", reasons

@@ -10,6 +10,7 @@ Each rule is shown rejecting (or holding back) a wrong order and letting the rig
 3. `commit_prepared_elastic_ep` is refused until every rank of the new group set its `eep_ready` key.
 4. RECONFIGURE_FINISHED comes only after the commit, and only from rank 0.
 5. A second `reinitialize_distributed` while one is active is refused, as vLLM does.
+6. A rank told SHUTDOWN_CURRENT_RANK sends one SHUTDOWN_COMPLETE, then its engine exits 0.
 
 A real TCPStore (torch's, in this process) stands for the resize's coordination store; the engine
 runs without sockets (its utility calls and busy-loop steps are driven by the test).
@@ -167,3 +168,19 @@ def test_only_rank_0_sends_reconfigure_finished(store: Any) -> None:
     step_until(other, lambda: other.eep_scaling_state is None, "the switch")
     assert outputs(other) == []
     assert other.notifications_sent == []
+
+
+def test_a_leaving_rank_sends_one_shutdown_complete_then_exits_0(store: Any) -> None:
+    # Rule 6: a rank told SHUTDOWN_CURRENT_RANK sends SHUTDOWN_COMPLETE (its rank, call id -1) and its engine exits 0.
+    leaving = engine(rank=2, size=3)
+    shutdown = ReconfigureDistributedRequest(2, ReconfigureRankType.SHUTDOWN_CURRENT_RANK, KEEP, "127.0.0.1", 0, [],
+                                             store.port)
+    assert call(leaving, "reinitialize_distributed", msgspec.to_builtins(shutdown)).result.result == "eep_ready/2"
+    with pytest.raises(EngineExit) as exited:
+        step_for(leaving, 1.0)
+    assert exited.value.code == 0
+    (complete,) = outputs(leaving)
+    assert complete.utility_output is not None
+    assert complete.utility_output.call_id == -1
+    assert complete.utility_output.result.result == [EEPNotificationType.SHUTDOWN_COMPLETE.value, 2]
+    assert leaving.notifications_sent == [EEPNotificationType.SHUTDOWN_COMPLETE.value]
