@@ -111,6 +111,7 @@ from corefleet_operator.status import (
 OPTIONAL_KINDS = {"NetworkPolicy": "networking.k8s.io/v1"}
 
 RESIZE_POLL_SECONDS = 1.0  # while a resize runs: its progress on the frontend is no Kubernetes event
+REDUNDANT_EXPERTS_POLL_SECONDS = 0.2  # an MoE scale-up's new pods wait for R' from the frontend (its first answer)
 RESIZE_RETRY_SECONDS = 300.0  # a resize that failed is retried after this long (sooner if replicas changes)
 FRONTEND_GRACE_SECONDS = 120.0  # a resize unanswered this long past its own timeouts is lost
 OPERATION_PHASES: tuple[OperationPhase, ...] = ("Pending", "Preparing", "Draining", "Committing")
@@ -822,8 +823,9 @@ def plan(fleet: FleetRef, observed: Observed, now: str) -> Plan:
         if not replacing.create:
             held = {constants.engine_name(fleet.name, rank) for rank in replacing.operation.replace}
     redundant = resize.redundant_experts if resize is not None else None
-    if spec.expertParallel and redundant is None:  # an MoE scale-up's pods need R' from the frontend first
+    if spec.expertParallel and redundant is None and joining:  # an MoE scale-up's pods need R' from the frontend
         held |= {constants.engine_name(fleet.name, rank) for rank in joining}
+        requeue = _sooner(requeue, REDUNDANT_EXPERTS_POLL_SECONDS)  # it answers at once: the pods start sooner
     if in_flight and resize is not None and resize.operation is not None:  # retired before the resize ends
         events += [Event("Normal", "RankRetired", f"rank {p.rank} retired by resize {resize.operation.id}: "
                                                   f"deleting pod {p.name}")

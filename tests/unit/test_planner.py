@@ -1014,6 +1014,7 @@ def test_moe_fleets_resize_in_place_and_new_pods_wait_for_the_frontends_redundan
     assert w.status.phase == "Scaling"
     assert [a for a in p.actions if isinstance(a, StartResize)]
     assert not [a for a in p.actions if isinstance(a, Apply) and a.obj["kind"] == "Pod"]  # R' is not known yet
+    assert p.requeue_after == 0.2  # the frontend answers at once: asked again soon
     p = w.step()
     new = [a.obj for a in p.actions if isinstance(a, Apply) and a.obj["kind"] == "Pod"]
     assert [o["metadata"]["name"] for o in new] == ["m-engine-2", "m-engine-3"]
