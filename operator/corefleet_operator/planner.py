@@ -66,8 +66,10 @@ The rules:
     elastic-EP protocol); a new rank's pod carries the new size, `VLLM_ELASTIC_EP_SCALE_UP_LAUNCH=1`
     and the fleet's redundant experts at the new size (R' in `--eplb-config`), which only the
     frontend can compute (it knows the model's experts): the pods are created once the frontend's
-    account of the operation names R'. An MoE resize that fails after its ranks were told to
-    reconfigure leaves the fleet unusable (`fleet_intact` false): a recovery;
+    account of the operation names R'. Once it completes, R' is `status.redundantExperts`: a fleet
+    recreated at that size starts every pod with it (elastic EP keeps the physical experts per rank,
+    so a fleet recreated without them could not shrink back). An MoE resize that fails after its
+    ranks were told to reconfigure leaves the fleet unusable (`fleet_intact` false): a recovery;
   - a fleet that never served (Starting, or Restarting) is recreated at the new size instead, a
     stopped fleet (0) starts at the new size, and 0 stops a fleet (once no resize runs).
 * Services, the admin Secret and the NetworkPolicy are applied whenever they are missing or differ
