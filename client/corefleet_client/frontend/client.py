@@ -76,6 +76,10 @@ handling are vLLM's. What corefleet adds:
 
   Replacement of Dead ranks, same size (`_replace`, `frontend.replace.RankReplacement`): a new
   engine for each handshakes as in a scale-up, and the rank serves again; the others serve on.
+
+* Resizes of an MoE fleet in place (`frontend.elastic.ElasticEPResize`): its ranks share
+  collectives, so a resize runs vLLM's elastic-EP protocol (reconfigure, commit, notifications)
+  in place of vLLM's Ray-bound client steps, through the same operations and admin API.
 """
 
 from __future__ import annotations
