@@ -26,7 +26,9 @@ ZeroMQ (import contract in pyproject.toml).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from typing import Any
 
 from corefleet_client.argv import ARGS_END
 
@@ -169,3 +171,56 @@ def engine_args(
         "--data-parallel-rpc-port", str(rpc_port),
         *vllm_flags,
     ]
+
+
+EPLB_CONFIG_FLAG = "--eplb-config"
+# vLLM's marker of an engine started by a live elastic-EP scale-up (only on the new ranks of one).
+ENV_SCALE_UP_LAUNCH = "VLLM_ELASTIC_EP_SCALE_UP_LAUNCH"
+
+
+def elastic_ep_flags(max_size: int) -> list[str]:
+    """vLLM's flags for an MoE fleet that resizes with elastic EP, identical on the frontend and every rank
+    (EPLB is required by elastic EP; `max_size`: the largest data-parallel size it may grow to)."""
+    return ["--enable-expert-parallel", "--enable-elastic-ep", "--enable-eplb", "--elastic-ep-max-dp-size",
+            str(max_size)]
+
+
+def with_redundant_experts(args: Sequence[str], redundant: int) -> list[str]:
+    """`args` with the EPLB config's `num_redundant_experts` set to `redundant`, the user's other EPLB settings kept.
+
+    vLLM's parser (FlexibleArgumentParser) folds the dotted forms (`--eplb-config.KEY VALUE`,
+    `--eplb-config.KEY=VALUE`, values read as JSON or with a size suffix) into one dict it appends as
+    a last `--eplb-config`, which replaces any JSON form whole. So: with dotted forms, the user's
+    `num_redundant_experts` among them is dropped and `--eplb-config.num_redundant_experts R` added
+    (vLLM parses the rest as the user wrote it); without, the last JSON form (`--eplb-config JSON` or
+    `=JSON`) is merged with R and written back as the one `--eplb-config`."""
+    dotted_key = f"{EPLB_CONFIG_FLAG}.num_redundant_experts"
+    names = [a.partition("=")[0] for a in args]
+    if any(n.startswith(EPLB_CONFIG_FLAG + ".") for n in names):
+        out: list[str] = []
+        i = 0
+        while i < len(args):
+            name, eq, _ = args[i].partition("=")
+            if name == dotted_key:
+                i += 1 if eq else 2
+                continue
+            out.append(args[i])
+            i += 1
+        return [*out, dotted_key, str(redundant)]
+    out = []
+    config: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        name, eq, inline = args[i].partition("=")
+        if name == EPLB_CONFIG_FLAG:
+            value = inline if eq else (args[i + 1] if i + 1 < len(args) else "")
+            i += 1 if eq else 2
+            try:
+                parsed = json.loads(value)
+            except json.JSONDecodeError:
+                parsed = None
+            config = parsed if isinstance(parsed, dict) else {}
+            continue
+        out.append(args[i])
+        i += 1
+    return [*out, EPLB_CONFIG_FLAG, json.dumps({**config, "num_redundant_experts": redundant}, sort_keys=True)]

@@ -128,6 +128,7 @@ class Ports:
     coord_back_output: int
     coord_back_publish: int
     health: tuple[int, ...]  # per rank: the engine launcher's /livez and /readyz
+    coord_store: int | None = None  # elastic EP: engine 0's coordination store (its control port is the next one)
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,10 @@ class FleetOptions:
     token_delay_ms: int | None = None  # the emulator's per-token delay
     ready_timeout: float | None = None
     python: str = sys.executable
+    # Elastic EP for a MoE model (the largest size it may grow to): engine 0 serves the coordination stores
+    # and `corefleet scale` resizes through vLLM's elastic-EP protocol. vLLM runs EPLB only on GPUs.
+    elastic_ep_max: int | None = None
+    gpus_per_rank: int = 0  # > 0: each engine rank sees its own GPUs (CUDA_VISIBLE_DEVICES)
 
     def validate(self) -> None:
         if self.replicas < 1:
@@ -152,6 +157,11 @@ class FleetOptions:
             raise LocalFleetError(f"--port must be in 1..65535, not {self.port}")
         if self.token_delay_ms is not None and self.engine != ENGINE_EMULATOR:
             raise LocalFleetError("--token-delay-ms applies to --engine emulator only")
+        if self.elastic_ep_max is not None and self.elastic_ep_max < self.replicas:
+            raise LocalFleetError(f"--elastic-ep-max ({self.elastic_ep_max}) must be at least --replicas "
+                                  f"({self.replicas})")
+        if self.gpus_per_rank < 0:
+            raise LocalFleetError(f"--gpus-per-rank must be >= 0, not {self.gpus_per_rank}")
 
 
 def coordinator_argv(python: str, replicas: int, ports: Ports, *, moe: bool) -> list[str]:
@@ -174,7 +184,8 @@ def frontend_argv(python: str, model: str, replicas: int, ports: Ports, token_fi
                   vllm_flags: Sequence[str], *, moe: bool = False) -> list[str]:
     """The frontend's command line (`commands.frontend_args`), every listener on 127.0.0.1.
 
-    MoE: engine rank 0 binds the DP master address the frontend advertises; here it is loopback too.
+    MoE: engine rank 0 binds the DP master address the frontend advertises; here it is loopback too
+    (and so is its coordination store, with elastic EP).
     """
     return [
         *commands.command(commands.FRONTEND_MODULE, python),
@@ -193,6 +204,7 @@ def frontend_argv(python: str, model: str, replicas: int, ports: Ports, token_fi
             coordinator_back_output_port=ports.coord_back_output,
             coordinator_back_publish_port=ports.coord_back_publish,
             engine0_address=LOCALHOST if moe else None,
+            coord_store_port=ports.coord_store if moe else None,
             vllm_flags=vllm_flags,
         ),
     ]
@@ -213,6 +225,7 @@ def engine_argv(python: str, engine: str, model: str, replicas: int, rank: int, 
             health_host=LOCALHOST,
             health_port=ports.health[rank],
             token_delay_ms=token_delay_ms if engine == ENGINE_EMULATOR else None,
+            coord_store_port=ports.coord_store if rank == 0 else None,
             vllm_flags=vllm_flags,
         ),
     ]
@@ -234,6 +247,22 @@ def _ephemeral_port_range() -> tuple[int, int]:
     except (OSError, ValueError):
         return 32768, 60999  # Linux's default
     return lo, hi
+
+
+def free_port_pair(exclude: Iterable[int] = (), attempts: int = 50) -> int:
+    """A free port p whose next port is free too (a coordination store and its control port)."""
+    taken = list(exclude)
+    for _ in range(attempts):
+        (port,) = free_ports(1, exclude=taken)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind((LOCALHOST, port))
+                b.bind((LOCALHOST, port + 1))
+        except OSError:
+            taken.append(port)
+            continue
+        return port
+    raise LocalFleetError("no two consecutive free ports found for the coordination store")
 
 
 def free_ports(count: int, exclude: Iterable[int] = ()) -> list[int]:
@@ -324,6 +353,12 @@ class FleetRecord:
     vllm_flags: tuple[str, ...] = ()
     token_delay_ms: int | None = None
     python: str = ""
+    gpus_per_rank: int = 0
+
+    @property
+    def elastic_ep(self) -> bool:
+        """A MoE fleet with elastic EP: its resizes run vLLM's elastic-EP protocol."""
+        return self.ports.coord_store is not None
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -690,29 +725,23 @@ def _scale(state_dir: Path, replicas: int, out: TextIO, join_timeout: float | No
     resize_id = f"local-{current}to{replicas}-{int(time.time())}"
     print(f"corefleet scale: {current} -> {replicas} in place (resize {resize_id})", file=out, flush=True)
     new_ranks = list(range(current, replicas))
-    if new_ranks:
-        health = free_ports(len(new_ranks), exclude=[record.ports.http, record.ports.admin, record.ports.rpc,
-                                                     *record.ports.health])
-        ports = dataclasses.replace(record.ports, health=(*record.ports.health[:current], *health))
-        record = dataclasses.replace(record, ports=ports)
-        save_record(record)
-        for rank in new_ranks:
-            argv = engine_argv(record.python or sys.executable, record.engine, record.model, replicas, rank, ports,
-                               record.vllm_flags, token_delay_ms=record.token_delay_ms)
-            record, popen = spawn(record, ROLE_ENGINE, rank, argv, _engine_env(record.engine, rank))
-            print(f"  started engine-{rank} (pid {popen.pid}), log {Path(state_dir) / LOG_DIR}/engine-{rank}.log",
-                  file=out, flush=True)
     leaving = list(range(replicas, current))
     if leaving:
         _mark_retiring(state_dir, leaving)
     timeout = join_timeout if join_timeout is not None else DEFAULT_READY_TIMEOUT[record.engine]
-    try:
-        _, op = admin.start_resize(ResizeRequest(id=resize_id, replicas=replicas, drain_timeout_s=drain_timeout,
-                                                 join_timeout_s=timeout))
-    except (OSError, AdminError) as e:
-        _forget_engines(state_dir, new_ranks, out)
-        _mark_retiring(state_dir, leaving, retiring=False)
-        raise LocalFleetError(f"the frontend refused the resize: {e}") from None
+    request = ResizeRequest(id=resize_id, replicas=replicas, drain_timeout_s=drain_timeout, join_timeout_s=timeout)
+    op = None
+    if record.elastic_ep:  # the new engines need R' (and the frontend's checks) first: the resize starts first
+        _, op = _start_resize(admin, request, state_dir, leaving)
+    if new_ranks:
+        record = _start_new_engines(state_dir, record, new_ranks, replicas, op, out)
+    if op is None:
+        try:
+            _, op = admin.start_resize(request)
+        except (OSError, AdminError) as e:
+            _forget_engines(state_dir, new_ranks, out)
+            _mark_retiring(state_dir, leaving, retiring=False)
+            raise LocalFleetError(f"the frontend refused the resize: {e}") from None
     shown: dict[str, str] = {}
     cancelled = False
     while not op.phase.terminal:
@@ -752,6 +781,40 @@ def _scale(state_dir: Path, replicas: int, out: TextIO, join_timeout: float | No
     print(f"corefleet scale: the fleet serves at {replicas} rank(s) ({time.monotonic() - t0:.1f} s)",
           file=out, flush=True)
     return 0
+
+
+def _start_resize(admin: AdminClient, request: ResizeRequest, state_dir: Path,
+                  leaving: list[int]) -> tuple[bool, ResizeOperation]:
+    try:
+        return admin.start_resize(request)
+    except (OSError, AdminError) as e:
+        _mark_retiring(state_dir, leaving, retiring=False)
+        raise LocalFleetError(f"the frontend refused the resize: {e}") from None
+
+
+def _start_new_engines(state_dir: Path, record: FleetRecord, new_ranks: list[int], replicas: int,
+                       op: ResizeOperation | None, out: TextIO) -> FleetRecord:
+    """Start the new ranks' engines (recorded at once). Elastic EP: as vLLM's scale-up launches them
+    (`VLLM_ELASTIC_EP_SCALE_UP_LAUNCH=1`, the redundant experts at the new size the frontend computed)."""
+    health = free_ports(len(new_ranks), exclude=[record.ports.http, record.ports.admin, record.ports.rpc,
+                                                 *record.ports.health])
+    current = new_ranks[0]
+    ports = dataclasses.replace(record.ports, health=(*record.ports.health[:current], *health))
+    record = dataclasses.replace(record, ports=ports)
+    save_record(record)
+    flags: Sequence[str] = record.vllm_flags
+    if op is not None and op.num_redundant_experts is not None:
+        flags = commands.with_redundant_experts(flags, op.num_redundant_experts)
+    for rank in new_ranks:
+        argv = engine_argv(record.python or sys.executable, record.engine, record.model, replicas, rank, ports,
+                           flags, token_delay_ms=record.token_delay_ms)
+        env = _engine_env(record.engine, rank, record.gpus_per_rank)
+        if op is not None:
+            env[commands.ENV_SCALE_UP_LAUNCH] = "1"
+        record, popen = spawn(record, ROLE_ENGINE, rank, argv, env)
+        print(f"  started engine-{rank} (pid {popen.pid}), log {Path(state_dir) / LOG_DIR}/engine-{rank}.log",
+              file=out, flush=True)
+    return record
 
 
 def _mark_retiring(state_dir: Path, ranks: Iterable[int], retiring: bool = True) -> FleetRecord | None:
@@ -884,9 +947,11 @@ class LocalFleet:
         return next(p for p in self.record.processes if p.role == ROLE_FRONTEND)
 
 
-def _engine_env(engine: str, rank: int) -> dict[str, str]:
+def _engine_env(engine: str, rank: int, gpus_per_rank: int = 0) -> dict[str, str]:
     env = {"PYTHONUNBUFFERED": "1"}
-    if engine == ENGINE_VLLM and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+    if gpus_per_rank:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(rank * gpus_per_rank + i) for i in range(gpus_per_rank))
+    elif engine == ENGINE_VLLM and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         # vLLM binds each CPU engine's OpenMP threads to core 0 by default ("auto" picks per local
         # rank, and every engine here is local rank 0): spread the ranks over the usable cores.
         cpus = sorted(os.sched_getaffinity(0))
@@ -931,6 +996,10 @@ def start(opts: FleetOptions) -> LocalFleet:
     if "--served-model-name" in flags:
         served = flags[flags.index("--served-model-name") + 1]
     moe = is_moe_model(model)
+    if opts.elastic_ep_max is not None:
+        if not moe:
+            raise LocalFleetError(f"--elastic-ep-max needs a MoE model; {model} has no experts")
+        flags = (*flags, *commands.elastic_ep_flags(opts.elastic_ep_max))
 
     # 2. The admin token (never on a command line) and the ports.
     token_file = state_dir / TOKEN_FILE
@@ -939,8 +1008,9 @@ def start(opts: FleetOptions) -> LocalFleet:
         f.write(secrets.token_urlsafe(32) + "\n")
     n = opts.replicas
     free = free_ports(5 + n, exclude=[opts.port])
+    store = free_port_pair(exclude=[opts.port, *free]) if opts.elastic_ep_max is not None else None
     ports = Ports(http=opts.port, admin=free[0], rpc=free[1], coord_front_publish=free[2],
-                  coord_back_output=free[3], coord_back_publish=free[4], health=tuple(free[5:]))
+                  coord_back_output=free[3], coord_back_publish=free[4], health=tuple(free[5:]), coord_store=store)
 
     # 3. The command lines, in start order.
     plan: list[tuple[str, int | None, list[str], dict[str, str]]] = [
@@ -950,7 +1020,8 @@ def start(opts: FleetOptions) -> LocalFleet:
     ]
     plan += [
         (ROLE_ENGINE, r, engine_argv(opts.python, opts.engine, model, n, r, ports, flags,
-                                     token_delay_ms=opts.token_delay_ms), _engine_env(opts.engine, r))
+                                     token_delay_ms=opts.token_delay_ms),
+         _engine_env(opts.engine, r, opts.gpus_per_rank))
         for r in range(n)
     ]
 
@@ -958,7 +1029,7 @@ def start(opts: FleetOptions) -> LocalFleet:
         state_dir=str(state_dir), engine=opts.engine, model=model, served_model_name=served, replicas=n,
         endpoint=f"http://{LOCALHOST}:{ports.http}/v1", admin_url=f"http://{LOCALHOST}:{ports.admin}",
         token_file=str(token_file), ports=ports, boot_id=boot_id(), started_at=time.time(),
-        vllm_flags=flags, token_delay_ms=opts.token_delay_ms, python=opts.python,
+        vllm_flags=flags, token_delay_ms=opts.token_delay_ms, python=opts.python, gpus_per_rank=opts.gpus_per_rank,
     )
     (state_dir / LOG_DIR).mkdir(exist_ok=True)
     fleet = LocalFleet(record, {})

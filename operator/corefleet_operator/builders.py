@@ -27,11 +27,12 @@ import base64
 import hashlib
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from corefleet_client import commands
 from corefleet_client.admin import LIVE_PATH
+from corefleet_client.commands import with_redundant_experts
 from corefleet_operator import constants
 from corefleet_operator.models import JSON, EngineCoreSetSpec, FleetRef, to_json
 
@@ -557,55 +558,11 @@ def _coord_store_port(fleet: FleetRef) -> int | None:
     return constants.COORD_STORE_PORT if fleet.spec.expertParallel else None
 
 
-EPLB_CONFIG_FLAG = "--eplb-config"
-
-
 def _user_args(spec: EngineCoreSetSpec, num_redundant_experts: int | None) -> list[str]:
     """The user's vLLM args, with the redundant experts set if given (MoE only)."""
     if num_redundant_experts is None or not spec.expertParallel:
         return list(spec.engine.args)
     return with_redundant_experts(spec.engine.args, num_redundant_experts)
-
-
-def with_redundant_experts(args: Sequence[str], redundant: int) -> list[str]:
-    """`args` with the EPLB config's `num_redundant_experts` set to `redundant`, the user's other EPLB settings kept.
-
-    vLLM's parser (FlexibleArgumentParser) folds the dotted forms (`--eplb-config.KEY VALUE`,
-    `--eplb-config.KEY=VALUE`, values read as JSON or with a size suffix) into one dict it appends as
-    a last `--eplb-config`, which replaces any JSON form whole. So: with dotted forms, the user's
-    `num_redundant_experts` among them is dropped and `--eplb-config.num_redundant_experts R` added
-    (vLLM parses the rest as the user wrote it); without, the last JSON form (`--eplb-config JSON` or
-    `=JSON`) is merged with R and written back as the one `--eplb-config`."""
-    dotted_key = f"{EPLB_CONFIG_FLAG}.num_redundant_experts"
-    names = [a.partition("=")[0] for a in args]
-    if any(n.startswith(EPLB_CONFIG_FLAG + ".") for n in names):
-        out: list[str] = []
-        i = 0
-        while i < len(args):
-            name, eq, _ = args[i].partition("=")
-            if name == dotted_key:
-                i += 1 if eq else 2
-                continue
-            out.append(args[i])
-            i += 1
-        return [*out, dotted_key, str(redundant)]
-    out = []
-    config: dict[str, Any] = {}
-    i = 0
-    while i < len(args):
-        name, eq, inline = args[i].partition("=")
-        if name == EPLB_CONFIG_FLAG:
-            value = inline if eq else (args[i + 1] if i + 1 < len(args) else "")
-            i += 1 if eq else 2
-            try:
-                parsed = json.loads(value)
-            except json.JSONDecodeError:
-                parsed = None
-            config = parsed if isinstance(parsed, dict) else {}
-            continue
-        out.append(args[i])
-        i += 1
-    return [*out, EPLB_CONFIG_FLAG, json.dumps({**config, "num_redundant_experts": redundant}, sort_keys=True)]
 
 
 def _expert_parallel_flags(spec: EngineCoreSetSpec, dp_size: int) -> list[str]:
@@ -614,12 +571,7 @@ def _expert_parallel_flags(spec: EngineCoreSetSpec, dp_size: int) -> list[str]:
     committed size while the spec shrank) gets its own size as the maximum."""
     if not spec.expertParallel:
         return []
-    return [
-        "--enable-expert-parallel",
-        "--enable-elastic-ep",
-        "--enable-eplb",
-        "--elastic-ep-max-dp-size", str(max(spec.max_replicas, dp_size)),
-    ]
+    return commands.elastic_ep_flags(max(spec.max_replicas, dp_size))
 
 
 def _startup_failures(spec: EngineCoreSetSpec) -> int:

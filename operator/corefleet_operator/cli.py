@@ -127,6 +127,7 @@ def _local_options(args: argparse.Namespace) -> local.FleetOptions:
         replicas=args.replicas, engine=args.engine, model=args.model, port=args.port,
         state_dir=_state_dir(args), vllm_flags=tuple(args.vllm_flags) if args.vllm_flags else None,
         moe=args.moe, token_delay_ms=args.token_delay_ms, ready_timeout=args.timeout,
+        elastic_ep_max=args.elastic_ep_max, gpus_per_rank=args.gpus_per_rank,
     )
 
 
@@ -197,6 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--timeout", type=float, help="seconds to wait for the fleet to serve (default: "
                     + ", ".join(f"{k} {v:.0f}" for k, v in local.DEFAULT_READY_TIMEOUT.items()) + ")")
     up.add_argument("--token-delay-ms", type=int, help="the emulator's delay per generated token")
+    up.add_argument("--elastic-ep-max", type=int, metavar="N",
+                    help="MoE models: resize with vLLM's elastic EP up to N ranks (engine 0 serves the coordination "
+                         "stores; vLLM runs EPLB on GPUs only, or use --engine emulator)")
+    up.add_argument("--gpus-per-rank", type=int, default=0, metavar="G",
+                    help="give each engine rank its own G GPUs (CUDA_VISIBLE_DEVICES); 0: leave them as they are")
     up.set_defaults(func=cmd_up, vllm_flags=[])
 
     status = sub.add_parser("status", help="the local fleet's processes and ranks")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Final
 
+from corefleet_client import commands
+
 # --- API -------------------------------------------------------------------------------------
 GROUP: Final = "corefleet.io"
 VERSION: Final = "v1alpha1"
@@ -78,7 +80,7 @@ ENV_POD_IP: Final = "POD_IP"
 ENV_POD_NAME: Final = "POD_NAME"
 ENV_POD_NAMESPACE: Final = "POD_NAMESPACE"
 ENV_ADMIN_TOKEN_FILE: Final = "COREFLEET_ADMIN_TOKEN_FILE"
-ENV_SCALE_UP_LAUNCH: Final = "VLLM_ELASTIC_EP_SCALE_UP_LAUNCH"  # only on pods added by a live scale-up
+ENV_SCALE_UP_LAUNCH: Final = commands.ENV_SCALE_UP_LAUNCH  # only on pods added by a live scale-up
 
 # --- Names of a fleet's children (derived from the EngineCoreSet's name) ------------------------
 

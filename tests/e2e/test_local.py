@@ -59,11 +59,11 @@ def engine_pids(state: Path) -> dict[int, int]:
     return {p.rank: p.pid for p in rec.processes if p.role == local.ROLE_ENGINE and p.rank is not None}
 
 
-def scale(state: Path, port: int, sizes: list[int], timeout: float) -> None:
+def scale(state: Path, port: int, sizes: list[int], timeout: float, model: str = "tiny-llama") -> None:
     """`corefleet scale N` for each size, with a client sending requests all along: none fails, the
     ranks that stay keep their processes, and the state file follows."""
     # A client that keeps sending, a second between requests (see test_operator_fleet.py for why not denser).
-    load = Load(f"http://127.0.0.1:{port}", "tiny-llama", workers=1, max_tokens=8, pause_s=1.0).start()
+    load = Load(f"http://127.0.0.1:{port}", model, workers=1, max_tokens=8, pause_s=1.0).start()
     try:
         for n in sizes:
             before = engine_pids(state)
@@ -178,6 +178,41 @@ def test_emulator_fleet_in_the_foreground_resized_and_stopped_with_ctrl_c(tmp_pa
         if up.poll() is None:
             up.kill()
             up.wait()
+        _cleanup(state)
+
+
+def test_emulator_moe_fleet_with_elastic_ep_resized_2_4_2(tmp_path: Path) -> None:
+    """`corefleet up --moe --elastic-ep-max 4`: the same elastic-EP resize as in a cluster (engine 0 serves the
+    coordination stores; new engines start as vLLM's scale-up launches them, with R' from the frontend), here
+    with emulated engines (vLLM runs EPLB on GPUs only). hack/gpu-moe-resize.sh runs this with real vLLM."""
+    state = tmp_path / "state"
+    port = local.free_ports(1)[0]
+    try:
+        up = corefleet("up", "--detach", "--engine", "emulator", "--moe", "--replicas", "2", "--elastic-ep-max", "4",
+                       "--port", str(port), "--state-dir", str(state), timeout=300)
+        assert up.returncode == 0, f"stdout:\n{up.stdout}\nstderr:\n{up.stderr}"
+        rec = local.load_record(state)
+        assert rec is not None
+        assert rec.elastic_ep
+        assert rec.ports.coord_store is not None
+        scale(state, port, [4, 2], timeout=300, model=local.TINY_MOE_MODEL_NAME)
+        logs = Path(rec.state_dir) / local.LOG_DIR
+        for rank in (2, 3):  # started as vLLM's scale-up launches a new engine, then shut down by the protocol
+            log = (logs / f"engine-{rank}.log").read_text()
+            assert "[Elastic EP] New engine of a scale-up to 4 ranks" in log, log[-2000:]
+            assert f"[Elastic EP] Rank {rank} removed: exiting" in log, log[-2000:]
+        engine0 = (logs / "engine-0.log").read_text()
+        assert "Coordination store of resize local-2to4-" in engine0
+        assert "Coordination store of resize local-4to2-" in engine0
+        ops = rec.admin_client().resizes()
+        assert [(o.from_replicas, o.to_replicas, o.num_redundant_experts) for o in ops[:2]] == [(4, 2, 0), (2, 4, 4)]
+        frontend = (logs / "frontend.log").read_text()
+        for rank in (2, 3):
+            assert f"SHUTDOWN_COMPLETE from rank {rank}" in frontend, frontend[-3000:]
+        refused = corefleet("scale", "1", "--state-dir", str(state), timeout=60)
+        assert refused.returncode == 1
+        assert "minimum is 2" in refused.stderr, refused.stdout + refused.stderr
+    finally:
         _cleanup(state)
 
 

@@ -111,7 +111,15 @@ def test_up_options_and_vllm_flags_after_the_separator(monkeypatch: pytest.Monke
     assert opts.vllm_flags == ("--max-model-len", "128", "--detach")
 
 
+def test_up_elastic_ep_options(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    opts, _ = _captured_options(monkeypatch, ["up", "--moe", "--elastic-ep-max", "4", "--gpus-per-rank", "2"])
+
+    assert (opts.moe, opts.elastic_ep_max, opts.gpus_per_rank) == (True, 4, 2)
+
+
 @pytest.mark.parametrize(("argv", "message"), [
+    (["up", "--replicas", "3", "--elastic-ep-max", "2"], "--elastic-ep-max (2) must be at least --replicas (3)"),
+    (["up", "--gpus-per-rank", "-1"], "--gpus-per-rank must be >= 0"),
     (["up", "--replicas", "0"], "--replicas must be at least 1"),
     (["up", "--token-delay-ms", "3"], "--engine emulator only"),
     (["up", "--port", "70000"], "--port must be in 1..65535"),
@@ -694,3 +702,33 @@ def test_free_ports_lie_below_the_ephemeral_range() -> None:
     ports = local.free_ports(40, exclude=[local.free_ports(1)[0]])
     assert len(set(ports)) == 40
     assert all(1024 < p < lo for p in ports), ports
+
+
+def test_local_elastic_ep_command_lines_and_gpus() -> None:
+    """Elastic EP in local mode: engine 0 serves the coordination stores on loopback, the frontend is told their
+    port; with --gpus-per-rank each rank sees its own GPUs."""
+    ports = dataclasses.replace(PORTS, coord_store=1020)
+    py = "/venv/bin/python"
+    front = local.frontend_argv(py, "/m", 2, ports, Path("/t"), ["--enforce-eager"], moe=True)
+    assert front[front.index("--coord-store-port") + 1] == "1020"
+    assert "--coord-store-port" not in local.frontend_argv(py, "/m", 2, ports, Path("/t"), [], moe=False)
+    rank0 = local.engine_argv(py, "vllm", "/m", 2, 0, ports, [])
+    assert rank0[rank0.index("--coord-store-port") + 1] == "1020"
+    assert "--coord-store-port" not in local.engine_argv(py, "vllm", "/m", 2, 1, ports, [])
+    assert local._engine_env("vllm", 1, gpus_per_rank=2)["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert "CUDA_VISIBLE_DEVICES" not in local._engine_env("emulator", 1)
+
+
+def test_local_elastic_ep_needs_a_moe_model(tmp_path: Path) -> None:
+    opts = local.FleetOptions(replicas=2, engine="emulator", state_dir=tmp_path, elastic_ep_max=4,
+                              port=local.free_ports(1)[0])
+    with pytest.raises(local.LocalFleetError, match="--elastic-ep-max needs a MoE model"):
+        local.start(opts)
+    assert local.load_record(tmp_path) is None  # nothing started
+
+
+def test_a_free_port_pair_is_two_free_ports() -> None:
+    port = local.free_port_pair()
+    with socket.socket() as a, socket.socket() as b:
+        a.bind(("127.0.0.1", port))
+        b.bind(("127.0.0.1", port + 1))

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from corefleet_client import commands
 from corefleet_client.argv import split_launcher_argv
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ DEFAULT_DP_SYNC_INTERVAL = 16
 # Keys of a HF config.json that make vLLM's ModelConfig.is_moe true (num_experts > 0).
 MOE_CONFIG_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
-ENV_SCALE_UP_LAUNCH = "VLLM_ELASTIC_EP_SCALE_UP_LAUNCH"
+ENV_SCALE_UP_LAUNCH = commands.ENV_SCALE_UP_LAUNCH
 
 
 @dataclass
