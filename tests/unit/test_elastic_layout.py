@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from http import HTTPStatus
 from types import SimpleNamespace
 from typing import Any
@@ -24,6 +23,7 @@ from corefleet_client.admin import RankState, ResizeOperation, ResizePhase, Resi
 from corefleet_client.frontend.adminserver import ResizeRefused
 from corefleet_client.frontend.fleet import ExpertLayout, Fleet
 from corefleet_operator import builders
+from standins import IdleView, RecordingRunner
 
 EPLB = "--eplb-config"
 
@@ -117,32 +117,12 @@ def test_redundant_at_mirrors_vllm(vllm_prepare: Callable[[int, int, int, int, i
 
 
 # ---- Fleet.start_resize of an MoE fleet ----------------------------------------------------------------
-@dataclass
-class Runner:
-    runs: list[str] = field(default_factory=list)
-    cancels: list[tuple[str, str]] = field(default_factory=list)
-
-    def run_resize(self, resize_id: str) -> None:
-        self.runs.append(resize_id)
-
-    def cancel_resize(self, resize_id: str, reason: str) -> None:
-        self.cancels.append((resize_id, reason))
-
-
-class View:
-    def lb_counts(self, rank: int) -> tuple[int, int, float]:
-        return 0, 0, 0.0
-
-    def in_flight(self, rank: int) -> int:
-        return 0
-
-
-def moe_fleet(size: int, experts: ExpertLayout | None) -> tuple[Fleet, Runner]:
+def moe_fleet(size: int, experts: ExpertLayout | None) -> tuple[Fleet, RecordingRunner]:
     """A serving MoE fleet of `size` ranks and the runner its resizes are handed to."""
-    fleet, runner = Fleet("m", size), Runner()
+    fleet, runner = Fleet("m", size), RecordingRunner()
     fleet.moe = True
     fleet.experts = experts
-    fleet.serving(View(), runner)
+    fleet.serving(IdleView(), runner)
     return fleet, runner
 
 
@@ -179,8 +159,8 @@ def test_scale_down_carries_the_new_redundant_experts() -> None:
 
 
 def test_dense_fleet_has_no_redundant_experts() -> None:
-    fleet, runner = Fleet("m", 2), Runner()
-    fleet.serving(View(), runner)
+    fleet, runner = Fleet("m", 2), RecordingRunner()
+    fleet.serving(IdleView(), runner)
 
     _, op = fleet.start_resize(ResizeRequest(id="r1", replicas=3))
 

@@ -16,34 +16,16 @@ from corefleet_operator import constants, frontend_api
 from corefleet_operator.frontend_api import FrontendAPI
 from corefleet_operator.observe import PodObs, RankObs, fleet_obs
 from corefleet_operator.planner import CancelResize, StartResize
+from standins import IdleView, RecordingRunner
 
 TOKEN = "tok"
 
 
-class Runner:
-    def __init__(self) -> None:
-        self.cancels: list[tuple[str, str]] = []
-
-    def run_resize(self, resize_id: str) -> None:
-        pass
-
-    def cancel_resize(self, resize_id: str, reason: str) -> None:
-        self.cancels.append((resize_id, reason))
-
-
-class View:
-    def lb_counts(self, rank: int) -> tuple[int, int, float]:
-        return 0, 0, 0.0
-
-    def in_flight(self, rank: int) -> int:
-        return 0
-
-
 @pytest.fixture
-def frontend(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Fleet, Runner, PodObs]]:
+def frontend(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Fleet, RecordingRunner, PodObs]]:
     fleet = Fleet("m", 2)
-    runner = Runner()
-    fleet.serving(View(), runner)
+    runner = RecordingRunner()
+    fleet.serving(IdleView(), runner)
     server = AdminServer("127.0.0.1", 0, TOKEN, fleet)
     server.start()
     monkeypatch.setattr(constants, "FRONTEND_ADMIN_PORT", server.port)
@@ -53,7 +35,7 @@ def frontend(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Fleet, Runner, P
         server.stop()
 
 
-def test_start_observe_cancel(frontend: tuple[Fleet, Runner, PodObs]) -> None:
+def test_start_observe_cancel(frontend: tuple[Fleet, RecordingRunner, PodObs]) -> None:
     fleet, runner, pod = frontend
     api = FrontendAPI()
     asyncio.run(api.start(pod, TOKEN, StartResize("r1", 3, 30.0, 60.0)))
@@ -76,7 +58,7 @@ def test_start_observe_cancel(frontend: tuple[Fleet, Runner, PodObs]) -> None:
 
 
 def test_a_replacement_names_its_ranks_and_is_refused_while_they_are_not_dead(
-        frontend: tuple[Fleet, Runner, PodObs]) -> None:
+        frontend: tuple[Fleet, RecordingRunner, PodObs]) -> None:
     fleet, _, pod = frontend
     api = FrontendAPI()
     asyncio.run(api.start(pod, TOKEN, StartResize("early", 2, 30.0, 60.0, replace=(1,))))
@@ -101,7 +83,7 @@ def test_a_replacement_names_its_ranks_and_is_refused_while_they_are_not_dead(
     assert seen.resize.ranks == {1: ("Dead", "waiting for a new engine")}
 
 
-def test_a_refused_start_is_reported_by_the_next_observe(frontend: tuple[Fleet, Runner, PodObs]) -> None:
+def test_a_refused_start_is_reported_by_the_next_observe(frontend: tuple[Fleet, RecordingRunner, PodObs]) -> None:
     _, _, pod = frontend
     api = FrontendAPI()
     asyncio.run(api.start(pod, TOKEN, StartResize("first", 3, 30.0, 60.0)))
@@ -115,7 +97,7 @@ def test_a_refused_start_is_reported_by_the_next_observe(frontend: tuple[Fleet, 
     assert "'first'" in seen.refused
 
 
-def test_unreachable_or_unauthorized_is_not_reachable(frontend: tuple[Fleet, Runner, PodObs]) -> None:
+def test_unreachable_or_unauthorized_is_not_reachable(frontend: tuple[Fleet, RecordingRunner, PodObs]) -> None:
     _, _, pod = frontend
     api = FrontendAPI(timeout=2)
     wrong = asyncio.run(api.observe(pod, "wrong-token", "r1"))
@@ -133,7 +115,7 @@ def test_ipv6_addresses_are_bracketed() -> None:
     assert frontend_api.admin_url(pod) == f"http://[fd00::5]:{constants.FRONTEND_ADMIN_PORT}"
 
 
-def test_fleet_reads_each_ranks_state(frontend: tuple[Fleet, Runner, PodObs]) -> None:
+def test_fleet_reads_each_ranks_state(frontend: tuple[Fleet, RecordingRunner, PodObs]) -> None:
     fleet, _, pod = frontend
     fleet.set_rank(1, RankState.DEAD, "no heartbeat for 30s")
 
@@ -144,7 +126,7 @@ def test_fleet_reads_each_ranks_state(frontend: tuple[Fleet, Runner, PodObs]) ->
         0: ("Serving", ""), 1: ("Dead", "no heartbeat for 30s")}
 
 
-def test_fleet_unreachable_or_unauthorized_is_not_reachable(frontend: tuple[Fleet, Runner, PodObs]) -> None:
+def test_fleet_unreachable_or_unauthorized_is_not_reachable(frontend: tuple[Fleet, RecordingRunner, PodObs]) -> None:
     _, _, pod = frontend
     wrong = asyncio.run(FrontendAPI(timeout=2).fleet(pod, "wrong-token"))
     assert not wrong.reachable

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Resize operations through the admin API: the frontend's `Fleet` registry behind a real AdminServer.
 
-The event loop's side (the client carrying a resize out) is played by the test: `Runner` records
+The event loop's side (the client carrying a resize out) is played by the test: `RecordingRunner` records
 what the registry hands over, and the test moves the operation on as the client would
 (`update_resize`, `set_rank`, `finish_resize`). The client itself runs against real engines in
 tests/e2e.
@@ -14,7 +14,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -33,20 +33,9 @@ from corefleet_client.admin import (
 from corefleet_client.frontend import fleet as fleet_module
 from corefleet_client.frontend.adminserver import AdminServer
 from corefleet_client.frontend.fleet import Fleet
+from standins import RecordingRunner
 
 TOKEN = "t0ken"
-
-
-@dataclass
-class Runner:
-    runs: list[str] = field(default_factory=list)
-    cancels: list[tuple[str, str]] = field(default_factory=list)
-
-    def run_resize(self, resize_id: str) -> None:
-        self.runs.append(resize_id)
-
-    def cancel_resize(self, resize_id: str, reason: str) -> None:
-        self.cancels.append((resize_id, reason))
 
 
 class View:
@@ -60,7 +49,7 @@ class View:
 @dataclass
 class Setup:
     fleet: Fleet
-    runner: Runner
+    runner: RecordingRunner
     client: AdminClient
     url: str
 
@@ -85,7 +74,7 @@ def setup() -> Iterator[Setup]:
     server.start()
     url = f"http://127.0.0.1:{server.port}"
     try:
-        yield Setup(fleet, Runner(), AdminClient(url, TOKEN), url)
+        yield Setup(fleet, RecordingRunner(), AdminClient(url, TOKEN), url)
     finally:
         server.stop()
 
@@ -262,7 +251,7 @@ def test_history_is_bounded_and_keeps_the_running_one(setup: Setup, monkeypatch:
 
 def test_operations_round_trip_through_json() -> None:
     fleet = Fleet("m", 3)
-    fleet.serving(View(), Runner())
+    fleet.serving(View(), RecordingRunner())
     _, _op = fleet.start_resize(ResizeRequest(id="down", replicas=1, drain_timeout_s=5))
     fleet.set_rank(2, RankState.DRAINING, "1 request(s) in flight")
     fleet.finish_resize("down", error="boom", fleet_intact=False)
