@@ -45,7 +45,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import FrameType
 from typing import Any
 
-from corefleet_client.process import configure_logging
+from corefleet_client.process import configure_logging, send_json
 
 logger = logging.getLogger(__name__)
 
@@ -109,21 +109,13 @@ class StoreService:
                 url = urllib.parse.urlsplit(self.path)
                 ids = urllib.parse.parse_qs(url.query).get("id", [])
                 if url.path != RESIZE_STORE_PATH or len(ids) != 1 or not ids[0]:
-                    self._send(HTTPStatus.NOT_FOUND, {"error": f"GET {RESIZE_STORE_PATH}?id=RESIZE"})
+                    send_json(self, HTTPStatus.NOT_FOUND, {"error": f"GET {RESIZE_STORE_PATH}?id=RESIZE"})
                     return
                 try:
-                    self._send(HTTPStatus.OK, service.resize_store(ids[0]))
+                    send_json(self, HTTPStatus.OK, service.resize_store(ids[0]))
                 except OSError as e:
                     logger.exception("Cannot make the coordination store of resize %s", ids[0])
-                    self._send(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": f"{type(e).__name__}: {e}"})
-
-            def _send(self, status: HTTPStatus, body: dict[str, Any]) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                    send_json(self, HTTPStatus.INTERNAL_SERVER_ERROR, {"error": f"{type(e).__name__}: {e}"})
 
         try:
             self._http = ThreadingHTTPServer((host, port + CONTROL_PORT_OFFSET), Handler)

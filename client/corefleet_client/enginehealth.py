@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import http.server
-import json
 import logging
 import multiprocessing.connection
 import os
@@ -46,6 +45,8 @@ from typing import Any, Protocol
 
 import msgspec
 import zmq
+
+from corefleet_client.process import send_json
 
 logger = logging.getLogger(__name__)
 
@@ -247,12 +248,7 @@ class _HealthHandler(http.server.BaseHTTPRequestHandler):
         self._reply(200 if ok else 503, snapshot)
 
     def _reply(self, code: int, body: dict[str, Any]) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_json(self, code, body)
 
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("health %s - %s", self.address_string(), format % args)

@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
-from typing import NoReturn
+from collections.abc import Mapping
+from http.server import BaseHTTPRequestHandler
+from typing import Any, NoReturn
 
 LOG_FORMAT = "%(levelname)s %(asctime)s [%(name)s] %(message)s"
 # corefleet's loggers: the fleet programs' modules (`corefleet_client.*`) and the frontend's `corefleet.*`.
@@ -30,6 +33,19 @@ def configure_logging(level: int | str = logging.INFO) -> None:
         log.handlers = [handler]
         log.setLevel(level)
         log.propagate = False
+
+
+def send_json(handler: BaseHTTPRequestHandler, status: int, body: Mapping[str, Any],
+              headers: Mapping[str, str] | None = None) -> None:
+    """Answer an HTTP request with `body` as JSON (the fleet programs' small HTTP servers)."""
+    data = json.dumps(body).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    for name, value in (headers or {}).items():
+        handler.send_header(name, value)
+    handler.end_headers()
+    handler.wfile.write(data)
 
 
 def exit_promptly(code: int) -> NoReturn:

@@ -30,6 +30,7 @@ from corefleet_client.admin import (
     ResizeRequest,
     authorized,
 )
+from corefleet_client.process import send_json
 
 logger = logging.getLogger(__name__)
 
@@ -79,14 +80,8 @@ class AdminServer:
                 logger.debug("admin %s - %s", self.address_string(), format % args)
 
             def _send(self, status: HTTPStatus, body: dict[str, object]) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                if status == HTTPStatus.UNAUTHORIZED:
-                    self.send_header("WWW-Authenticate", 'Bearer realm="corefleet-admin"')
-                self.end_headers()
-                self.wfile.write(data)
+                challenge = {"WWW-Authenticate": 'Bearer realm="corefleet-admin"'}
+                send_json(self, status, body, challenge if status == HTTPStatus.UNAUTHORIZED else None)
 
             def _error(self, status: HTTPStatus, message: str, operation: ResizeOperation | None = None) -> None:
                 body: dict[str, Any] = {"error": message}
