@@ -37,8 +37,8 @@ The changes:
    engine 0's fresh pod. With elastic EP every engine opens a coordination store at startup, at
    that same address (`parallel_state._init_elastic_ep_world`), and vLLM's multiprocess launch
    creates none: engine 0's launcher serves one (`corefleet_client.coordstore`) on a fixed port,
-   which INIT advertises as `_coord_store_port`. The stores of resizes (fresh per resize) are
-   issue 11's.
+   which INIT advertises as `_coord_store_port`, and makes a fresh one for each resize on
+   request (vLLM's store keys are not scoped per resize; `frontend.elastic` asks for it).
 3. `install_fleet_health_check` wraps `AsyncLLM.check_health` (vllm/v1/engine/async_llm.py).
    vLLM's `/health` is 503 only when the whole engine-core client is dead, and a client with
    externally managed engines never learns that one died: a dense fleet kept answering 200 while
@@ -273,14 +273,16 @@ def remove_routes(app: Any, paths: Iterable[str]) -> list[str]:
 
 
 def set_eplb_as_on_a_gpu(config: ParallelConfig, *, enable_eplb: bool, enable_elastic_ep: bool,
-                         elastic_ep_max_dp_size: int | None = None) -> None:
+                         elastic_ep_max_dp_size: int | None = None, num_redundant_experts: int = 0) -> None:
     """Set EPLB and elastic EP on a ParallelConfig built with both off, as `ParallelConfig.__post_init__` sets
-    them where EPLB runs (CUDA): the flags, the EPLB communicator it picks when none is given, and the
-    elastic-EP maximum size (built with elastic EP off, it is the DP size) (change 9)."""
+    them where EPLB runs (CUDA): the flags, the EPLB communicator it picks when none is given, the
+    elastic-EP maximum size (built with elastic EP off, it is the DP size), and the redundant experts
+    (refused with EPLB off, so built with none) (change 9)."""
     config.enable_eplb = enable_eplb
     config.enable_elastic_ep = enable_elastic_ep
     if enable_elastic_ep and elastic_ep_max_dp_size is not None:
         config.elastic_ep_max_dp_size = elastic_ep_max_dp_size
+    config.eplb_config.num_redundant_experts = num_redundant_experts
     if enable_eplb and config.eplb_config.communicator is None:
         from vllm.distributed.nixl_utils import is_nixl_available
 
@@ -312,8 +314,7 @@ def install_frontend_eplb_config() -> None:
         finally:
             self.enable_eplb, self.enable_elastic_ep, self.eplb_config = eplb, elastic, eplb_config
         set_eplb_as_on_a_gpu(config.parallel_config, enable_eplb=eplb, enable_elastic_ep=elastic,
-                             elastic_ep_max_dp_size=self.elastic_ep_max_dp_size)
-        config.parallel_config.eplb_config.num_redundant_experts = redundant
+                             elastic_ep_max_dp_size=self.elastic_ep_max_dp_size, num_redundant_experts=redundant)
         return config
 
     EngineArgs.create_engine_config = create_engine_config

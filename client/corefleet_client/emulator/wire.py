@@ -207,8 +207,7 @@ def compute_parallel_config_hash(cfg: EmulatorConfig) -> str | None:
     from corefleet_client.vllm_compat import set_eplb_as_on_a_gpu
 
     set_eplb_as_on_a_gpu(config, enable_eplb=cfg.enable_eplb, enable_elastic_ep=cfg.enable_elastic_ep,
-                         elastic_ep_max_dp_size=cfg.elastic_ep_max_dp_size)
-    config.eplb_config.num_redundant_experts = redundant
+                         elastic_ep_max_dp_size=cfg.elastic_ep_max_dp_size, num_redundant_experts=redundant)
     return _hash_as_vllm_config_would(config, cfg)
 
 
