@@ -730,18 +730,12 @@ def _scale(state_dir: Path, replicas: int, out: TextIO, join_timeout: float | No
         _mark_retiring(state_dir, leaving)
     timeout = join_timeout if join_timeout is not None else DEFAULT_READY_TIMEOUT[record.engine]
     request = ResizeRequest(id=resize_id, replicas=replicas, drain_timeout_s=drain_timeout, join_timeout_s=timeout)
-    op = None
     if record.elastic_ep:  # the new engines need R' (and the frontend's checks) first: the resize starts first
-        _, op = _start_resize(admin, request, state_dir, leaving)
-    if new_ranks:
+        op = _start_resize(admin, request, state_dir, leaving, [], out)
         record = _start_new_engines(state_dir, record, new_ranks, replicas, op, out)
-    if op is None:
-        try:
-            _, op = admin.start_resize(request)
-        except (OSError, AdminError) as e:
-            _forget_engines(state_dir, new_ranks, out)
-            _mark_retiring(state_dir, leaving, retiring=False)
-            raise LocalFleetError(f"the frontend refused the resize: {e}") from None
+    else:
+        record = _start_new_engines(state_dir, record, new_ranks, replicas, None, out)
+        op = _start_resize(admin, request, state_dir, leaving, new_ranks, out)
     shown: dict[str, str] = {}
     cancelled = False
     while not op.phase.terminal:
@@ -783,11 +777,14 @@ def _scale(state_dir: Path, replicas: int, out: TextIO, join_timeout: float | No
     return 0
 
 
-def _start_resize(admin: AdminClient, request: ResizeRequest, state_dir: Path,
-                  leaving: list[int]) -> tuple[bool, ResizeOperation]:
+def _start_resize(admin: AdminClient, request: ResizeRequest, state_dir: Path, leaving: list[int],
+                  started: list[int], out: TextIO) -> ResizeOperation:
+    """Start the resize on the frontend; if it is refused, the ranks it would retire serve on and the engines
+    started for it (`started`) are stopped again."""
     try:
-        return admin.start_resize(request)
+        return admin.start_resize(request)[1]
     except (OSError, AdminError) as e:
+        _forget_engines(state_dir, started, out)
         _mark_retiring(state_dir, leaving, retiring=False)
         raise LocalFleetError(f"the frontend refused the resize: {e}") from None
 
@@ -796,6 +793,8 @@ def _start_new_engines(state_dir: Path, record: FleetRecord, new_ranks: list[int
                        op: ResizeOperation | None, out: TextIO) -> FleetRecord:
     """Start the new ranks' engines (recorded at once). Elastic EP: as vLLM's scale-up launches them
     (`VLLM_ELASTIC_EP_SCALE_UP_LAUNCH=1`, the redundant experts at the new size the frontend computed)."""
+    if not new_ranks:
+        return record
     health = free_ports(len(new_ranks), exclude=[record.ports.http, record.ports.admin, record.ports.rpc,
                                                  *record.ports.health])
     current = new_ranks[0]
