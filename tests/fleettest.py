@@ -178,6 +178,25 @@ class FleetView:
             and {c["type"]: c["status"] for c in p["status"].get("conditions", [])}.get("Ready") == "True"
             for p in pods.values())
 
+    def wait_settled(self, replicas: int, timeout: float, interval: float = 0.2) -> None:
+        wait_for(lambda: self.settled(replicas), timeout, f"{self.name} Running at {replicas} ranks", interval=interval,
+                 on_timeout=self.describe)
+
+    def operation(self) -> dict[str, Any]:
+        """`status.operation` ({} if none)."""
+        op: dict[str, Any] = self.status().get("operation") or {}
+        return op
+
+    def wait_operation(self, *phases: str, timeout: float) -> dict[str, Any]:
+        """Polls (every 50 ms: a phase may last a moment) until `status.operation` is in one of `phases`."""
+        op: dict[str, Any] = wait_for(lambda: (o := self.operation()).get("phase") in phases and o, timeout,
+                                      f"status.operation in {phases}", interval=0.05, on_timeout=self.describe)
+        return op
+
+    def uids(self) -> dict[str, str]:
+        """Pod name -> UID (a recreated pod has a new one)."""
+        return {n: p["metadata"]["uid"] for n, p in self.pods().items()}
+
     def describe(self) -> str:
         st = self.status()
         return (f"status: {json.dumps(st, indent=1)}\nevents: {self.events()}\n"

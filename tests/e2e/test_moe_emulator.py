@@ -49,8 +49,7 @@ class Setup:
         self.k8s, self.ns, self.runner, self.fleet, self.operator = k8s, ns, runner, fleet, operator
 
     def settle(self, replicas: int) -> None:
-        wait_for(lambda: self.fleet.settled(replicas), SETTLE, f"{NAME} Running at {replicas} ranks",
-                 on_timeout=self.fleet.describe)
+        self.fleet.wait_settled(replicas, SETTLE)
 
     def engine_log(self, rank: int) -> str:
         pod = self.runner.pod(constants.engine_name(NAME, rank))
@@ -64,17 +63,6 @@ class Setup:
 
     def load(self, workers: int = 2) -> Load:
         return Load(f"http://{self.fleet.frontend_ip()}:8000", SERVED, workers=workers, max_tokens=16).start()
-
-    def op(self) -> dict[str, object]:
-        op: dict[str, object] = self.fleet.status().get("operation") or {}
-        return op
-
-    def wait_op(self, *phases: str, timeout: float = SETTLE) -> dict[str, object]:
-        return wait_for(lambda: (op := self.op()).get("phase") in phases and op, timeout,
-                        f"status.operation in {phases}", interval=0.05, on_timeout=self.fleet.describe)
-
-    def uids(self) -> dict[str, str]:
-        return {n: p["metadata"]["uid"] for n, p in self.fleet.pods().items()}
 
     def complete(self) -> dict[str, object]:
         body = json.dumps({"model": SERVED, "prompt": "Once upon a time", "max_tokens": 8, "ignore_eos": True})
@@ -128,7 +116,7 @@ def test_the_engines_start_through_engine_0s_coordination_store_and_serve(setup:
 
 def test_2_4_2_in_place_under_load_and_1_refused(setup: Setup) -> None:
     s = setup
-    before = s.uids()
+    before = s.fleet.uids()
     generation = s.fleet.status()["fleetGeneration"]
     load = s.load()
     try:
@@ -152,7 +140,7 @@ def test_2_4_2_in_place_under_load_and_1_refused(setup: Setup) -> None:
     assert long.result() == (True, "finish_reason length")
     assert load.outcomes, "the load sent nothing"
     assert not load.failures(), load.summary()
-    after = s.uids()
+    after = s.fleet.uids()
     for name in before:  # the coordinator, the frontend and ranks 0 and 1: never restarted
         assert after[name] == before[name], f"{name} was recreated"
     assert "Preparing" in up.phases, up.phases
@@ -182,7 +170,7 @@ def test_2_4_2_in_place_under_load_and_1_refused(setup: Setup) -> None:
 
     # Below the experts' minimum: vLLM's check, a clear refusal, and the fleet serves on at 2.
     s.fleet.scale(1)
-    failed = s.wait_op("Failed", timeout=60)
+    failed = s.fleet.wait_operation("Failed", timeout=60)
     assert "minimum is 2" in str(failed["message"]), failed
     assert any(r == "ResizeFailed" and "minimum is 2" in m for r, m in s.fleet.events())
     s.fleet.scale(2)
@@ -195,11 +183,11 @@ def test_the_operator_restarted_mid_resize_carries_the_one_operation_on(setup: S
     s = setup
     generation = s.fleet.status()["fleetGeneration"]
     s.fleet.scale(3)
-    up = s.wait_op("Pending", "Preparing")
+    up = s.fleet.wait_operation("Pending", "Preparing", timeout=SETTLE)
     s.operator.kill()
     s.operator.start()
     s.settle(3)
-    assert (s.op()["id"], s.op()["phase"]) == (up["id"], "Completed")
+    assert (s.fleet.operation()["id"], s.fleet.operation()["phase"]) == (up["id"], "Completed")
     started = [m for r, m in s.fleet.events() if r == "ResizeStarted" and str(up["id"]) in m]
     assert len(started) <= 1, started
     st = s.fleet.status()
@@ -215,7 +203,7 @@ def test_a_leaving_rank_killed_before_shutdown_complete_fails_the_resize_and_the
     long = PinnedStream(f"http://{s.fleet.frontend_ip()}:8000", SERVED, rank=2, max_tokens=3000)
     assert long.first_token.wait(30)
     s.fleet.scale(2)
-    s.wait_op("Draining")
+    s.fleet.wait_operation("Draining", timeout=SETTLE)
     os.killpg(s.fleet.engine_pid(2), signal.SIGKILL)  # the leaving rank, before it could shut down
     ok, detail = long.result()
     assert not ok, detail
@@ -241,7 +229,7 @@ def test_a_new_rank_that_never_gets_ready_fails_the_resize_after_the_join_timeou
     s.runner.hold.add(constants.engine_name(NAME, 2))  # its pod is bound but never starts: no eep_ready/2
     try:
         s.fleet.scale(3)
-        failed = s.wait_op("Failed", timeout=JOIN_TIMEOUT + 60)
+        failed = s.fleet.wait_operation("Failed", timeout=JOIN_TIMEOUT + 60)
         assert "did not join within the join timeout" in str(failed["message"]), failed
         s.fleet.scale(2)  # give up on 3 (else the recovered fleet resizes to it again)
         wait_for(lambda: s.fleet.status().get("fleetGeneration") == before["fleetGeneration"] + 1, 120,

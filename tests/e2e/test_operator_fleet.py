@@ -53,8 +53,7 @@ class Setup:
         self.k8s, self.ns, self.runner, self.operator, self.fleet = k8s, ns, runner, operator, fleet
 
     def settle(self, replicas: int, timeout: float = START_TIMEOUT) -> None:
-        wait_for(lambda: self.fleet.settled(replicas), timeout, f"{NAME} Running at {replicas} ranks", interval=0.5,
-                 on_timeout=self.fleet.describe)
+        self.fleet.wait_settled(replicas, timeout, interval=0.5)
 
     def completion(self) -> dict[str, Any]:
         body = json.dumps({"model": SERVED, "prompt": "Hello", "max_tokens": 8}).encode()
@@ -146,7 +145,7 @@ def test_real_vllm_fleet_resizes_2_3_2_in_place_under_load(setup: Setup) -> None
     assert {o.kind for o in load.outcomes} == {"stream", "plain"}
     assert not load.failures(), load.summary()
     assert {r: s.fleet.engine_pid(r) for r in (0, 1)} == survivors
-    after = {name: p["metadata"]["uid"] for name, p in s.fleet.pods().items()}
+    after = s.fleet.uids()
     assert after == {n: u for n, u in uids.items()}, "a surviving pod was recreated"
     # The status went through the resize's phases; the retired pod went only once the frontend retired it.
     assert "Preparing" in up.phases, up.phases
@@ -177,7 +176,7 @@ def test_operator_fleet_replaces_a_killed_engine_in_place(setup: Setup) -> None:
     s = setup
     s.settle(2)
     before = s.fleet.status()
-    old_uids = {name: p["metadata"]["uid"] for name, p in s.fleet.pods().items()}
+    old_uids = s.fleet.uids()
     victim = constants.engine_name(NAME, 1)
     os.killpg(s.fleet.engine_pid(1), signal.SIGKILL)  # as a container would die
 
@@ -188,7 +187,7 @@ def test_operator_fleet_replaces_a_killed_engine_in_place(setup: Setup) -> None:
     st = s.fleet.status()
     assert (st["recoveries"], st["fleetGeneration"]) == (before["recoveries"] + 1, before["fleetGeneration"]), st
     assert st["operation"]["phase"] == "Completed", st
-    uids = {name: p["metadata"]["uid"] for name, p in s.fleet.pods().items()}
+    uids = s.fleet.uids()
     assert uids[victim] != old_uids[victim]
     assert {n: u for n, u in uids.items() if n != victim} == {n: u for n, u in old_uids.items() if n != victim}
     events = s.fleet.events()

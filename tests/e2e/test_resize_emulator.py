@@ -57,19 +57,10 @@ class Setup:
         self.k8s, self.ns, self.runner, self.operator, self.fleet = k8s, ns, runner, operator, fleet
 
     def settle(self, replicas: int, timeout: float = SETTLE) -> None:
-        wait_for(lambda: self.fleet.settled(replicas), timeout, f"{NAME} Running at {replicas} ranks",
-                 on_timeout=self.fleet.describe)
+        self.fleet.wait_settled(replicas, timeout)
 
     def load(self, workers: int = 2) -> Load:
         return Load(f"http://{self.fleet.frontend_ip()}:8000", SERVED, workers=workers, max_tokens=24).start()
-
-    def op(self) -> dict[str, object]:
-        op: dict[str, object] = self.fleet.status().get("operation") or {}
-        return op
-
-    def wait_op_phase(self, *phases: str, timeout: float = SETTLE) -> dict[str, object]:
-        return wait_for(lambda: (op := self.op()).get("phase") in phases and op, timeout,
-                        f"status.operation in {phases}", interval=0.05, on_timeout=self.fleet.describe)
 
 
 @pytest.fixture(scope="module")
@@ -98,13 +89,9 @@ def pids(s: Setup, ranks: range) -> dict[int, int]:
     return {r: s.fleet.engine_pid(r) for r in ranks}
 
 
-def uids(s: Setup) -> dict[str, str]:
-    return {n: p["metadata"]["uid"] for n, p in s.fleet.pods().items()}
-
-
 def test_2_4_1_in_place_under_load(setup: Setup) -> None:
     s = setup
-    before_pids, before_uids = pids(s, range(2)), uids(s)
+    before_pids, before_uids = pids(s, range(2)), s.fleet.uids()
     load = s.load()
     try:
         with ResizeWatch(s.fleet) as up:
@@ -128,7 +115,7 @@ def test_2_4_1_in_place_under_load(setup: Setup) -> None:
     assert load.outcomes, "the load sent nothing"
     assert not load.failures(), load.summary()
     assert s.fleet.engine_pid(0) == before_pids[0]
-    after = uids(s)
+    after = s.fleet.uids()
     for name in (f"{NAME}-coordinator", f"{NAME}-frontend", f"{NAME}-engine-0"):
         assert after[name] == before_uids[name], f"{name} was recreated"
     assert "Preparing" in up.phases, up.phases
@@ -150,22 +137,22 @@ def test_operator_killed_mid_scale_up_and_mid_scale_down_resumes_once(setup: Set
     with ResizeWatch(s.fleet) as watch:
         # Mid scale-up: the resize is recorded, the new engines have not joined (maybe not even been created).
         s.fleet.scale(3)
-        up = s.wait_op_phase("Pending", "Preparing")
+        up = s.fleet.wait_operation("Pending", "Preparing", timeout=SETTLE)
         s.operator.kill()
         s.operator.start()
         s.settle(3)
-        assert s.op()["id"] == up["id"]  # the same resize, carried on
+        assert s.fleet.operation()["id"] == up["id"]  # the same resize, carried on
         # Mid scale-down: the leaving ranks drain.
         load = s.load(workers=3)
         try:
             s.fleet.scale(1)
-            down = s.wait_op_phase("Pending", "Draining")
+            down = s.fleet.wait_operation("Pending", "Draining", timeout=SETTLE)
             s.operator.kill()
             s.operator.start()
             s.settle(1)
         finally:
             load.stop()
-    assert s.op()["id"] == down["id"]
+    assert s.fleet.operation()["id"] == down["id"]
     assert not load.failures(), load.summary()
     # One operation each on the frontend (a killed operator's last events may be lost, never doubled).
     assert [o.id for o in s.fleet.admin().resizes()][:2] == [down["id"], up["id"]]
@@ -181,10 +168,10 @@ def test_operator_killed_mid_scale_up_and_mid_scale_down_resumes_once(setup: Set
 def test_a_change_during_a_resize_is_queued(setup: Setup) -> None:
     s = setup
     s.fleet.scale(2)
-    first = s.wait_op_phase("Pending", "Preparing")
+    first = s.fleet.wait_operation("Pending", "Preparing", timeout=SETTLE)
     s.fleet.scale(3)
     wait_for(lambda: any(r == "ResizeQueued" for r, _ in s.fleet.events()), 30, "a ResizeQueued event")
-    assert s.op()["id"] == first["id"]  # never two at once
+    assert s.fleet.operation()["id"] == first["id"]  # never two at once
     s.settle(3)
     ops = s.fleet.admin().resizes()
     assert [(o.from_replicas, o.to_replicas) for o in ops[:2]] == [(2, 3), (1, 2)]
@@ -194,11 +181,11 @@ def test_a_change_during_a_resize_is_queued(setup: Setup) -> None:
 def test_a_rank_that_never_joins_fails_the_resize_and_the_fleet_serves_on(setup: Setup) -> None:
     s = setup
     s.runner.hold.add(constants.engine_name(NAME, 3))  # its pod is bound but never starts
-    survivors = uids(s)
+    survivors = s.fleet.uids()
     load = s.load()
     try:
         s.fleet.scale(4)
-        failed = s.wait_op_phase("Failed", timeout=JOIN_TIMEOUT + 60)
+        failed = s.fleet.wait_operation("Failed", timeout=JOIN_TIMEOUT + 60)
         assert "did not join" in str(failed["message"]), failed
         s.fleet.scale(3)  # give up on 4 (else the operator tries again after its backoff)
         s.settle(3)
@@ -206,7 +193,7 @@ def test_a_rank_that_never_joins_fails_the_resize_and_the_fleet_serves_on(setup:
         load.stop()
         s.runner.hold.clear()
     assert not load.failures(), load.summary()
-    assert {n: u for n, u in uids(s).items()} == survivors
+    assert {n: u for n, u in s.fleet.uids().items()} == survivors
     assert any(r == "ResizeFailed" for r, _ in s.fleet.events())
     status = s.fleet.admin().fleet()
     assert status.data_parallel_size == 3
@@ -228,7 +215,7 @@ def test_a_leaving_rank_killed_while_draining_fails_its_requests_and_the_resize_
         wait_for(lambda: s.fleet.admin().fleet().rank(2).in_flight >= 2, 30, "both streams in flight on rank 2",
                  on_timeout=lambda: json.dumps(s.fleet.admin().fleet_json(), indent=1))
         s.fleet.scale(2)
-        s.wait_op_phase("Draining")
+        s.fleet.wait_operation("Draining", timeout=SETTLE)
         os.killpg(s.fleet.engine_pid(2), signal.SIGKILL)
         s.settle(2, timeout=60)
     finally:
@@ -291,7 +278,7 @@ def test_a_killed_dense_rank_is_replaced_in_place_while_rank_0_serves(setup: Set
     s.fleet.scale(2)  # what the previous test left; set here so that one failure does not fail the next
     s.settle(2)
     victim = constants.engine_name(NAME, 1)
-    before_uids = uids(s)
+    before_uids = s.fleet.uids()
     survivors = {name: s.runner.pod(name).popen.pid for name in (  # type: ignore[union-attr]
         constants.frontend_name(NAME), constants.coordinator_name(NAME), constants.engine_name(NAME, 0))}
     st = s.fleet.status()
@@ -312,7 +299,7 @@ def test_a_killed_dense_rank_is_replaced_in_place_while_rank_0_serves(setup: Set
             pinned.stop()
     # Rank 1 has a new pod (same name, same incarnation); the frontend, coordinator and rank 0 are the same
     # pods and processes, and served throughout.
-    after = uids(s)
+    after = s.fleet.uids()
     assert after[victim] != before_uids[victim]
     assert {n: u for n, u in after.items() if n != victim} == {n: u for n, u in before_uids.items() if n != victim}
     assert {name: s.runner.pod(name).popen.pid for name in survivors} == survivors  # type: ignore[union-attr]
@@ -346,7 +333,7 @@ def test_a_frontend_killed_mid_resize_recovers_the_fleet_at_the_committed_size(s
     s.settle(2)
     before = s.fleet.status()
     s.fleet.scale(3)
-    s.wait_op_phase("Preparing")
+    s.fleet.wait_operation("Preparing", timeout=SETTLE)
     os.killpg(s.runner.pod(constants.frontend_name(NAME)).popen.pid, signal.SIGKILL)  # type: ignore[union-attr]
     wait_for(lambda: s.fleet.status().get("phase") == "Recovering", 60, "Recovering", on_timeout=s.fleet.describe)
     st = s.fleet.status()
