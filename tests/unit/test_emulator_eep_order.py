@@ -18,7 +18,6 @@ runs without sockets (its utility calls and busy-loop steps are driven by the te
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -27,7 +26,6 @@ from typing import Any
 import msgspec
 import pytest
 from vllm.v1.engine import EEPNotificationType, EngineCoreOutputs, ReconfigureDistributedRequest, ReconfigureRankType
-from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from corefleet_client.emulator.config import EmulatorConfig
 from corefleet_client.emulator.engine import (
@@ -37,9 +35,8 @@ from corefleet_client.emulator.engine import (
     group_join_keys,
     join_new_group,
 )
-from corefleet_client.emulator.wire import EngineCoreRequestType
+from emulated import drain, roundtrip_outputs, utility
 
-DECODER = MsgpackDecoder(EngineCoreOutputs)
 KEEP = ReconfigureRankType.KEEP_CURRENT_RANK
 DEADLINE_S = 20.0
 
@@ -64,22 +61,9 @@ def request(size: int, store_port: int) -> dict[str, Any]:
     return msgspec.to_builtins(req)  # type: ignore[no-any-return]
 
 
-def call(e: EmulatedEngineCore, method: str, *args: Any) -> Any:
-    """One utility call as the frontend sends it; its decoded UtilityOutput."""
-    e._handle_client_request(EngineCoreRequestType.UTILITY, (0, 7, method, list(args)))
-    (item,) = outputs(e)
-    return item.utility_output
-
-
 def outputs(e: EmulatedEngineCore) -> list[EngineCoreOutputs]:
-    items = []
-    while True:
-        try:
-            item = e.output_queue.get_nowait()
-        except queue.Empty:
-            return items
-        assert not isinstance(item, bytes)
-        items.append(DECODER.decode(MsgpackEncoder().encode(item[1])))
+    """The engine's outputs now, as the frontend decodes them."""
+    return [roundtrip_outputs(out) for _, out in drain(e)]
 
 
 def step_until(e: EmulatedEngineCore, done: Callable[[], bool], what: str) -> None:
@@ -123,29 +107,29 @@ def test_a_stopped_engine_leaves_the_join_wait() -> None:
 
 def test_an_old_ranks_ready_key_waits_for_the_new_ranks_and_commit_waits_for_every_key(store: Any) -> None:
     old = engine(rank=0, size=2)
-    assert call(old, "reinitialize_distributed", request(3, store.port)).result.result == "eep_ready/0"
+    assert utility(old, "reinitialize_distributed", request(3, store.port)).result.result == "eep_ready/0"
     # Rule 5: one reconfiguration at a time.
-    assert "already active" in call(old, "reinitialize_distributed", request(3, store.port)).failure_message
+    assert "already active" in utility(old, "reinitialize_distributed", request(3, store.port)).failure_message
     # Rule 2: the new group needs ranks 1 and 2 too; rank 0 is not ready for the switch without them.
     step_for(old, 0.5)
     assert not store.check(["eep_ready/0"])
     assert old.eep_scaling_state is not None
     assert old.eep_scaling_state.state != READY_FOR_SWITCH
     # Rule 3: a commit now is refused (this rank is not even prepared).
-    assert "No prepared Elastic EP reconfiguration" in call(old, "commit_prepared_elastic_ep").failure_message
+    assert "No prepared Elastic EP reconfiguration" in utility(old, "commit_prepared_elastic_ep").failure_message
     store.set(group_join_keys(3)[1], b"1")  # old rank 1 got its reinitialize_distributed
     store.set(group_join_keys(3)[2], b"1")  # the new rank 2 started
     step_until(old, lambda: store.check(["eep_ready/0"]), "eep_ready/0")
     step_until(old, lambda: old.eep_scaling_state is not None and old.eep_scaling_state.state == READY_FOR_SWITCH,
                "READY_FOR_SWITCH")
     # Rule 3: prepared, but ranks 1 and 2 are not ready for the switch: refused, naming them.
-    refused = call(old, "commit_prepared_elastic_ep").failure_message
+    refused = utility(old, "commit_prepared_elastic_ep").failure_message
     assert "eep_ready/1, eep_ready/2 not set" in refused, refused
     step_for(old, 0.2)
     assert [o for o in outputs(old) if o.utility_output is not None] == []  # Rule 4: nothing before the commit
     store.set("eep_ready/1", b"1")
     store.set("eep_ready/2", b"1")
-    result = call(old, "commit_prepared_elastic_ep")
+    result = utility(old, "commit_prepared_elastic_ep")
     assert result.failure_message is None, result.failure_message
     step_until(old, lambda: old.eep_scaling_state is None, "the switch")
     # Rule 4: rank 0 sends RECONFIGURE_FINISHED once, after the commit.
@@ -157,14 +141,14 @@ def test_an_old_ranks_ready_key_waits_for_the_new_ranks_and_commit_waits_for_eve
 
 def test_only_rank_0_sends_reconfigure_finished(store: Any) -> None:
     other = engine(rank=1, size=2)
-    call(other, "reinitialize_distributed", request(3, store.port))
+    utility(other, "reinitialize_distributed", request(3, store.port))
     for key in group_join_keys(3):
         store.set(key, b"1")
     step_until(other, lambda: other.eep_scaling_state is not None and other.eep_scaling_state.state == READY_FOR_SWITCH,
                "READY_FOR_SWITCH")
     for rank in range(3):
         store.set(f"eep_ready/{rank}", b"1")
-    assert call(other, "commit_prepared_elastic_ep").failure_message is None
+    assert utility(other, "commit_prepared_elastic_ep").failure_message is None
     step_until(other, lambda: other.eep_scaling_state is None, "the switch")
     assert outputs(other) == []
     assert other.notifications_sent == []
@@ -175,7 +159,7 @@ def test_a_leaving_rank_sends_one_shutdown_complete_then_exits_0(store: Any) -> 
     leaving = engine(rank=2, size=3)
     shutdown = ReconfigureDistributedRequest(2, ReconfigureRankType.SHUTDOWN_CURRENT_RANK, KEEP, "127.0.0.1", 0, [],
                                              store.port)
-    assert call(leaving, "reinitialize_distributed", msgspec.to_builtins(shutdown)).result.result == "eep_ready/2"
+    assert utility(leaving, "reinitialize_distributed", msgspec.to_builtins(shutdown)).result.result == "eep_ready/2"
     with pytest.raises(EngineExit) as exited:
         step_for(leaving, 1.0)
     assert exited.value.code == 0

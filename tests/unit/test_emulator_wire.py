@@ -11,7 +11,6 @@ stop, abort and pause rules as pure functions, and the engine's request handling
 from __future__ import annotations
 
 import dataclasses
-import queue
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -23,7 +22,6 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.engine import (
     EEP_NOTIFICATION_CALL_ID,
     EEPNotificationType,
-    EngineCoreOutputs,
     EngineCoreReadyResponse,
     EngineCoreRequest,
     EngineCoreRequestType,
@@ -32,7 +30,7 @@ from vllm.v1.engine import (
     ReconfigureRankType,
 )
 from vllm.v1.engine.utils import EngineHandshakeMetadata, EngineZmqAddresses
-from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+from vllm.v1.serial_utils import MsgpackEncoder
 
 from corefleet_client.emulator import wire
 from corefleet_client.emulator.config import EmulatorConfig, parse_args
@@ -46,15 +44,9 @@ from corefleet_client.emulator.scheduler import (
     output_budget,
     token_id,
 )
+from emulated import drain, roundtrip_outputs, utility
 
-FRONTEND_DECODER = MsgpackDecoder(EngineCoreOutputs)  # AsyncMPClient / DPCoordinatorProc
 CLIENT_ENCODER = MsgpackEncoder()  # MPClient.encoder
-
-
-def roundtrip_outputs(outputs: EngineCoreOutputs) -> EngineCoreOutputs:
-    """Engine side (`process_output_sockets`: MsgpackEncoder) -> frontend side (MsgpackDecoder)."""
-    decoded: EngineCoreOutputs = FRONTEND_DECODER.decode(MsgpackEncoder().encode(outputs))
-    return decoded
 
 
 def client_frames(request_type: EngineCoreRequestType, body: Any) -> list[bytes]:
@@ -345,25 +337,6 @@ def test_pause_states_follow_vllm() -> None:
 
 
 # ---- 5. The engine's request handling, without sockets ----------------------------------------------------
-
-
-def drain(engine: EmulatedEngineCore) -> list[tuple[int, EngineCoreOutputs]]:
-    items = []
-    while True:
-        try:
-            item = engine.output_queue.get_nowait()
-        except queue.Empty:
-            return items
-        assert not isinstance(item, bytes)
-        items.append(item)
-
-
-def utility(engine: EmulatedEngineCore, method: str, *args: Any) -> Any:
-    engine._handle_client_request(EngineCoreRequestType.UTILITY, (0, 9, method, list(args)))
-    ((client, out),) = drain(engine)
-    assert client == 0
-    assert out.utility_output is not None
-    return roundtrip_outputs(out).utility_output
 
 
 def test_utilities_the_frontend_calls_at_startup_and_unknown_ones() -> None:
