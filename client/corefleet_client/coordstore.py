@@ -56,13 +56,18 @@ MASTER_PORTS = 5  # free ports handed out with a resize's store (vLLM's get_open
 RESIZE_STORE_PATH = "/resize-store"
 
 
+def tcp_socket(host: str) -> socket.socket:
+    """A TCP socket of the family `host` (an address, v4 or v6) needs."""
+    return socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+
+
 def serve(host: str, port: int) -> Any:
     """A TCPStore master listening on exactly `host:port` (torch's own master listens on every address,
     so it gets a socket bound here: `master_listen_fd`). The store owns that socket from then on (it
     closes it when it is destroyed): keep the store referenced for as long as it serves."""
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock = tcp_socket(host)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
@@ -82,7 +87,7 @@ def free_ports(host: str, count: int) -> list[int]:
     socks = []
     try:
         for _ in range(count):
-            sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+            sock = tcp_socket(host)
             socks.append(sock)
             sock.bind((host, 0))
         return [sock.getsockname()[1] for sock in socks]

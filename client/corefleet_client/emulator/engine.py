@@ -32,6 +32,7 @@ import msgspec
 import zmq
 from vllm.utils.network_utils import make_zmq_socket
 
+from corefleet_client.coordstore import tcp_socket
 from corefleet_client.emulator import wire
 from corefleet_client.emulator.config import EmulatorConfig
 from corefleet_client.emulator.scheduler import EmulatedScheduler, PauseState
@@ -741,7 +742,7 @@ class EmulatedEngineCore:
                                f"_coord_store_port is 0 (DP master {host})")
         store = get_cached_tcp_store_client(host, port)
         if self.dp_rank == 0:
-            sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+            sock = tcp_socket(host)
             sock.bind((host, 0))  # fails unless the DP master address is this engine's own
             sock.listen()
             self._dp_group_socket = sock
