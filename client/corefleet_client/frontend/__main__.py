@@ -82,6 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(logging.INFO)
 
     # vLLM is imported only now: `--help` and argument errors stay fast.
+    import prometheus_client
     import uvloop
     import vllm
     from vllm.entrypoints.launchers.api_server.entry import run_server
@@ -92,6 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from corefleet_client.frontend.adminserver import AdminServer
     from corefleet_client.frontend.client import FleetOptions, KubeDPLBClient
     from corefleet_client.frontend.fleet import Fleet
+    from corefleet_client.frontend.metrics import FleetCollector
 
     vparser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
     args = vparser.parse_args(vllm_argv)
@@ -127,6 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     fleet = Fleet(model=served, data_parallel_size=args.data_parallel_size, vllm_version=vllm.__version__)
     KubeDPLBClient.options = options
     KubeDPLBClient.fleet = fleet
+    prometheus_client.REGISTRY.register(FleetCollector(fleet))  # beside vLLM's series on /metrics
     vllm_compat.use_client_class(KubeDPLBClient)
     vllm_compat.install_fleet_health_check()
     vllm_compat.install_async_llm_hook()

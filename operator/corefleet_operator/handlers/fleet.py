@@ -36,7 +36,6 @@ Failure handling (issue #9):
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import dataclasses
 import datetime
@@ -392,22 +391,15 @@ def stuck_terminations(pods: Iterable[Terminating], now: datetime.datetime,
     return stuck, wait
 
 
-PHASES: tuple[str, ...] = get_args(FleetPhase)
+FLEET_METRICS = metrics.FleetMetrics(get_args(FleetPhase))
 
 
-def publish(namespace: str, name: str, the_plan: Plan) -> None:
-    """The fleet's phase and recoveries as metrics."""
-    for phase in PHASES:
-        metrics.FLEET_PHASE.labels(namespace, name, phase).set(1 if the_plan.status.phase == phase else 0)
-    metrics.RECOVERIES.labels(namespace, name).set(the_plan.status.recoveries)
-
-
-def forget(namespace: str, name: str) -> None:
-    """Drop a deleted fleet's series."""
-    with contextlib.suppress(KeyError):
-        for phase in PHASES:
-            metrics.FLEET_PHASE.remove(namespace, name, phase)
-        metrics.RECOVERIES.remove(namespace, name)
+def publish(namespace: str, name: str, spec: Mapping[str, Any], status: EngineCoreSetStatus) -> None:
+    """The fleet's phase, sizes, recoveries and resizes as metrics."""
+    desired = int(spec.get("replicas") or 0)
+    FLEET_METRICS.publish(namespace, name, phase=status.phase, desired=desired, committed=status.replicas,
+                          ready=status.readyReplicas, maximum=int(spec.get("maxReplicas") or desired),
+                          recoveries=status.recoveries, operation=status.operation)
 
 
 class FleetReconciler:
@@ -500,7 +492,7 @@ class FleetReconciler:
             view = await self.frontend.fleet(frontend_at, observed.admin_token)
             observed = dataclasses.replace(observed, fleet=view)
         the_plan = make_plan(body, observed)
-        publish(namespace, name, the_plan)
+        publish(namespace, name, body.get("spec") or {}, the_plan.status)
         blocked = {f.target for f in self.failures}
         status = with_action_failures(the_plan.status, self.failures, observed.generation, now())
         patch = status_patch(stored, status)
@@ -626,7 +618,7 @@ async def fleet(body: kopf.Body, name: str, namespace: str | None, memo: Any, st
         if memo.wakeups.get(key) is wake:
             del memo.wakeups[key]
         if body.get("metadata", {}).get("deletionTimestamp"):
-            forget(*key)
+            FLEET_METRICS.forget(*key)
 
 
 async def _sleep(wake: asyncio.Event, stopped: kopf.DaemonStopped, seconds: float, deaf: float = 0.0) -> None:
