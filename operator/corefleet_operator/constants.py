@@ -137,6 +137,14 @@ OPERATOR_NAME: Final = "corefleet-operator"  # Deployment, ServiceAccount, Clust
 OPERATOR_NAMESPACE: Final = "corefleet-system"  # namespace of the plain-manifest install
 OPERATOR_APP_LABEL: Final = "app.kubernetes.io/name"  # selector label of the operator's pod
 
+# --- Images and the chart's OCI home (one place: generate.py writes them into manifests/, the chart's
+# values.yaml and the samples; .github/workflows/release.yml reads them from here to push) -------------
+VLLM_VERSION: Final = "0.32.0"  # the one vLLM corefleet speaks to (pyproject's `vllm==`, the runtime's base)
+IMAGE_REGISTRY: Final = "ghcr.io/corefleet"
+OPERATOR_IMAGE_REPOSITORY: Final = f"{IMAGE_REGISTRY}/operator"  # images/operator/Dockerfile
+RUNTIME_IMAGE_REPOSITORY: Final = f"{IMAGE_REGISTRY}/runtime"  # images/runtime/Dockerfile (vLLM's image + corefleet)
+CHART_REPOSITORY: Final = f"oci://{IMAGE_REGISTRY}/charts"  # `helm push` target: the chart is <this>/corefleet
+
 
 # --- Bounds of the EngineCoreSet API (schema and model; CEL costs are estimated from them) --------
 # The largest fleet. vLLM's rank identities are 2 bytes (65536 ranks), but every rank is a pod with its
