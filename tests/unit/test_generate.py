@@ -17,7 +17,9 @@ from corefleet_operator import constants, crd, generate, rbac
 from corefleet_operator.models import EngineCoreSetSpec
 
 REPO = Path(__file__).resolve().parents[2]
-SAMPLES = sorted((REPO / "manifests" / "samples").glob("*.yaml"))
+# The EngineCoreSet samples (the folder also holds the autoscaling samples: HPA, KEDA, adapter rules).
+SAMPLES = sorted(p for p in (REPO / "manifests" / "samples").glob("*.yaml")
+                 if (yaml.safe_load(p.read_text()) or {}).get("kind") == "EngineCoreSet")
 
 
 def load_all(path: Path) -> list[dict[str, Any]]:
@@ -201,7 +203,7 @@ def test_operator_deployment() -> None:
     assert pod["serviceAccountName"] == "corefleet-operator"
     assert pod["securityContext"]["runAsNonRoot"] is True
     [c] = pod["containers"]
-    assert c["image"] == "corefleet/operator:0.1.0"
+    assert c["image"] == "ghcr.io/corefleet/operator:0.1.0"
     assert c["command"] == ["python", "-m", "corefleet_operator"]
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": constants.OPERATOR_HEALTH_PORT}
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
@@ -209,7 +211,7 @@ def test_operator_deployment() -> None:
     assert c["securityContext"]["allowPrivilegeEscalation"] is False
     assert set(c["resources"]) == {"requests", "limits"}
     text = (REPO / "manifests" / "operator.yaml").read_text()
-    assert "image: corefleet/operator:0.1.0  # placeholder" in text
+    assert "image: ghcr.io/corefleet/operator:0.1.0  # images/operator/Dockerfile" in text
 
 
 def test_annotate_refuses_a_missing_or_ambiguous_line() -> None:

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# Fetch (or find cached) the metrics stack of corefleet's observability tests:
+#   prometheus, promtool      from Debian bookworm's prometheus package (extracted, not installed:
+#                             no service is started and the system is untouched),
+#   adapter                   prometheus-adapter (the custom-metrics API the HPA controller reads),
+#                             built from its Go module through a wrapper module: `go install ...@v`
+#                             fails here (the proxy refuses the version list its deprecation check asks
+#                             for), a `require` + tools.go + `go mod tidy` does not ask for it.
+# Each part lands in its own directory of the cache outside the repository, keyed by version, so a
+# warm machine fetches and builds nothing. Prints one `NAME=DIR` line per part on stdout, for
+# .corefleet.env (COREFLEET_PROMETHEUS_BIN, COREFLEET_ADAPTER_BIN); all logs go to stderr.
+#
+# Env: COREFLEET_CACHE (default ~/.cache/corefleet), PROMETHEUS_DEB_VERSION, PROMETHEUS_ADAPTER_VERSION.
+set -euo pipefail
+
+PROM=${PROMETHEUS_DEB_VERSION:-2.42.0+ds-5+deb12u1}
+CACHE=${COREFLEET_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/corefleet}
+OUT=$CACHE/metrics-prometheus-${PROM//[^A-Za-z0-9.]/_}
+ADAPTER=${PROMETHEUS_ADAPTER_VERSION:-v0.12.0}   # its go.mod 'go' line (1.22) must be <= the local Go
+ADAPTER_OUT=$CACHE/prometheus-adapter-$ADAPTER
+
+log() { echo "metrics-stack: $*" >&2; }
+
+mkdir -p "$CACHE"
+
+fetch_prometheus() {
+  local tmp
+  tmp=$(mktemp -d "$CACHE/.fetch-prometheus-XXXXXX")
+  trap 'rm -rf "$tmp"' RETURN
+  log "fetching Debian's prometheus $PROM"
+  # apt's sandbox user cannot write to a root-owned temp dir; the download is checked by apt either way.
+  chmod 0777 "$tmp"
+  if ! (cd "$tmp" && apt-get download -q "prometheus=$PROM" >&2); then
+    log "apt-get download failed; updating the package index and trying once more"
+    apt-get update -q >&2 || true
+    (cd "$tmp" && apt-get download -q "prometheus=$PROM" >&2) || {
+      log "apt-get download prometheus=$PROM failed: Debian bookworm's package index is needed"; return 1; }
+  fi
+  dpkg-deb -x "$tmp"/prometheus_*.deb "$tmp/root"
+  mkdir -p "$OUT.tmp"
+  cp "$tmp/root/usr/bin/prometheus" "$tmp/root/usr/bin/promtool" "$OUT.tmp/"
+  "$OUT.tmp/prometheus" --version >&2
+  rm -rf "$OUT"; mv "$OUT.tmp" "$OUT"
+}
+
+if ! [ -x "$OUT/prometheus" ] || ! [ -x "$OUT/promtool" ]; then
+  fetch_prometheus
+fi
+echo "COREFLEET_PROMETHEUS_BIN=$OUT"
+
+build_adapter() {
+  local tmp
+  tmp=$(mktemp -d "$CACHE/.build-adapter-XXXXXX")
+  trap 'rm -rf "$tmp"' RETURN
+  mkdir -p "$tmp/mod" "$tmp/bin"
+  log "building prometheus-adapter $ADAPTER from the Go module proxy"
+  (
+    cd "$tmp/mod"
+    export CGO_ENABLED=0 GOTOOLCHAIN=local GOFLAGS=-mod=mod
+    go mod init local/adapterbin >/dev/null 2>&1
+    printf '//go:build tools\n\npackage tools\n\nimport _ "sigs.k8s.io/prometheus-adapter/cmd/adapter"\n' >tools.go
+    go mod edit -require "sigs.k8s.io/prometheus-adapter@$ADAPTER"
+    go mod tidy >&2
+    go build -trimpath -ldflags "-s -w" -o "$tmp/bin/adapter" sigs.k8s.io/prometheus-adapter/cmd/adapter >&2
+  )
+  # `--help` exits non-zero (pflag's ErrHelp ends in klog.Fatal): check that it printed the flags.
+  local help
+  help=$("$tmp/bin/adapter" --help 2>&1 || true)
+  grep -q -- '--prometheus-url' <<<"$help" || { log "the built adapter does not run: $help"; return 1; }
+  rm -rf "$ADAPTER_OUT"; mv "$tmp/bin" "$ADAPTER_OUT"
+}
+
+if ! [ -x "$ADAPTER_OUT/adapter" ]; then
+  build_adapter
+fi
+echo "COREFLEET_ADAPTER_BIN=$ADAPTER_OUT"
