@@ -10,6 +10,14 @@ The binaries come from `hack/control-plane.sh`, which builds them from the Go mo
 caches them outside the repository; its output directory is given here as `bin_dir` (or through
 the COREFLEET_K8S_BIN environment variable).
 
+The aggregation layer is on, so an extension API server (prometheus-adapter's custom-metrics API,
+which the controller manager's HPA controller reads) can be registered with an `APIService`: the
+API server authenticates to it with a `front-proxy-client` certificate of its own front-proxy CA.
+Aggregator routing stays off (the default): without kube-proxy the API server must dial an address
+it can reach, and the only one a process on 127.0.0.1 has is refused in EndpointSlices (no loopback
+endpoints); an `ExternalName` Service naming 127.0.0.1 is resolved by the cluster-IP resolver and
+dialed directly.
+
 Failure is loud: a component that exits or does not become ready raises `ControlPlaneError` with
 its command line and the tail of its log.
 """
@@ -42,6 +50,7 @@ BIN_ENV = "COREFLEET_K8S_BIN"
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
 TOOLS = ("kubectl", "helm")
 ADMIN_TOKEN = "corefleet-admin-token"  # a static token in system:masters; RBAC holds for all others
+FRONT_PROXY_CLIENT = "front-proxy-client"  # the CN the API server presents to extension API servers
 # Controllers that need a kubelet, volumes or node IPAM are off (names as in v1.37's --help); the rest
 # (garbage collector, namespace, serviceaccount, replicaset, HPA, ...) run as in a real cluster.
 DISABLED_CONTROLLERS = (
@@ -119,6 +128,10 @@ class LocalControlPlane:
     state_dir: Path
     bin_dir: Path = field(default_factory=resolve_bin_dir)
     ready_timeout: float = 120.0
+    # The HPA controller's sync period (--horizontal-pod-autoscaler-sync-period); None keeps its
+    # default (15 s). Its downscale stabilization default (5 min) is left alone: an HPA's
+    # `behavior.scaleDown.stabilizationWindowSeconds` overrides it.
+    hpa_sync_seconds: float | None = None
     server: str = ""
     _procs: list[_Proc] = field(default_factory=list, repr=False)
 
@@ -134,6 +147,11 @@ class LocalControlPlane:
     @property
     def sa_key(self) -> Path:
         return self.state_dir / "sa.key"
+
+    @property
+    def front_proxy_dir(self) -> Path:
+        """The front-proxy CA (`ca.crt`) and the API server's client cert/key toward extension API servers."""
+        return self.state_dir / "front-proxy"
 
     def binary(self, name: str) -> str:
         return str(self.bin_dir / name)
@@ -159,6 +177,7 @@ class LocalControlPlane:
         self._run(["openssl", "genrsa", "-out", str(self.sa_key), "2048"])
         self._run(["openssl", "rsa", "-in", str(self.sa_key), "-pubout", "-out", str(d / "sa.pub")])
         (d / "tokens.csv").write_text(f"{ADMIN_TOKEN},admin,admin,system:masters\n")
+        self._make_front_proxy_certs()
 
         etcd_url = f"http://127.0.0.1:{free_port()}"
         peer_url = f"http://127.0.0.1:{free_port()}"
@@ -193,6 +212,7 @@ class LocalControlPlane:
             "--allow-privileged=true",
             "--profiling=false",
             "--endpoint-reconciler-type=none",
+            *self._aggregation_flags(),
         )
         self._wait(api, lambda: self.request("GET", "/readyz", raw=True) == b"ok", "kube-apiserver /readyz")
         self._write_kubeconfig(self.kubeconfig, ADMIN_TOKEN, "admin")
@@ -209,6 +229,8 @@ class LocalControlPlane:
             f"--root-ca-file={self.ca_file}",
             "--use-service-account-credentials=false",
             "--controllers=*," + ",".join(f"-{c}" for c in DISABLED_CONTROLLERS),
+            *([f"--horizontal-pod-autoscaler-sync-period={self.hpa_sync_seconds:g}s"]
+              if self.hpa_sync_seconds is not None else []),
         )
         sched = self._spawn(
             "kube-scheduler",
@@ -242,6 +264,31 @@ class LocalControlPlane:
     @property
     def pids(self) -> dict[str, int]:
         return {p.name: p.popen.pid for p in self._procs}
+
+    def _make_front_proxy_certs(self) -> None:
+        """A front-proxy CA and its `front-proxy-client` cert (P-256 keys: ms to make, unlike RSA)."""
+        fp = self.front_proxy_dir
+        fp.mkdir(parents=True, exist_ok=True)
+        new_key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "3650"]
+        self._run(["openssl", "req", "-x509", *new_key, "-keyout", str(fp / "ca.key"), "-out", str(fp / "ca.crt"),
+                   "-subj", "/CN=corefleet-front-proxy-ca",
+                   "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign"])
+        self._run(["openssl", "req", "-x509", *new_key, "-keyout", str(fp / "client.key"),
+                   "-out", str(fp / "client.crt"), "-subj", f"/CN={FRONT_PROXY_CLIENT}",
+                   "-CA", str(fp / "ca.crt"), "-CAkey", str(fp / "ca.key"),
+                   "-addext", "basicConstraints=critical,CA:FALSE", "-addext", "extendedKeyUsage=clientAuth"])
+
+    def _aggregation_flags(self) -> list[str]:
+        fp = self.front_proxy_dir
+        return [
+            f"--requestheader-client-ca-file={fp / 'ca.crt'}",
+            f"--requestheader-allowed-names={FRONT_PROXY_CLIENT}",
+            "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+            "--requestheader-group-headers=X-Remote-Group",
+            "--requestheader-username-headers=X-Remote-User",
+            f"--proxy-client-cert-file={fp / 'client.crt'}",
+            f"--proxy-client-key-file={fp / 'client.key'}",
+        ]
 
     # ---- helpers for processes --------------------------------------------------------------
     def _run(self, argv: list[str]) -> None:
