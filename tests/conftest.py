@@ -35,7 +35,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def k8s(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalControlPlane]:
     """A real etcd + kube-apiserver + kube-controller-manager + kube-scheduler for the session."""
-    cp = LocalControlPlane(state_dir=tmp_path_factory.mktemp("control-plane"), bin_dir=resolve_bin_dir())
+    # A short HPA sync period for the e2e HPA loop (tests/e2e/test_observability.py); no other test has an HPA.
+    cp = LocalControlPlane(state_dir=tmp_path_factory.mktemp("control-plane"), bin_dir=resolve_bin_dir(),
+                           hpa_sync_seconds=2)
     with cp, pytest.MonkeyPatch.context() as mp:
         # Only this cluster is reachable from the tests: no ambient kubeconfig or in-cluster config.
         mp.setenv("KUBECONFIG", str(cp.kubeconfig))

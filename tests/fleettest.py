@@ -64,9 +64,12 @@ def wait_for(check: Callable[[], Any], timeout: float, what: str, interval: floa
 class OperatorProcess:
     """`python -m corefleet_operator -n NS` against the test cluster, restartable."""
 
-    def __init__(self, k8s: LocalControlPlane, namespace: str, log_dir: Path, resync_seconds: float = 10.0) -> None:
+    def __init__(self, k8s: LocalControlPlane, namespace: str, log_dir: Path, resync_seconds: float = 10.0,
+                 metrics_port: int = 0, kubeconfig: Path | None = None) -> None:
         self.k8s, self.ns, self.log_dir = k8s, namespace, log_dir
         self.resync_seconds = resync_seconds
+        self.metrics_port = metrics_port  # 0: no metrics endpoint
+        self.kubeconfig = kubeconfig  # whose identity it runs with (default: the cluster admin's)
         self.proc: subprocess.Popen[bytes] | None = None
         self.logs: list[Path] = []
 
@@ -76,9 +79,12 @@ class OperatorProcess:
         self.logs.append(log)
         with log.open("wb") as f:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "corefleet_operator", "-n", self.ns, "--liveness", "", "--metrics-port", "0",
+                [sys.executable, "-m", "corefleet_operator", "-n", self.ns, "--liveness", "",
+                 "--metrics-port", str(self.metrics_port), "--metrics-address", "127.0.0.1",
                  "--resync-seconds", str(self.resync_seconds)],
-                env={**self.k8s.env(), "PYTHONUNBUFFERED": "1"}, stdout=f, stderr=subprocess.STDOUT,
+                env={**self.k8s.env(), "PYTHONUNBUFFERED": "1",
+                     **({"KUBECONFIG": str(self.kubeconfig)} if self.kubeconfig else {})},
+                stdout=f, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, start_new_session=True)
 
     def kill(self) -> None:

@@ -19,6 +19,8 @@ from prometheus_client import Counter, Gauge, Histogram
 from corefleet_operator.models import OperationStatus
 
 RECONCILES = Counter("corefleet_reconciles", "Reconciles of an EngineCoreSet, by result", ["result"])
+for _result in ("ok", "error"):
+    RECONCILES.labels(_result)  # both from 0: an error ratio has data before the first error
 RECONCILE_SECONDS = Histogram("corefleet_reconcile_duration_seconds", "Time of one reconcile",
                               buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
 API_REQUESTS = Counter("corefleet_api_requests", "Requests to the Kubernetes API by the reconcilers",
