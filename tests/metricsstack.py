@@ -47,6 +47,31 @@ CUSTOM_METRICS_GROUP = "custom.metrics.k8s.io"
 CUSTOM_METRICS_VERSIONS = {"v1beta1": 100, "v1beta2": 200}
 
 
+# The custom metric manifests/samples/prometheus-adapter-rules.yaml serves, on the EngineCoreSet.
+FLEET_METRIC = "corefleet_fleet_in_flight_requests"
+
+
+def quantity(q: str) -> float:
+    """A Kubernetes quantity as the HPA writes metric values (DecimalSI: plain, `m` or `k`)."""
+    scale = {"m": 1e-3, "k": 1e3}.get(q[-1:], 1.0)
+    return float(q[:-1] if q[-1:] in ("m", "k") else q) * scale
+
+
+def current_average(hpa: Mapping[str, Any], metric: str = FLEET_METRIC) -> float | None:
+    """An HPA's current value of an Object metric, per rank (status.currentMetrics); None before it reads one."""
+    for m in hpa.get("status", {}).get("currentMetrics") or []:
+        if m["type"] == "Object" and m["object"]["metric"]["name"] == metric:
+            return quantity(m["object"]["current"]["averageValue"])
+    return None
+
+
+def hpa_events(cp: LocalControlPlane, ns: str, reason: str) -> list[str]:
+    """The messages of the namespace's HPA events with `reason` (SuccessfulRescale, FailedRescale, ...)."""
+    events = cp.request("GET", f"/api/v1/namespaces/{ns}/events")["items"]
+    return [e["message"] for e in events
+            if e["involvedObject"]["kind"] == "HorizontalPodAutoscaler" and e["reason"] == reason]
+
+
 class MetricsStackError(RuntimeError):
     """A metrics-stack binary is missing, exited, or did not become ready in time."""
 

@@ -19,7 +19,6 @@ relabelings read), listed from the API server on every refresh.
 from __future__ import annotations
 
 import http.server
-import json
 import re
 import subprocess
 import threading
@@ -29,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from corefleet_client.process import send_json
 from corefleet_operator.localcluster import LocalControlPlane
 
 CHART = Path(__file__).resolve().parents[1] / "charts" / "corefleet"
@@ -79,12 +79,7 @@ class PodDiscovery:
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self) -> None:
-                body = json.dumps(discovery.targets()).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                send_json(self, 200, discovery.targets())
 
             def log_message(self, *args: Any) -> None:
                 pass

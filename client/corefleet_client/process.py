@@ -35,7 +35,7 @@ def configure_logging(level: int | str = logging.INFO) -> None:
         log.propagate = False
 
 
-def send_json(handler: BaseHTTPRequestHandler, status: int, body: Mapping[str, Any],
+def send_json(handler: BaseHTTPRequestHandler, status: int, body: Mapping[str, Any] | list[Any],
               headers: Mapping[str, str] | None = None) -> None:
     """Answer an HTTP request with `body` as JSON (the fleet programs' small HTTP servers)."""
     data = json.dumps(body).encode()

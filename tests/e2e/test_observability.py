@@ -45,7 +45,7 @@ from corefleet_client.tinymodel import VLLM_CPU_FLAGS, write_tiny_model
 from corefleet_operator.localcluster import LocalControlPlane, free_port
 from factories import make_ecs
 from fleettest import FleetView, Load, OperatorProcess, ResizeWatch, wait_for
-from metricsstack import Prometheus, PrometheusAdapter
+from metricsstack import Prometheus, PrometheusAdapter, current_average, hpa_events
 from podrunner import PodRunner
 from promqueries import dashboard_expressions, rule_expressions
 from promscrape import CHART, PodDiscovery, one, pod_monitor_job, render_chart, service_monitor_job
@@ -335,13 +335,7 @@ def test_hpa_scales_the_fleet_up_under_load_and_back_down(setup: Setup, tmp_path
         return obj
 
     def rescales() -> list[str]:
-        events = s.k8s.request("GET", f"/api/v1/namespaces/{s.ns}/events")["items"]
-        return [e["message"] for e in events
-                if e["involvedObject"]["kind"] == "HorizontalPodAutoscaler" and e["reason"] == "SuccessfulRescale"]
-
-    def current() -> str:
-        metrics = hpa().get("status", {}).get("currentMetrics") or []
-        return metrics[0]["object"]["current"].get("averageValue", "?") if metrics else "none"
+        return hpa_events(s.k8s, s.ns, "SuccessfulRescale")
 
     def explain() -> str:
         return (f"timeline:\n{tl}\nHPA status: {json.dumps(hpa().get('status'), indent=1)}\n"
@@ -351,8 +345,10 @@ def test_hpa_scales_the_fleet_up_under_load_and_back_down(setup: Setup, tmp_path
         s.k8s.kubectl("apply", "-n", s.ns, "-f", "-", input=json.dumps(hpa_manifest()))
         tl.mark("HPA applied (target 2 in flight per rank, maxReplicas 3, scale-down window 20 s)")
         # Idle, the HPA reads the metric (0 per rank) and keeps the fleet at 1.
-        wait_for(lambda: current() not in ("none", "?"), 120, "the HPA to read the fleet's metric", on_timeout=explain)
-        tl.mark(f"HPA reads the metric: {current()} per rank; spec.replicas {s.fleet.ecs()['spec']['replicas']}")
+        wait_for(lambda: current_average(hpa()) is not None, 120, "the HPA to read the fleet's metric",
+                 on_timeout=explain)
+        tl.mark(f"HPA reads the metric: {current_average(hpa()):g} per rank; "
+                f"spec.replicas {s.fleet.ecs()['spec']['replicas']}")
         load = s.load(workers=6)
         try:
             wait_for(lambda: s.fleet.ecs()["spec"]["replicas"] > 1, 120, "the HPA to scale the fleet up",

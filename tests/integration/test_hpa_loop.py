@@ -35,14 +35,22 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from corefleet_operator import constants
 from corefleet_operator.localcluster import LocalControlPlane, resolve_bin_dir
 from fleettest import wait_for
-from metricsstack import MetricsStackError, Prometheus, PrometheusAdapter
+from metricsstack import (
+    FLEET_METRIC,
+    MetricsStackError,
+    Prometheus,
+    PrometheusAdapter,
+    current_average,
+    hpa_events,
+    quantity,
+)
 
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLES = REPO / "manifests" / "samples"
 FLEET = "qwen3-dense"  # the name in the samples
-METRIC = "corefleet_fleet_in_flight_requests"
+METRIC = FLEET_METRIC
 ECS = f"/apis/{constants.API_VERSION}/namespaces/{{ns}}/{constants.PLURAL}/{FLEET}"
 HPA = f"/apis/autoscaling/v2/namespaces/{{ns}}/horizontalpodautoscalers/{FLEET}"
 # What the product's recording rules compute (there via per-rank rules), from the exporter's gauges.
@@ -58,12 +66,6 @@ groups:
 def load(name: str) -> dict[str, Any]:
     obj: dict[str, Any] = yaml.safe_load((SAMPLES / name).read_text())
     return obj
-
-
-def quantity(q: str) -> float:
-    """A Kubernetes quantity as the HPA writes metric values (DecimalSI: plain, `m` or `k`)."""
-    scale = {"m": 1e-3, "k": 1e3}.get(q[-1:], 1.0)
-    return float(q[:-1] if q[-1:] in ("m", "k") else q) * scale
 
 
 class RankGauges:
@@ -189,20 +191,6 @@ def hpa(cp: LocalControlPlane, ns: str) -> dict[str, Any]:
 
 def conditions(obj: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {c["type"]: c for c in obj.get("status", {}).get("conditions", [])}
-
-
-def current_average(obj: dict[str, Any]) -> float | None:
-    """The HPA's current value of the fleet metric, per rank (status.currentMetrics)."""
-    for m in obj.get("status", {}).get("currentMetrics") or []:
-        if m["type"] == "Object" and m["object"]["metric"]["name"] == METRIC:
-            return quantity(m["object"]["current"]["averageValue"])
-    return None
-
-
-def hpa_events(cp: LocalControlPlane, ns: str, reason: str) -> list[str]:
-    events = cp.request("GET", f"/api/v1/namespaces/{ns}/events")["items"]
-    return [e["message"] for e in events
-            if e["involvedObject"]["kind"] == "HorizontalPodAutoscaler" and e["reason"] == reason]
 
 
 def apply_hpa(cp: LocalControlPlane, ns: str, **spec: Any) -> dict[str, Any]:
