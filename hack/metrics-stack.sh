@@ -4,9 +4,7 @@
 #   prometheus, promtool      from Debian bookworm's prometheus package (extracted, not installed:
 #                             no service is started and the system is untouched),
 #   adapter                   prometheus-adapter (the custom-metrics API the HPA controller reads),
-#                             built from its Go module through a wrapper module: `go install ...@v`
-#                             fails here (the proxy refuses the version list its deprecation check asks
-#                             for), a `require` + tools.go + `go mod tidy` does not ask for it.
+#                             built from its Go module through a wrapper module (hack/lib.sh).
 # Each part lands in its own directory of the cache outside the repository, keyed by version, so a
 # warm machine fetches and builds nothing. Prints one `NAME=DIR` line per part on stdout, for
 # .corefleet.env (COREFLEET_PROMETHEUS_BIN, COREFLEET_ADAPTER_BIN); all logs go to stderr.
@@ -21,6 +19,8 @@ ADAPTER=${PROMETHEUS_ADAPTER_VERSION:-v0.12.0}   # its go.mod 'go' line (1.22) m
 ADAPTER_OUT=$CACHE/prometheus-adapter-$ADAPTER
 
 log() { echo "metrics-stack: $*" >&2; }
+# shellcheck source=hack/lib.sh
+. "$(dirname "$0")/lib.sh"
 
 mkdir -p "$CACHE"
 
@@ -50,25 +50,14 @@ fi
 echo "COREFLEET_PROMETHEUS_BIN=$OUT"
 
 build_adapter() {
-  local tmp
-  tmp=$(mktemp -d "$CACHE/.build-adapter-XXXXXX")
-  trap 'rm -rf "$tmp"' RETURN
-  mkdir -p "$tmp/mod" "$tmp/bin"
   log "building prometheus-adapter $ADAPTER from the Go module proxy"
-  (
-    cd "$tmp/mod"
-    export CGO_ENABLED=0 GOTOOLCHAIN=local GOFLAGS=-mod=mod
-    go mod init local/adapterbin >/dev/null 2>&1
-    printf '//go:build tools\n\npackage tools\n\nimport _ "sigs.k8s.io/prometheus-adapter/cmd/adapter"\n' >tools.go
-    go mod edit -require "sigs.k8s.io/prometheus-adapter@$ADAPTER"
-    go mod tidy >&2
-    go build -trimpath -ldflags "-s -w" -o "$tmp/bin/adapter" sigs.k8s.io/prometheus-adapter/cmd/adapter >&2
-  )
+  go_tools_build "$ADAPTER_OUT.tmp" sigs.k8s.io/prometheus-adapter "$ADAPTER" \
+    sigs.k8s.io/prometheus-adapter/cmd/adapter
   # `--help` exits non-zero (pflag's ErrHelp ends in klog.Fatal): check that it printed the flags.
   local help
-  help=$("$tmp/bin/adapter" --help 2>&1 || true)
+  help=$("$ADAPTER_OUT.tmp/adapter" --help 2>&1 || true)
   grep -q -- '--prometheus-url' <<<"$help" || { log "the built adapter does not run: $help"; return 1; }
-  rm -rf "$ADAPTER_OUT"; mv "$tmp/bin" "$ADAPTER_OUT"
+  rm -rf "$ADAPTER_OUT"; mv "$ADAPTER_OUT.tmp" "$ADAPTER_OUT"
 }
 
 if ! [ -x "$ADAPTER_OUT/adapter" ]; then
