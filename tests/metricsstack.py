@@ -25,20 +25,17 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
-import signal
 import ssl
-import subprocess
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import yaml
 
-from corefleet_operator.localcluster import LocalControlPlane, free_port, tail, wait_until
+from corefleet_operator.localcluster import Component, LocalControlPlane, free_port, tail, wait_until
 
 PROMETHEUS_BIN_ENV = "COREFLEET_PROMETHEUS_BIN"
 ADAPTER_BIN_ENV = "COREFLEET_ADAPTER_BIN"
@@ -88,43 +85,6 @@ def binary(env: str, name: str) -> Path:
     return path
 
 
-class _Process:
-    """One child process with its log file, stopped by its PID."""
-
-    def __init__(self, name: str, argv: Sequence[str], log: Path) -> None:
-        self.name, self.argv, self.log = name, list(argv), log
-        self._logfile: IO[bytes] = log.open("wb")
-        self.popen = subprocess.Popen(self.argv, stdout=self._logfile, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL)
-
-    def describe(self, problem: str) -> str:
-        return f"{self.name} {problem}\ncommand: {shlex.join(self.argv)}\nlog {self.log} (tail):\n{tail(self.log)}"
-
-    def check_alive(self) -> None:
-        if self.popen.poll() is not None:
-            raise MetricsStackError(self.describe(f"exited with code {self.popen.returncode}"))
-
-    def wait_ready(self, check: Callable[[], bool], timeout: float, what: str) -> None:
-        def ready() -> bool:
-            self.check_alive()  # a component that died fails at once, with its log
-            return check()
-
-        try:
-            wait_until(ready, timeout, what, interval=0.2, fatal=(MetricsStackError,))
-        except TimeoutError as e:
-            raise MetricsStackError(self.describe(str(e))) from None
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
-        self._logfile.close()
-
-
 class Prometheus:
     """A real Prometheus on 127.0.0.1; use as a context manager.
 
@@ -145,7 +105,7 @@ class Prometheus:
             "scrape_configs": [dict(c) for c in scrape_configs],
         }
         self._rules = dict(rules or {})
-        self._proc: _Process | None = None
+        self._proc: Component | None = None
 
     def __enter__(self) -> Prometheus:
         self.start()
@@ -160,15 +120,16 @@ class Prometheus:
             (self.work_dir / name).write_text(text)
         config = self.work_dir / "prometheus.yml"
         config.write_text(yaml.safe_dump(self.config, sort_keys=False))
-        self._proc = _Process("prometheus", [
+        self._proc = Component("prometheus", [
             str(binary(PROMETHEUS_BIN_ENV, "prometheus")),
             f"--config.file={config}",
             f"--storage.tsdb.path={self.work_dir / 'data'}",
             f"--web.listen-address=127.0.0.1:{self.port}",
             "--log.level=info",
-        ], self.work_dir / "prometheus.log")
+        ], self.work_dir / "prometheus.log", error=MetricsStackError)
         try:
-            self._proc.wait_ready(lambda: self._get("/-/ready") is not None, self.ready_timeout, "prometheus /-/ready")
+            self._proc.wait_ready(lambda: self._get("/-/ready") is not None, self.ready_timeout, "prometheus /-/ready",
+                                  interval=0.2)
         except BaseException:
             self.stop()
             raise
@@ -228,7 +189,7 @@ class PrometheusAdapter:
         self.cp, self.prometheus_url, self.rules, self.work_dir = cp, prometheus_url, rules, work_dir
         self.namespace, self.relist_interval, self.ready_timeout = namespace, relist_interval, ready_timeout
         self.port = free_port()
-        self._proc: _Process | None = None
+        self._proc: Component | None = None
         self._registered: list[str] = []
 
     def __enter__(self) -> PrometheusAdapter:
@@ -241,7 +202,7 @@ class PrometheusAdapter:
     def start(self) -> None:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         kubeconfig = str(self.cp.kubeconfig)
-        self._proc = _Process("prometheus-adapter", [
+        self._proc = Component("prometheus-adapter", [
             str(binary(ADAPTER_BIN_ENV, "adapter")),
             f"--config={self.rules}",
             f"--prometheus-url={self.prometheus_url}",
@@ -254,12 +215,12 @@ class PrometheusAdapter:
             f"--authentication-kubeconfig={kubeconfig}",
             f"--authorization-kubeconfig={kubeconfig}",
             "--v=2",
-        ], self.work_dir / "adapter.log")
+        ], self.work_dir / "adapter.log", error=MetricsStackError)
         try:
-            self._proc.wait_ready(self._serving, self.ready_timeout, "prometheus-adapter /readyz")
+            self._proc.wait_ready(self._serving, self.ready_timeout, "prometheus-adapter /readyz", interval=0.2)
             self._register()
             self._proc.wait_ready(self._aggregated, self.ready_timeout,
-                                  f"/apis/{CUSTOM_METRICS_GROUP} through the API server")
+                                  f"/apis/{CUSTOM_METRICS_GROUP} through the API server", interval=0.2)
         except BaseException:
             self.stop()
             raise

@@ -35,7 +35,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -61,6 +61,11 @@ DISABLED_CONTROLLERS = (
     "persistentvolume-expander-controller",
     "ttl-controller",
 )
+# The controllers among those that a real node needs (`LocalControlPlane.node_ip`): the node
+# lifecycle controller lifts the not-ready taint that admission puts on a new node.
+NODE_CONTROLLERS = ("node-lifecycle-controller", "ttl-controller")
+SERVICE_CIDR = "10.96.0.0/16"
+KUBERNETES_SERVICE_IP = "10.96.0.1"  # the first address of SERVICE_CIDR: the `kubernetes` Service
 
 
 class ControlPlaneError(RuntimeError):
@@ -108,13 +113,54 @@ def resolve_bin_dir(bin_dir: Path | str | None = None) -> Path:
     return path
 
 
-@dataclass
-class _Proc:
-    name: str
-    argv: list[str]
-    log: Path
-    popen: subprocess.Popen[bytes]
-    logfile: IO[bytes]
+class Component:
+    """One child process of a local cluster, with its own log file, checked and stopped by its PID.
+
+    `error` is the exception type its failures raise; the message names the component, its command
+    line and the tail of its log. Shared by the control plane, the node (`localnode`) and the tests'
+    metrics stack.
+    """
+
+    def __init__(self, name: str, argv: Sequence[str], log: Path, *,
+                 error: type[RuntimeError] = RuntimeError, env: Mapping[str, str] | None = None) -> None:
+        self.name, self.argv, self.log, self.error = name, list(argv), log, error
+        self._logfile: IO[bytes] = log.open("wb")
+        self.popen = subprocess.Popen(self.argv, stdout=self._logfile, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, env=None if env is None else dict(env))
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def describe(self, problem: str) -> str:
+        return f"{self.name} {problem}\ncommand: {shlex.join(self.argv)}\nlog {self.log} (tail):\n{tail(self.log)}"
+
+    def check_alive(self) -> bool:
+        """True while it runs; raises `error` (with its log) once it has exited."""
+        if self.popen.poll() is not None:
+            raise self.error(self.describe(f"exited with code {self.popen.returncode}"))
+        return True
+
+    def wait_ready(self, check: Callable[[], bool], timeout: float, what: str, interval: float = 0.1) -> None:
+        """Poll `check` until it holds; a component that dies meanwhile fails at once, with its log."""
+        def ready() -> bool:
+            return self.check_alive() and check()
+
+        try:
+            wait_until(ready, timeout, what, interval=interval, fatal=(self.error,))
+        except TimeoutError as e:
+            raise self.error(self.describe(str(e))) from None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL after `timeout` seconds (the scheduler may ignore SIGTERM)."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        self._logfile.close()
 
 
 @dataclass
@@ -132,8 +178,13 @@ class LocalControlPlane:
     # default (15 s). Its downscale stabilization default (5 min) is left alone: an HPA's
     # `behavior.scaleDown.stabilizationWindowSeconds` overrides it.
     hpa_sync_seconds: float | None = None
+    # Set for a real node (`localnode`): the host address that its kubelet and pods reach the API
+    # server at. The API server then listens on every address, advertises this one (the `kubernetes`
+    # Service's endpoint, through kube-proxy), serves a certificate for it, 127.0.0.1 and the
+    # Service's names, and the node controllers (lifecycle: taints; TTL) run. None: 127.0.0.1 only.
+    node_ip: str | None = None
     server: str = ""
-    _procs: list[_Proc] = field(default_factory=list, repr=False)
+    _procs: list[Component] = field(default_factory=list, repr=False)
 
     # ---- paths ------------------------------------------------------------------------------
     @property
@@ -196,11 +247,18 @@ class LocalControlPlane:
 
         port = free_port()
         self.server = f"https://127.0.0.1:{port}"
+        if self.node_ip:
+            self._make_serving_cert(self.node_ip)
+            serving = ["--bind-address=0.0.0.0", f"--advertise-address={self.node_ip}",
+                       "--kubelet-preferred-address-types=InternalIP",  # node names do not resolve here
+                       f"--tls-cert-file={self.ca_file}", f"--tls-private-key-file={d / 'certs' / 'apiserver.key'}"]
+        else:
+            # The kubernetes Service gets no endpoint: EndpointSlices refuse loopback addresses.
+            serving = ["--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", "--endpoint-reconciler-type=none"]
         api = self._spawn(
             "kube-apiserver",
             f"--etcd-servers={etcd_url}",
-            "--bind-address=127.0.0.1",
-            "--advertise-address=127.0.0.1",
+            *serving,
             f"--secure-port={port}",
             f"--cert-dir={d / 'certs'}",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
@@ -208,10 +266,9 @@ class LocalControlPlane:
             f"--service-account-signing-key-file={self.sa_key}",
             f"--token-auth-file={d / 'tokens.csv'}",
             "--authorization-mode=RBAC",
-            "--service-cluster-ip-range=10.96.0.0/16",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
             "--allow-privileged=true",
             "--profiling=false",
-            "--endpoint-reconciler-type=none",
             *self._aggregation_flags(),
         )
         self._wait(api, lambda: self.request("GET", "/readyz", raw=True) == b"ok", "kube-apiserver /readyz")
@@ -228,7 +285,8 @@ class LocalControlPlane:
             f"--service-account-private-key-file={self.sa_key}",
             f"--root-ca-file={self.ca_file}",
             "--use-service-account-credentials=false",
-            "--controllers=*," + ",".join(f"-{c}" for c in DISABLED_CONTROLLERS),
+            "--controllers=*," + ",".join(f"-{c}" for c in DISABLED_CONTROLLERS
+                                          if not (self.node_ip and c in NODE_CONTROLLERS)),
             *([f"--horizontal-pod-autoscaler-sync-period={self.hpa_sync_seconds:g}s"]
               if self.hpa_sync_seconds is not None else []),
         )
@@ -245,25 +303,17 @@ class LocalControlPlane:
         # the controller manager is working, and pods can be created from here on.
         self._wait(kcm, lambda: self.exists("/api/v1/namespaces/default/serviceaccounts/default"),
                    "kube-controller-manager (default service account)")
-        self._wait(sched, lambda: self._alive(sched), "kube-scheduler")
+        self._wait(sched, sched.check_alive, "kube-scheduler")
         logger.info("control plane ready at %s (state %s)", self.server, d)
 
     def stop(self) -> None:
         """Stop every component by PID, in reverse order, each with a timeout and then a kill."""
         while self._procs:
-            p = self._procs.pop()
-            if p.popen.poll() is None:
-                p.popen.send_signal(signal.SIGTERM)
-                try:
-                    p.popen.wait(10)
-                except subprocess.TimeoutExpired:  # the scheduler may ignore SIGTERM
-                    p.popen.kill()
-                    p.popen.wait()
-            p.logfile.close()
+            self._procs.pop().stop()
 
     @property
     def pids(self) -> dict[str, int]:
-        return {p.name: p.popen.pid for p in self._procs}
+        return {p.name: p.pid for p in self._procs}
 
     def _make_front_proxy_certs(self) -> None:
         """A front-proxy CA and its `front-proxy-client` cert (P-256 keys: ms to make, unlike RSA)."""
@@ -277,6 +327,21 @@ class LocalControlPlane:
                    "-out", str(fp / "client.crt"), "-subj", f"/CN={FRONT_PROXY_CLIENT}",
                    "-CA", str(fp / "ca.crt"), "-CAkey", str(fp / "ca.key"),
                    "-addext", "basicConstraints=critical,CA:FALSE", "-addext", "extendedKeyUsage=clientAuth"])
+
+    def _make_serving_cert(self, node_ip: str) -> None:
+        """A self-signed serving certificate (its own CA, `ca_file`) for every name the server is reached by."""
+        certs = self.state_dir / "certs"
+        certs.mkdir(parents=True, exist_ok=True)
+        names = ["kubernetes", "kubernetes.default", "kubernetes.default.svc", "kubernetes.default.svc.cluster.local",
+                 "localhost"]
+        san = ",".join([f"IP:{ip}" for ip in ("127.0.0.1", node_ip, KUBERNETES_SERVICE_IP)]
+                       + [f"DNS:{n}" for n in names])
+        self._run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                   "-days", "3650", "-keyout", str(certs / "apiserver.key"), "-out", str(self.ca_file),
+                   "-subj", "/CN=kube-apiserver", "-addext", f"subjectAltName={san}",
+                   "-addext", "basicConstraints=critical,CA:TRUE",
+                   "-addext", "keyUsage=critical,digitalSignature,keyCertSign",
+                   "-addext", "extendedKeyUsage=serverAuth"])
 
     def _aggregation_flags(self) -> list[str]:
         fp = self.front_proxy_dir
@@ -296,33 +361,13 @@ class LocalControlPlane:
         if r.returncode:
             raise ControlPlaneError(f"`{shlex.join(argv)}` failed ({r.returncode}): {r.stderr[-2000:]}")
 
-    def _spawn(self, name: str, *args: str) -> _Proc:
-        argv = [self.binary(name), *args]
-        log = self.state_dir / f"{name}.log"
-        logfile = log.open("wb")
-        popen = subprocess.Popen(argv, stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        proc = _Proc(name, argv, log, popen, logfile)
+    def _spawn(self, name: str, *args: str) -> Component:
+        proc = Component(name, [self.binary(name), *args], self.state_dir / f"{name}.log", error=ControlPlaneError)
         self._procs.append(proc)
         return proc
 
-    def _alive(self, p: _Proc) -> bool:
-        if p.popen.poll() is not None:
-            raise ControlPlaneError(self._describe(p, f"exited with code {p.popen.returncode}"))
-        return True
-
-    def _wait(self, p: _Proc, check: Callable[[], bool], what: str) -> None:
-        def ready() -> bool:
-            self._alive(p)  # a component that died fails at once, with its log
-            return check()
-
-        try:
-            wait_until(ready, self.ready_timeout, what, fatal=(ControlPlaneError,))
-        except TimeoutError as e:
-            raise ControlPlaneError(self._describe(p, str(e))) from None
-
-    @staticmethod
-    def _describe(p: _Proc, problem: str) -> str:
-        return f"{p.name} {problem}\ncommand: {shlex.join(p.argv)}\nlog {p.log} (tail):\n{tail(p.log)}"
+    def _wait(self, p: Component, check: Callable[[], bool], what: str) -> None:
+        p.wait_ready(check, self.ready_timeout, what)
 
     # ---- API access -------------------------------------------------------------------------
     def _ssl(self) -> ssl.SSLContext:
