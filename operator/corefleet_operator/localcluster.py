@@ -2,9 +2,10 @@
 """A real Kubernetes control plane on 127.0.0.1, for tests and local runs.
 
 etcd, kube-apiserver (token auth, RBAC on), kube-controller-manager and kube-scheduler are started
-as child processes on ports picked here, with their state in one directory. There is no kubelet:
-`add_gpu_node` registers fake nodes with `nvidia.com/gpu` capacity, and `KubeletStandIn` plays the
-kubelet's part by moving scheduled pods to Running/Ready.
+as child processes on ports picked here, with their state in one directory. By default there is no
+kubelet: `add_gpu_node` registers fake nodes with `nvidia.com/gpu` capacity, and `KubeletStandIn`
+plays the kubelet's part by moving scheduled pods to Running/Ready. With `node_ip` set, a real node
+(`corefleet_operator.localnode`: containerd, kubelet, kube-proxy, CoreDNS) can join it.
 
 The binaries come from `hack/control-plane.sh`, which builds them from the Go module proxy and
 caches them outside the repository; its output directory is given here as `bin_dir` (or through
