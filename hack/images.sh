@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# Build the container images of corefleet's test node where no registry serves a base image:
+#   pause      images/pause: the pod sandbox (a static Go binary, main.go), corefleet.local/pause:1
+#   base       images/base: Debian bookworm from Debian's packages (debootstrap) with Python 3.11,
+#              pip and venv; stands in for python:3.11-slim-bookworm
+#   operator   images/operator/Dockerfile, the one users build, with --build-arg BASE=<base>
+# with buildah (hack/node.sh installs it and debootstrap) in a storage of its own under the cache,
+# never the system's. Each image is saved as a docker-archive `$CACHE/images/<name>-<hash>.tar`,
+# where <hash> covers everything it is built from (its Dockerfile, its build context, its base), so a
+# warm machine rebuilds nothing and a changed source rebuilds only what depends on it. Prints
+# `COREFLEET_IMAGES=<archive>:<archive>:...` for .corefleet.env (the node imports them into containerd).
+#
+# Env: COREFLEET_CACHE (default ~/.cache/corefleet), PY (the venv's python: image names come from
+# corefleet_operator.generate), DEBIAN_MIRROR.
+set -euo pipefail
+shopt -s inherit_errexit   # a failed build inside $(...) fails the script
+cd "$(dirname "$0")/.."
+
+CACHE=${COREFLEET_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/corefleet}
+OUT=$CACHE/images
+PY=${PY:-.venv/bin/python}
+SUITE=bookworm
+BASE_PACKAGES=python3,python3-pip,python3-venv,python-is-python3,ca-certificates
+PAUSE_IMAGE=corefleet.local/pause:1
+MIRROR=${DEBIAN_MIRROR:-$(awk '/^URIs:/{print $2; exit}' /etc/apt/sources.list.d/debian.sources 2>/dev/null || true)}
+MIRROR=${MIRROR:-http://deb.debian.org/debian}
+
+log() { echo "images: $*" >&2; }
+[ "$(id -u)" -eq 0 ] || { log "needs root (debootstrap, buildah's storage)"; exit 1; }
+for t in buildah debootstrap go; do command -v "$t" >/dev/null || { log "$t not found: run hack/node.sh"; exit 1; }; done
+mkdir -p "$OUT"
+
+# buildah with its own storage; RUN steps use the host's network (PyPI for pip) and trust what the host
+# trusts: its CA bundle is mounted over the image's during the build only (a TLS-inspecting proxy's CA
+# may be in it), never stored in an image.
+STORAGE=$CACHE/buildah
+RUNROOT=/run/corefleet-buildah
+bh() { buildah --root "$STORAGE/root" --runroot "$RUNROOT" --storage-driver overlay "$@"; }
+HOST_CA=/etc/ssl/certs/ca-certificates.crt
+BUILD_MOUNTS=()
+[ ! -f "$HOST_CA" ] || BUILD_MOUNTS=(-v "$HOST_CA:$HOST_CA:ro")
+
+# hash_files FILE... : one digest over the files' paths and contents.
+hash_files() { for f in "$@"; do printf '%s %s\n' "$f" "$(sha256sum <"$f" | cut -c1-64)"; done | sha256sum | cut -c1-16; }
+# The tracked files under the given paths (a fresh clone's tree; untracked build leftovers never count).
+tracked() { git ls-files -- "$@" | sort; }
+
+# build NAME TAG DOCKERFILE CONTEXT HASH [buildah bud args...]: the image TAG as $OUT/NAME-HASH.tar.
+build() {
+  local name=$1 tag=$2 file=$3 ctx=$4 hash=$5 archive
+  shift 5
+  archive=$OUT/$name-$hash.tar
+  if [ ! -s "$archive" ]; then
+    log "building $tag ($name-$hash)"
+    bh bud --network host --layers=false --pull=never "${BUILD_MOUNTS[@]}" -f "$file" -t "$tag" "$@" "$ctx" >&2
+    rm -f "$archive.tmp"
+    bh push "$tag" "docker-archive:$archive.tmp:$tag" >&2
+    mv "$archive.tmp" "$archive"
+    # Older archives of this image are of no further use.
+    find "$OUT" -maxdepth 1 -name "$name-*.tar" ! -name "$name-$hash.tar" -delete
+  fi
+  echo "$archive"
+}
+
+# ---- pause ---------------------------------------------------------------------------------------
+pause_hash=$( { hash_files $(tracked images/pause); go version; } | sha256sum | cut -c1-16)
+if [ ! -s "$OUT/pause-$pause_hash.tar" ]; then
+  ctx=$(mktemp -d)
+  (cd images/pause && CGO_ENABLED=0 GOTOOLCHAIN=local GO111MODULE=off go build -trimpath -ldflags "-s -w" -o "$ctx/pause" main.go)
+  cp images/pause/Dockerfile "$ctx/"
+  pause=$(build pause "$PAUSE_IMAGE" "$ctx/Dockerfile" "$ctx" "$pause_hash")
+  rm -rf "$ctx"
+else
+  pause=$OUT/pause-$pause_hash.tar
+fi
+
+# ---- base: Debian bookworm + Python ----------------------------------------------------------------
+base_hash=$( { hash_files $(tracked images/base); echo "$SUITE $BASE_PACKAGES"; } | sha256sum | cut -c1-16)
+BASE_IMAGE=corefleet.local/bookworm-python:$base_hash
+if [ ! -s "$OUT/base-$base_hash.tar" ]; then
+  ctx=$(mktemp -d)
+  log "debootstrap $SUITE (minbase + $BASE_PACKAGES) from $MIRROR"
+  debootstrap --variant=minbase --include="$BASE_PACKAGES" "$SUITE" "$ctx/rootfs" "$MIRROR" >"$ctx/debootstrap.log" 2>&1 \
+    || { tail -n 30 "$ctx/debootstrap.log" >&2; log "debootstrap failed"; exit 1; }
+  # What an image does not need: package lists and caches, logs, docs.
+  rm -rf "$ctx"/rootfs/var/lib/apt/lists/* "$ctx"/rootfs/var/cache/apt/* "$ctx"/rootfs/var/log/* \
+         "$ctx"/rootfs/usr/share/doc/* "$ctx"/rootfs/usr/share/man/*
+  tar -C "$ctx/rootfs" --numeric-owner -cf "$ctx/rootfs.tar" .
+  rm -rf "$ctx/rootfs"
+  cp images/base/Dockerfile "$ctx/"
+  base=$(build base "$BASE_IMAGE" "$ctx/Dockerfile" "$ctx" "$base_hash")
+  rm -rf "$ctx"
+else
+  base=$OUT/base-$base_hash.tar
+  # buildah's storage may have been emptied: the operator build needs the base in it.
+  bh inspect --type image "$BASE_IMAGE" >/dev/null 2>&1 || bh pull "docker-archive:$base" >&2
+fi
+
+# ---- operator ---------------------------------------------------------------------------------------
+operator_tag=$("$PY" -c 'from corefleet_operator.generate import OPERATOR_IMAGE; print(OPERATOR_IMAGE)')
+operator_hash=$( { hash_files $(tracked images/operator pyproject.toml README.md operator client .dockerignore);
+                   echo "$base_hash"; } | sha256sum | cut -c1-16)
+operator=$(build operator "$operator_tag" images/operator/Dockerfile . "$operator_hash" --build-arg "BASE=$BASE_IMAGE")
+
+echo "COREFLEET_IMAGES=$pause:$base:$operator"
