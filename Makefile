@@ -13,8 +13,10 @@ run: setup
 run-cluster: setup
 	set -a; . ./.corefleet.env; set +a; .venv/bin/corefleet cluster up
 
-# The whole test suite (lint, types, import contract, unit + integration + e2e).
-test: setup
+# The whole test suite (lint, types, import contract, unit + integration + e2e). Its setup includes a
+# real node's parts and images (root: apt-get, containerd, buildah), which `make run` does not need.
+test:
+	bash hack/setup.sh --node
 	bash hack/test.sh
 
 clean-cache:

