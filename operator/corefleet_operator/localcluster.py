@@ -244,7 +244,7 @@ class LocalControlPlane:
             f"--initial-cluster=cp={peer_url}",
             "--unsafe-no-fsync",  # test data only; keeps the 2-core machine's disk out of the way
         )
-        self._wait(etcd, lambda: b"true" in _get(f"{etcd_url}/health"), "etcd /health")
+        self._wait(etcd, lambda: b"true" in http_get(f"{etcd_url}/health"), "etcd /health")
 
         port = free_port()
         self.server = f"https://127.0.0.1:{port}"
@@ -426,7 +426,8 @@ class LocalControlPlane:
                 "PATH": f"{self.bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
 
 
-def _get(url: str) -> bytes:
+def http_get(url: str) -> bytes:
+    """The body of a GET on a local component's plain-HTTP endpoint (2 s); errors raised (HTTPError on >= 400)."""
     with urllib.request.urlopen(url, timeout=2) as r:
         body: bytes = r.read()
         return body

@@ -46,14 +46,13 @@ import subprocess
 import tempfile
 import textwrap
 import urllib.error
-import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from corefleet_operator.constants import GPU_RESOURCE
-from corefleet_operator.localcluster import Component, LocalControlPlane, free_port, tail, wait_until
+from corefleet_operator.localcluster import Component, LocalControlPlane, free_port, http_get, wait_until
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +170,7 @@ class LocalNode:
             self._set_sysctls()
             self._start_containerd()
             for archive in self.images:
-                self.ctr("images", "import", "--no-unpack=false", str(archive))
+                self.ctr("images", "import", str(archive))
             self._start_kubelet()
             self._start_kube_proxy()
             self._start_dns()
@@ -350,7 +349,7 @@ class LocalNode:
             "--oom-score-adj=0",  # as the kubelet's
             "--v=2",
         ))
-        proc.wait_ready(lambda: _http_ok(f"http://127.0.0.1:{healthz}/healthz"), self.ready_timeout,
+        proc.wait_ready(lambda: http_get(f"http://127.0.0.1:{healthz}/healthz") is not None, self.ready_timeout,
                         "kube-proxy /healthz")
 
     # ---- cluster DNS -------------------------------------------------------------------------
@@ -390,7 +389,8 @@ class LocalNode:
             "endpoints": [{"addresses": [self.node_ip], "conditions": {"ready": True}}],
             "ports": ports,
         })
-        proc.wait_ready(lambda: _http_ok(f"http://127.0.0.1:{ready}/ready"), self.ready_timeout, "coredns /ready")
+        proc.wait_ready(lambda: http_get(f"http://127.0.0.1:{ready}/ready") is not None, self.ready_timeout,
+                        "coredns /ready")
 
     # ---- stopping ----------------------------------------------------------------------------
     def stop(self) -> None:
@@ -481,14 +481,6 @@ class LocalNode:
             return set(os.listdir("/run/netns"))
         except FileNotFoundError:
             return set()
-
-    def log_tail(self, component: str, lines: int = 40) -> str:
-        return tail(self.state_dir / f"{component}.log", lines)
-
-
-def _http_ok(url: str) -> bool:
-    with urllib.request.urlopen(url, timeout=2) as r:
-        return bool(200 <= r.status < 300)
 
 
 def _processes() -> list[tuple[int, str]]:
