@@ -80,7 +80,10 @@ if ! "$PY" -m uv --version 2>/dev/null | grep -qx "uv $UV_VERSION.*"; then
 fi
 
 # ---- 6. libnuma.so.1 (the CPU kernels link it) --------------------------------------------------
-if ! ldconfig -p 2>/dev/null | grep -q 'libnuma\.so\.1'; then
+# (grep reads all of ldconfig's output: with `grep -q`, ldconfig could die of SIGPIPE after the first match
+# and pipefail would call the library missing.)
+has_libnuma() { ldconfig -p 2>/dev/null | grep 'libnuma\.so\.1' >/dev/null; }
+if ! has_libnuma; then
   log "libnuma.so.1 missing: installing Debian's libnuma1"
   SUDO=""
   if [ "$(id -u)" -ne 0 ]; then
@@ -93,7 +96,7 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libnuma\.so\.1'; then
     $SUDO apt-get update -q >/dev/null
     $SUDO apt-get install -y -q libnuma1 >/dev/null
   fi
-  ldconfig -p | grep -q 'libnuma\.so\.1' || die "libnuma.so.1 still not found after installing libnuma1"
+  has_libnuma || die "libnuma.so.1 still not found after installing libnuma1"
 fi
 
 # ---- 1. torch ---------------------------------------------------------------------------------
