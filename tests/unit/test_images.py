@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The images, the release workflow and every image name in the repository follow from constants.py.
 
-No Docker here: the Dockerfiles are read as text (their build-time checks run in the release workflow).
+No Docker here: the Dockerfiles are read as text (their build-time checks run where they are built: hack/images.sh
+for the node tests, the release workflow).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from corefleet_operator import __version__, constants, generate
 REPO = Path(__file__).resolve().parents[2]
 OPERATOR_DOCKERFILE = REPO / "images" / "operator" / "Dockerfile"
 RUNTIME_DOCKERFILE = REPO / "images" / "runtime" / "Dockerfile"
+RUNTIME_VERIFY = REPO / "images" / "runtime" / "verify.py"  # the runtime image's build-time check
 WORKFLOW = REPO / ".github" / "workflows" / "release.yml"
 
 
@@ -99,13 +101,16 @@ def test_runtime_image_is_the_pinned_vllm_plus_corefleet() -> None:
 
 
 def test_runtime_image_checks_every_module_the_pods_run() -> None:
-    text = RUNTIME_DOCKERFILE.read_text()
+    ins = instructions(RUNTIME_DOCKERFILE)
+    assert ("COPY", "images/runtime/verify.py /tmp/verify.py") in ins
+    assert ("RUN", "python /tmp/verify.py && rm /tmp/verify.py") in ins
+    text = RUNTIME_VERIFY.read_text()
     assert 'vllm.__version__.split("+")[0] == want' in text
     for module in (commands.ENGINE_MODULE, commands.FRONTEND_MODULE, commands.COORDINATOR_MODULE):
         assert module in text, module
     # Pods run `python -m ...`; the image makes sure `python` exists.
     assert commands.DEFAULT_PYTHON == "python"
-    assert "command -v python " in text
+    assert "command -v python " in RUNTIME_DOCKERFILE.read_text()
 
 
 def test_dockerignore_keeps_local_state_out_of_the_context() -> None:
