@@ -131,6 +131,10 @@ def operator_pod_spec() -> JSON:
             "env": [
                 {"name": "PYTHONUNBUFFERED", "value": "1"},
                 {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},  # the root filesystem is read-only
+                # kopf's identity (its documented POD_ID): without it kopf asks getpass for the user
+                # name, and uid 65532 (or any uid a cluster assigns) has no passwd entry, so the
+                # operator died at startup with KeyError: 'getpwuid(): uid not found'.
+                {"name": "POD_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
             ],
             "ports": [
                 {"name": "health", "containerPort": constants.OPERATOR_HEALTH_PORT, "protocol": "TCP"},
