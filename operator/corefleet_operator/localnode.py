@@ -28,8 +28,9 @@ from pods go through kube-proxy like on a real cluster.
 `stop()` (and a failed `start()`) undoes everything: the pods on the node are deleted and the kubelet
 tears their sandboxes down (CNI DEL), then kube-proxy, CoreDNS, the kubelet and containerd stop by
 PID; what remains (containers, shims, mounts, network namespaces, the bridge, CNI and kube-proxy
-iptables chains) is removed and reported in `leftovers`. Sysctls it changed are restored. A
-component that fails raises `NodeError` with its command line and log tail.
+iptables chains) is removed and reported in `leftovers`. Sysctls it changed are restored, and
+containerd's root (images and container file systems) is deleted; the logs stay. A component that
+fails raises `NodeError` with its command line and log tail.
 """
 
 from __future__ import annotations
@@ -454,6 +455,9 @@ class LocalNode:
         self._sweep_cni_iptables()
         self._sweep_kube_iptables()
         shutil.rmtree(self.run_dir, ignore_errors=True)
+        # containerd's root: the imported images and the containers' file systems (GBs with a vLLM image,
+        # on every run); the components' logs and the pods' logs stay in state_dir.
+        shutil.rmtree(self.state_dir / "containerd", ignore_errors=True)
 
     def _sweep_cni_iptables(self) -> None:
         """Remove the NAT chains the bridge plugin's ipMasq made for this network (if a DEL never ran)."""
