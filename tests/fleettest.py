@@ -25,12 +25,13 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from corefleet_client.admin import AdminClient, AdminError, ResizeOperation
+from corefleet_client.tinymodel import VLLM_CPU_FLAGS
 from corefleet_operator import constants
 from corefleet_operator.localcluster import LocalControlPlane, tail
 from podrunner import PodRunner
@@ -38,13 +39,15 @@ from podrunner import PodRunner
 ECS_PATH = "/apis/corefleet.io/v1alpha1/namespaces/{ns}/enginecoresets/{name}"
 
 
-def spread_engines_over_cpus(pod: Mapping[str, Any]) -> dict[str, str]:
-    """One core per engine rank (vLLM binds each CPU engine's OpenMP threads to core 0 by default)."""
-    labels = pod["metadata"].get("labels", {})
-    if labels.get(constants.LABEL_ROLE) != constants.ROLE_ENGINE:
-        return {}
-    cpus = sorted(os.sched_getaffinity(0))
-    return {"VLLM_CPU_OMP_THREADS_BIND": str(cpus[int(labels[constants.LABEL_RANK]) % len(cpus)])}
+def ecs_engine_args(served: str, context: int | None = None) -> list[str]:
+    """VLLM_CPU_FLAGS as an EngineCoreSet's `spec.engine.args`: without `--load-format dummy` (corefleet sets
+    --load-format from spec.engine.loadFormat), with `--max-model-len context` if given, and a served name."""
+    flags = list(VLLM_CPU_FLAGS)
+    i = flags.index("--load-format")
+    del flags[i:i + 2]
+    if context is not None:
+        flags[flags.index("--max-model-len") + 1] = str(context)
+    return [*flags, "--served-model-name", served]
 
 
 def wait_for(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.2,
@@ -121,7 +124,9 @@ class OperatorProcess:
 class FleetView:
     """One EngineCoreSet, its pods and its frontend, as a test sees them."""
 
-    def __init__(self, k8s: LocalControlPlane, namespace: str, name: str, runner: PodRunner, model: str) -> None:
+    def __init__(self, k8s: LocalControlPlane, namespace: str, name: str, runner: PodRunner | None,
+                 model: str) -> None:
+        """`runner`: the pod runner the fleet's pods run under; None on a real node (logs from `kubectl logs`)."""
         self.k8s, self.ns, self.name, self.runner, self.model = k8s, namespace, name, runner, model
 
     def ecs(self) -> dict[str, Any]:
@@ -164,6 +169,7 @@ class FleetView:
         return AdminClient(f"http://{self.frontend_ip()}:{constants.FRONTEND_ADMIN_PORT}", token, timeout=5)
 
     def engine_pid(self, rank: int) -> int:
+        assert self.runner is not None, "engine_pid: pods run by a pod runner only"
         popen = self.runner.pod(constants.engine_name(self.name, rank)).popen
         assert popen is not None
         return popen.pid
@@ -206,7 +212,16 @@ class FleetView:
     def describe(self) -> str:
         st = self.status()
         return (f"status: {json.dumps(st, indent=1)}\nevents: {self.events()}\n"
-                f"pods: {sorted(self.pods())}\n{self.runner.log_tails(40)}")
+                f"pods: {sorted(self.pods())}\n{self.log_tails(40)}")
+
+    def log_tails(self, lines: int) -> str:
+        if self.runner is not None:
+            return self.runner.log_tails(lines)
+        tails = []
+        for name in sorted(self.pods()):
+            r = self.k8s.kubectl("logs", "-n", self.ns, name, f"--tail={lines}", check=False)
+            tails.append(f"--- {name} ---\n{r.stdout}{r.stderr}")
+        return "\n".join(tails)
 
 
 @dataclass

@@ -41,10 +41,10 @@ import pytest
 import yaml
 
 from corefleet_client import commands
-from corefleet_client.tinymodel import VLLM_CPU_FLAGS, write_tiny_model
+from corefleet_client.tinymodel import write_tiny_model
 from corefleet_operator.localcluster import LocalControlPlane, free_port
 from factories import make_ecs
-from fleettest import FleetView, Load, OperatorProcess, ResizeWatch, wait_for
+from fleettest import FleetView, Load, OperatorProcess, ResizeWatch, ecs_engine_args, wait_for
 from metricsstack import Prometheus, PrometheusAdapter, current_average, hpa_events
 from podrunner import PodRunner
 from promqueries import dashboard_expressions, rule_expressions
@@ -117,13 +117,6 @@ class Setup:
         return float(result[0]["value"][1]) if result else None
 
 
-def engine_flags() -> list[str]:
-    flags = list(VLLM_CPU_FLAGS)
-    i = flags.index("--load-format")
-    del flags[i:i + 2]
-    return [*flags, "--served-model-name", SERVED]
-
-
 @pytest.fixture(scope="module")
 def setup(k8s: LocalControlPlane, crd_installed: None, module_namespace: str,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
@@ -147,7 +140,7 @@ def setup(k8s: LocalControlPlane, crd_installed: None, module_namespace: str,
             Prometheus(tmp / "prometheus", scrape_configs=scrape, rules=rules) as prom:
         ecs = (make_ecs(NAME, ns).model(str(model)).replicas(1).max_replicas(3).tp(1)
                .set("engine.loadFormat", "dummy").set("scaling.readyTimeoutSeconds", READY_TIMEOUT)
-               .set("scaling.drainTimeoutSeconds", 60).arg(*engine_flags()).manifest())
+               .set("scaling.drainTimeoutSeconds", 60).arg(*ecs_engine_args(SERVED)).manifest())
         k8s.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(ecs))
         fleet = FleetView(k8s, ns, NAME, runner, SERVED)
         fleet.wait_settled(1, SETTLE)

@@ -24,11 +24,11 @@ import pytest
 
 from corefleet_client import commands
 from corefleet_client.admin import RankState
-from corefleet_client.tinymodel import VLLM_CPU_FLAGS, write_tiny_model
+from corefleet_client.tinymodel import write_tiny_model
 from corefleet_operator import constants
 from corefleet_operator.localcluster import LocalControlPlane
 from factories import make_ecs
-from fleettest import FleetView, Load, OperatorProcess, PinnedStream, ResizeWatch, wait_for
+from fleettest import FleetView, Load, OperatorProcess, PinnedStream, ResizeWatch, ecs_engine_args, wait_for
 from podrunner import PodRunner
 
 pytestmark = pytest.mark.e2e
@@ -41,14 +41,6 @@ CONTEXT = 4096  # long enough for requests that stay in flight for tens of secon
 # vLLM for its wire types); a rank that never joins fails the resize after it.
 JOIN_TIMEOUT = 90
 SETTLE = 240.0
-
-
-def engine_flags() -> list[str]:
-    flags = list(VLLM_CPU_FLAGS)
-    i = flags.index("--load-format")
-    del flags[i:i + 2]
-    flags[flags.index("--max-model-len") + 1] = str(CONTEXT)
-    return [*flags, "--served-model-name", SERVED]
 
 
 class Setup:
@@ -75,7 +67,7 @@ def setup(k8s: LocalControlPlane, crd_installed: None, module_namespace: str,
             OperatorProcess(k8s, module_namespace, tmp) as operator:
         ecs = (make_ecs(NAME, module_namespace).model(str(model)).replicas(2).max_replicas(4).tp(1)
                .set("engine.loadFormat", "dummy").set("scaling.readyTimeoutSeconds", JOIN_TIMEOUT)
-               .set("scaling.drainTimeoutSeconds", 60).arg(*engine_flags()).manifest())
+               .set("scaling.drainTimeoutSeconds", 60).arg(*ecs_engine_args(SERVED, CONTEXT)).manifest())
         k8s.kubectl("apply", "-n", module_namespace, "-f", "-", input=json.dumps(ecs))
         fleet = FleetView(k8s, module_namespace, NAME, runner, SERVED)
         s = Setup(k8s, module_namespace, runner, operator, fleet)

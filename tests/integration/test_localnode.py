@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import os
 import re
 import subprocess
 import urllib.request
@@ -22,29 +21,17 @@ from typing import Any
 import pytest
 
 from corefleet_operator.constants import GPU_RESOURCE
-from corefleet_operator.localcluster import LocalControlPlane, resolve_bin_dir, wait_until
+from corefleet_operator.localcluster import LocalControlPlane, wait_until
 from corefleet_operator.localnode import PAUSE_IMAGE, LocalNode, host_ip
+from nodetest import image_archives, node_cluster
 
-IMAGES_ENV = "COREFLEET_IMAGES"
 BASE_IMAGE_PREFIX = "corefleet.local/bookworm-python:"
-
-
-def image_archives() -> list[Path]:
-    raw = os.environ.get(IMAGES_ENV)
-    assert raw, f"{IMAGES_ENV} is not set: run `bash hack/images.sh` (make setup) and source .corefleet.env"
-    paths = [Path(p) for p in raw.split(os.pathsep)]
-    missing = [str(p) for p in paths if not p.is_file()]
-    assert not missing, f"image archives missing (rerun hack/images.sh): {missing}"
-    return paths
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalControlPlane, LocalNode]]:
-    cp = LocalControlPlane(state_dir=tmp_path_factory.mktemp("node-cp"), bin_dir=resolve_bin_dir(), node_ip=host_ip())
-    with cp:
-        node = LocalNode(cp, tmp_path_factory.mktemp("node"), images=image_archives())
-        with node:
-            yield cp, node
+    with node_cluster(tmp_path_factory.mktemp("localnode"), image_archives("pause", "base")) as (cp, node):
+        yield cp, node
 
 
 @pytest.fixture(scope="module")
@@ -234,5 +221,7 @@ def test_stop_leaves_nothing_behind(cluster: tuple[LocalControlPlane, LocalNode]
     assert str(state.resolve()) not in mounts
     assert str(run_dir) not in mounts
     assert not run_dir.exists()
+    assert not (state / "containerd").exists()  # images and container file systems: GBs on every run
+    assert (state / "kubelet.log").is_file()  # the logs stay
     procs = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
     assert str(run_dir) not in procs
