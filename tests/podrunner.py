@@ -454,8 +454,10 @@ class PodRunner:
                 p.kill_reason = f"failed {probe.kind} probe ({probe.failure_threshold} in a row: {detail})"
                 p.kill_grace = grace
                 container = p.pod["spec"]["containers"][0]["name"]
-                p.events.append(("Normal", "Killing", f"Container {container} failed {probe.kind} probe, "
-                                                      "will be restarted"))
+                # The kubelet's words for a restartPolicy Never pod of one container (1.37, computePodActions):
+                # nothing to keep or restart, so it kills the whole pod, each container "Stopping container X";
+                # the probe's failure is in the Unhealthy event above.
+                p.events.append(("Normal", "Killing", f"Stopping container {container}"))
             return True, True  # kubelet: on hold until the container is replaced (never: restartPolicy Never)
 
     def _post_events(self, p: _Pod) -> None:

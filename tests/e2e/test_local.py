@@ -62,7 +62,7 @@ def engine_pids(state: Path) -> dict[int, int]:
 def scale(state: Path, port: int, sizes: list[int], timeout: float, model: str = "tiny-llama") -> None:
     """`corefleet scale N` for each size, with a client sending requests all along: none fails, the
     ranks that stay keep their processes, and the state file follows."""
-    # A client that keeps sending, a second between requests (see test_operator_fleet.py for why not denser).
+    # A client that keeps sending, a second between requests (see test_node_fleet.py for why not denser).
     load = Load(f"http://127.0.0.1:{port}", model, workers=1, max_tokens=8, pause_s=1.0).start()
     try:
         for n in sizes:

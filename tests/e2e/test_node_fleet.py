@@ -1,0 +1,418 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Fleets on a real node: the operator installed by Helm, every pod a container, traffic through a Service.
+
+One control plane (advertising this host's address) and one real node (`corefleet_operator.localnode`:
+containerd and runc, the kubelet, kube-proxy, CoreDNS) serve the module, with images built here by
+hack/images.sh from the project's Dockerfiles: the operator image, and the runtime image on a vLLM-for-CPU
+base with the test layer on it (tests/images/runtime-test: the tiny model, since an EngineCoreSet's model
+is a path inside its image and no model hub is reachable here, and the engine emulator behind a switch).
+
+* `helm install` of charts/corefleet with its defaults (CRD included): the operator runs as the chart's
+  Deployment, in a container, under the chart's service account, reaching the API server through the
+  `kubernetes` Service; its log has no Forbidden, and `kubectl auth can-i` shows what it may not do;
+* manifests/samples/enginecoreset.yaml, with the image, model, engine flags and resources this 2-core
+  machine can run: real vLLM engines, frontend and coordinator as containers, probed by the kubelet;
+  completions through the frontend Service's ClusterIP (kube-proxy's rules), from the host and from a pod
+  by the Service's DNS name;
+* resized 2 -> 3 -> 2 in place under load through the ClusterIP: no request fails, the surviving ranks
+  keep their containers;
+* an engine container killed (SIGKILL through containerd), and one hung (SIGSTOP to its processes): the
+  kubelet's probes and the operator's recovery replace the rank in place while the rest serve on;
+* the same sample with emulator engines (the runtime-test image's switch), served and recovered the same way.
+
+The process runner (tests/podrunner.py) stays for what a container cannot give a test: other e2e modules
+run many fleets, swap in the emulator per pod and hold pods unstarted, on one machine, within CI's time.
+
+Heavy (real vLLM, up to 3 engines, ~9 GiB): on shared machines run the e2e tier under
+`flock /tmp/corefleet-heavy.lock`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from corefleet_client.admin import RankState
+from corefleet_operator import constants
+from corefleet_operator.generate import OPERATOR_IMAGE
+from corefleet_operator.localcluster import LocalControlPlane
+from corefleet_operator.localnode import LocalNode
+from fleettest import FleetView, Load, PinnedStream, ResizeWatch, ecs_engine_args, wait_for
+from nodetest import image_archives, node_cluster
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "corefleet"
+SAMPLE = ROOT / "manifests" / "samples" / "enginecoreset.yaml"
+RELEASE, SYSTEM, NS, EMU_NS = "corefleet", "corefleet-system", "llm", "emu"
+MODEL, SERVED = "/models/tiny-llama", "tiny"  # tests/images/runtime-test
+TEST_IMAGE_PREFIX = "corefleet.local/runtime-test:"
+CONTEXT = 2048  # the test image's tiny model: long enough for a request that stays in flight for seconds
+START_TIMEOUT = 600.0  # real vLLM engines starting as containers on a 2-core machine, up to 3 at once
+
+
+def sample(image: str, *, emulator: bool = False) -> dict[str, Any]:
+    """The sample EngineCoreSet with what this machine can run: the test image and model, small requests."""
+    ecs: dict[str, Any] = yaml.safe_load(SAMPLE.read_text())
+    spec = ecs["spec"]
+    small = {"requests": {"cpu": "100m", "memory": "512Mi"}}
+    spec.update(image=image, model=MODEL, replicas=2, maxReplicas=3)
+    spec["engine"].update(args=ecs_engine_args(SERVED, CONTEXT), loadFormat="dummy", resources=small, shmSize="1Gi")
+    if emulator:
+        spec["engine"]["env"] = [{"name": "COREFLEET_TEST_ENGINE", "value": "emulator"},
+                                 {"name": "COREFLEET_TEST_EMULATOR_ARGS", "value": "--token-delay-ms 20"}]
+    spec["frontend"]["resources"] = small
+    spec["coordinator"] = {"resources": small}
+    spec["scaling"].update(readyTimeoutSeconds=int(START_TIMEOUT), drainTimeoutSeconds=60)
+    return ecs
+
+
+class Setup:
+    def __init__(self, cp: LocalControlPlane, node: LocalNode, fleet: FleetView, operator_pod: str, image: str) -> None:
+        self.cp, self.node, self.fleet, self.operator_pod, self.image = cp, node, fleet, operator_pod, image
+
+    def url(self, fleet: FleetView | None = None) -> str:
+        """The fleet's OpenAI endpoint through its Service's ClusterIP."""
+        f = fleet or self.fleet
+        svc = self.cp.request("GET", f"/api/v1/namespaces/{f.ns}/services/{f.name}")
+        return f"http://{svc['spec']['clusterIP']}:{constants.FRONTEND_HTTP_PORT}"
+
+    def settle(self, replicas: int, timeout: float = START_TIMEOUT) -> None:
+        self.fleet.wait_settled(replicas, timeout, interval=0.5)
+
+    def operator_log(self) -> str:
+        return self.cp.kubectl("logs", "-n", SYSTEM, self.operator_pod).stdout
+
+    def container_id(self, pod: str, fleet: FleetView | None = None) -> str:
+        """The containerd ID of the pod's (only) container."""
+        [status] = (fleet or self.fleet).pods()[pod]["status"]["containerStatuses"]
+        cid: str = status["containerID"]
+        assert cid.startswith("containerd://"), status
+        return cid.removeprefix("containerd://")
+
+    def container_pids(self, pod: str) -> list[int]:
+        """The host PIDs of every process in the pod's container (`ctr tasks ps`)."""
+        out = self.node.ctr("tasks", "ps", self.container_id(pod)).stdout.splitlines()[1:]
+        return [int(line.split()[0]) for line in out if line.split()]
+
+    def pod_events(self, uid: str) -> list[tuple[str, str]]:
+        """(reason, message) of the kubelet's events on the pod with this UID."""
+        items = self.cp.request("GET", f"/api/v1/namespaces/{self.fleet.ns}/events")["items"]
+        return [(e["reason"], e["message"]) for e in items if e["involvedObject"].get("uid") == uid]
+
+
+def completion(url: str, max_tokens: int = 8) -> dict[str, Any]:
+    body = json.dumps({"model": SERVED, "prompt": "Hello", "max_tokens": max_tokens}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.status == 200
+        out: dict[str, Any] = json.loads(r.read())
+    assert out["model"] == SERVED, out
+    assert out["usage"]["completion_tokens"] > 0, out
+    return out
+
+
+def node_state(cp: LocalControlPlane) -> str:
+    return cp.kubectl("get", "pods", "-A", "-o", "wide", check=False).stdout
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+    tmp = tmp_path_factory.mktemp("node-fleet")
+    with node_cluster(tmp, image_archives("pause", "operator", "runtime-test")) as (cp, node):
+        [image] = [n for n in node.ctr("images", "list", "--quiet").stdout.split() if n.startswith(TEST_IMAGE_PREFIX)]
+        env = {**cp.env(), **{v: str(tmp / "helm" / v.lower()) for v in
+                              ("HELM_CACHE_HOME", "HELM_CONFIG_HOME", "HELM_DATA_HOME")}}
+        # The chart with its defaults: the CRD from crds/, the operator image the chart names.
+        r = subprocess.run([cp.binary("helm"), "install", RELEASE, str(CHART), "--namespace", SYSTEM,
+                            "--create-namespace", "--wait", "--timeout", "5m"],
+                           env=env, capture_output=True, text=True, check=False, timeout=360)
+        assert r.returncode == 0, f"helm install: {r.stdout}{r.stderr}\n{node_state(cp)}"
+        [operator_pod] = [p["metadata"]["name"] for p in
+                          cp.request("GET", f"/api/v1/namespaces/{SYSTEM}/pods")["items"]]
+
+        def operator_ready() -> bool:
+            pod = cp.request("GET", f"/api/v1/namespaces/{SYSTEM}/pods/{operator_pod}")
+            return any(c["ready"] for c in pod["status"].get("containerStatuses", []))
+
+        wait_for(operator_ready, 120, "the operator's container Ready", interval=0.5,
+                 on_timeout=lambda: cp.kubectl("logs", "-n", SYSTEM, operator_pod, "--tail=40", check=False).stdout)
+        cp.kubectl("create", "namespace", NS)
+        ecs = sample(image)
+        cp.kubectl("apply", "-n", NS, "-f", "-", input=json.dumps(ecs))  # schema and CEL accept it
+        s = Setup(cp, node, FleetView(cp, NS, ecs["metadata"]["name"], None, SERVED), operator_pod, image)
+        s.settle(2)
+        yield s
+
+
+def test_operator_runs_from_the_chart_in_a_container_under_its_service_account(setup: Setup) -> None:
+    s = setup
+    pod = s.cp.request("GET", f"/api/v1/namespaces/{SYSTEM}/pods/{s.operator_pod}")
+    assert pod["spec"]["serviceAccountName"] == f"{RELEASE}-operator"
+    assert pod["spec"]["nodeName"] == s.node.name
+    [status] = pod["status"]["containerStatuses"]
+    assert status["image"] == OPERATOR_IMAGE, status
+    assert status["ready"], status
+    assert status["containerID"].removeprefix("containerd://") in s.node.container_ids()
+    # What the chart's ClusterRole gives it, and what it does not.
+    sa = f"system:serviceaccount:{SYSTEM}:{RELEASE}-operator"
+    for verb, what, want in (("patch", "enginecoresets.corefleet.io/status", "yes"), ("delete", "pods", "yes"),
+                             ("delete", "nodes", "no"), ("create", "clusterrolebindings", "no"),
+                             ("delete", "customresourcedefinitions", "no"), ("get", "secrets", "yes")):
+        r = s.cp.kubectl("auth", "can-i", verb, what, "-n", NS, "--as", sa, check=False)
+        assert r.stdout.strip() == want, (verb, what, r.stdout, r.stderr)
+
+
+def test_sample_fleet_runs_as_containers_and_serves_through_its_cluster_ip(setup: Setup) -> None:
+    s = setup
+    name = s.fleet.name
+    pods = s.fleet.pods()
+    assert set(pods) == {constants.frontend_name(name), constants.coordinator_name(name),
+                         *(constants.engine_name(name, r) for r in (0, 1))}
+    ids = s.node.container_ids()
+    for pod in pods:
+        assert pods[pod]["spec"]["nodeName"] == s.node.name
+        assert s.container_id(pod) in ids, pod
+    wide = s.cp.kubectl("get", "pods", "-n", NS, "-o", "wide").stdout
+    assert wide.count(" Running ") == 4, wide
+    st = s.fleet.status()
+    assert (st["phase"], st["replicas"], st["readyReplicas"], st["recoveries"]) == ("Running", 2, 2, 0), st
+    assert s.fleet.get_ecs().split("\n")[1].split()[:4] == [name, "2", "2", "Running"]
+    # From the host, through kube-proxy's rules for the ClusterIP.
+    completion(s.url())
+    fleet = s.fleet.admin().fleet()
+    assert [(r.rank, r.state) for r in fleet.ranks] == [(0, RankState.SERVING), (1, RankState.SERVING)], fleet
+    # From a pod, by the Service's DNS name.
+    script = ("import json, urllib.request\n"
+              f"body = json.dumps({{'model': '{SERVED}', 'prompt': 'Hi', 'max_tokens': 4}}).encode()\n"
+              f"req = urllib.request.Request('http://{name}.{NS}.svc.cluster.local:8000/v1/completions',"
+              " data=body, headers={'Content-Type': 'application/json'})\n"
+              "print(json.load(urllib.request.urlopen(req, timeout=60))['usage']['completion_tokens'])\n")
+    client = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "client"},
+              "spec": {"restartPolicy": "Never", "containers": [
+                  {"name": "c", "image": s.image, "imagePullPolicy": "Never", "command": ["python", "-c", script]}]}}
+    s.cp.kubectl("apply", "-n", NS, "-f", "-", input=json.dumps(client))
+
+    def done() -> bool:
+        phase = s.cp.request("GET", f"/api/v1/namespaces/{NS}/pods/client").get("status", {}).get("phase")
+        assert phase != "Failed", s.cp.kubectl("logs", "-n", NS, "client", check=False).stdout
+        return phase == "Succeeded"
+
+    wait_for(done, 120, "the client pod's completion", interval=0.5)
+    assert int(s.cp.kubectl("logs", "-n", NS, "client").stdout.strip()) > 0
+    s.cp.kubectl("delete", "pod", "-n", NS, "client", "--wait=false")
+
+
+def test_real_vllm_fleet_resizes_2_3_2_in_place_under_load(setup: Setup) -> None:
+    s = setup
+    name = s.fleet.name
+    s.settle(2)
+    survivors = {r: s.container_id(constants.engine_name(name, r)) for r in (0, 1)}
+    uids = s.fleet.uids()
+    events_before = len(s.fleet.events())
+    # A client that keeps sending through the ClusterIP, with a second between requests. (vLLM's CPU worker
+    # busy-polls for its next step for 1 s after each one: under a denser load the engines keep both cores of
+    # this machine busy and the new engine takes minutes to start instead of about one.)
+    load = Load(s.url(), SERVED, workers=1, max_tokens=8, pause_s=1.0).start()
+    columns: list[list[str]] = []
+    try:
+        with ResizeWatch(s.fleet) as up:
+            t0 = time.monotonic()
+            s.fleet.scale(3)
+            wait_for(lambda: s.fleet.status().get("phase") == "Scaling", 30, "phase Scaling")
+            columns.append(s.fleet.get_ecs().split("\n")[1].split()[:4])
+            s.settle(3)
+            up_took = time.monotonic() - t0
+        columns.append(s.fleet.get_ecs().split("\n")[1].split()[:4])
+        served = wait_for(lambda: s.fleet.admin().fleet().rank(2).requests_total, 60, "rank 2 to serve requests")
+        # A long request on the leaving rank: the drain lets it finish.
+        long = PinnedStream(s.url(), SERVED, rank=2, max_tokens=CONTEXT - 64)
+        assert long.first_token.wait(60)
+        with ResizeWatch(s.fleet) as down:
+            t0 = time.monotonic()
+            s.fleet.scale(2)
+            s.settle(2, timeout=180)
+            down_took = time.monotonic() - t0
+    finally:
+        load.stop()
+    columns.append(s.fleet.get_ecs().split("\n")[1].split()[:4])
+    assert long.result() == (True, "finish_reason length")
+    print(f"2 -> 3 settled in {up_took:.1f} s, 3 -> 2 in {down_took:.1f} s; rank 2 served {served} request(s) "
+          f"before it was retired; load: {load.summary()}; operation phases up {up.phases}, down {down.phases}; "
+          f"kubectl get ecs {columns}; events {[r for r, _ in s.fleet.events()[events_before:]]}")
+
+    # No request failed, and the surviving ranks are the same containers in the same pods.
+    assert len(load.outcomes) > 10, load.summary()
+    assert {o.kind for o in load.outcomes} == {"stream", "plain"}
+    assert not load.failures(), load.summary()
+    assert {r: s.container_id(constants.engine_name(name, r)) for r in (0, 1)} == survivors
+    assert s.fleet.uids() == uids, "a surviving pod was recreated"
+    assert "Preparing" in up.phases, up.phases
+    assert up.phases[-1] == "Completed", up.phases
+    assert "Draining" in down.phases, down.phases
+    assert down.phases[-1] == "Completed", down.phases
+    assert 2 in down.retired_at, down.retired_at
+    assert down.retired_at[2] <= down.deleted_at[constants.engine_name(name, 2)]
+    assert columns == [[name, "3", "2", "Scaling"], [name, "3", "3", "Running"], [name, "2", "2", "Running"]], columns
+    st = s.fleet.status()
+    assert (st["replicas"], st["recoveries"], st["fleetGeneration"]) == (2, 0, 1), st
+
+    def story_told() -> list[tuple[str, str]] | None:
+        """The events since the resize began, once the second ResizeCompleted was posted (just after the status)."""
+        story = s.fleet.events()[events_before:]
+        return story if [reason for reason, _ in story].count("ResizeCompleted") >= 2 else None
+
+    story = wait_for(story_told, 30, "the second ResizeCompleted event", on_timeout=s.fleet.describe)
+    main = [reason for reason, _ in story if reason in ("ResizeStarted", "RankRetired", "ResizeCompleted", "RankLost")]
+    assert main == ["ResizeStarted", "ResizeCompleted", "ResizeStarted", "RankRetired", "ResizeCompleted"], story
+
+
+def test_a_killed_engine_container_is_replaced_in_place(setup: Setup) -> None:
+    """SIGKILL to rank 1's main process through containerd: the container dies with 137, the pod ends
+    Failed (restartPolicy Never), and the operator replaces the rank in place while the rest serve on."""
+    s = setup
+    s.settle(2)
+    victim = constants.engine_name(s.fleet.name, 1)
+    before, old_uids = s.fleet.status(), s.fleet.uids()
+    s.node.ctr("tasks", "kill", "--signal", "SIGKILL", s.container_id(victim))
+    wait_for(lambda: (s.fleet.status().get("operation") or {}).get("replace") == [1], 120,
+             "a replacement of rank 1", interval=0.5, on_timeout=s.fleet.describe)
+    s.settle(2)
+    st = s.fleet.status()
+    assert (st["recoveries"], st["fleetGeneration"]) == (before["recoveries"] + 1, before["fleetGeneration"]), st
+    assert st["operation"]["phase"] == "Completed", st
+    uids = s.fleet.uids()
+    assert uids[victim] != old_uids[victim]
+    assert {n: u for n, u in uids.items() if n != victim} == {n: u for n, u in old_uids.items() if n != victim}
+    events = s.fleet.events()
+    # Whoever saw it first: the frontend (the engine's connection lost) or the kubelet (the pod Failed, 137).
+    lost = [m for reason, m in events if reason == "RankLost"]
+    assert any(f"rank 1 (pod {victim})" in m and "replacing rank 1 in place" in m for m in lost), lost
+    assert any(reason == "RankReplaced" and st["operation"]["id"] in m for reason, m in events), events
+    assert [r.state for r in s.fleet.admin().fleet().ranks] == [RankState.SERVING] * 2
+    completion(s.url())
+
+
+def test_a_hung_engine_is_marked_not_ready_then_killed_by_the_kubelets_liveness_probe(setup: Setup) -> None:
+    """SIGSTOP to every process of rank 1's container (launcher and engine core, as a hung node or a debugger
+    would leave them): the kubelet's readiness probe marks the pod NotReady, its liveness probe has the
+    container killed (SIGTERM stays pending on a stopped process: SIGKILL after the grace period, exit 137)
+    unless the operator deleted the hung rank's pod first (the frontend reported it Unresponsive too long);
+    then the operator replaces rank 1 in place. Rank 0 serves a client pinned to it throughout, through the
+    ClusterIP, and the frontend, coordinator and rank 0 keep their pods."""
+    s = setup
+    name = s.fleet.name
+    s.settle(2)
+    before, uid = s.fleet.status(), s.fleet.uids()
+    victim = constants.engine_name(name, 1)
+    rank1 = uid[victim]
+
+    def ready(pod: str) -> bool | None:
+        p = s.fleet.pods().get(pod)
+        if p is None or p["metadata"]["uid"] != uid[pod]:
+            return None
+        return {c["type"]: c["status"] for c in p["status"].get("conditions", [])}.get("Ready") == "True"
+
+    def rank1_ended() -> str | None:
+        """How rank 1's container ended: its exit code as the kubelet reported it, or its pod deleted."""
+        p = s.fleet.pods().get(victim)
+        if p is None or p["metadata"]["uid"] != rank1 or p["metadata"].get("deletionTimestamp"):
+            return "deleted by the operator"
+        term = p["status"]["containerStatuses"][0]["state"].get("terminated")
+        return f"exit {term['exitCode']}" if term else None
+
+    pinned = Load(s.url(), SERVED, workers=1, max_tokens=8, pause_s=0.5, headers={"X-data-parallel-rank": "0"}).start()
+    try:
+        wait_for(lambda: len(pinned.outcomes) >= 2, 120, "the pinned client's first answers")
+        pids = s.container_pids(victim)
+        stopped_at = time.monotonic()
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        wait_for(lambda: ready(victim) is False, 120, "rank 1 NotReady", interval=0.5, on_timeout=s.fleet.describe)
+        not_ready_at = time.monotonic()
+        how = wait_for(rank1_ended, 240, "rank 1's end", interval=0.5, on_timeout=s.fleet.describe)
+        ended_at = time.monotonic()
+        s.settle(2)
+        recovered_at = time.monotonic()
+    finally:
+        pinned.stop()
+    after = s.fleet.uids()
+    kept = {pod for pod, u in after.items() if uid.get(pod) == u}
+    until_end = [o for o in pinned.outcomes if o.started + o.latency < ended_at]
+    served_while_hung = [o for o in until_end if o.started >= stopped_at and o.ok]
+    kubelet = s.pod_events(rank1)
+    print(f"rank 1 SIGSTOPped ({len(pids)} processes): NotReady seen after {not_ready_at - stopped_at:.1f} s; "
+          f"ended ({how}) seen after {ended_at - stopped_at:.1f} s; fleet Running at 2 again "
+          f"{recovered_at - ended_at:.1f} s later; kept {sorted(kept)}; rank 0 served {len(served_while_hung)} "
+          f"pinned request(s) while rank 1 hung; pinned load: {pinned.summary()}; kubelet events on rank 1 "
+          f"{sorted({r for r, _ in kubelet})}")
+
+    if how.startswith("exit"):  # the kubelet's liveness kill: SIGTERM pending on the stopped processes, then SIGKILL
+        assert how == "exit 137", how
+        # restartPolicy Never and one container: the kubelet kills the whole pod, with the words of a pod kill
+        # (kubelet 1.37, computePodActions: KillPod); the liveness failure is in its Unhealthy events.
+        assert ("Killing", "Stopping container engine") in kubelet, kubelet
+        assert any(r == "Unhealthy" and m.startswith("Liveness probe failed") for r, m in kubelet), kubelet
+    assert any(r == "Unhealthy" and m.startswith("Readiness probe failed") for r, m in kubelet), kubelet
+    assert served_while_hung, pinned.summary()
+    assert not [o for o in pinned.outcomes if not o.ok], pinned.summary()  # rank 0 served throughout
+    # Replaced in place: one loss counted, the same incarnation, the survivors' pods kept, the frontend Ready.
+    assert kept == {constants.frontend_name(name), constants.coordinator_name(name), constants.engine_name(name, 0)}
+    assert ready(constants.frontend_name(name))
+    assert ready(constants.engine_name(name, 0))
+    st = s.fleet.status()
+    assert (st["recoveries"], st["fleetGeneration"]) == (before["recoveries"] + 1, before["fleetGeneration"]), st
+    assert (st["operation"]["phase"], st["operation"]["replace"]) == ("Completed", [1]), st
+    events = s.fleet.events()
+    assert any(reason == "RankLost" and f"rank 1 (pod {victim})" in m and "replacing rank 1 in place" in m
+               for reason, m in events), events
+    assert any(reason == "RankReplaced" and st["operation"]["id"] in m for reason, m in events), events
+    completion(s.url())
+
+
+def test_the_sample_with_emulator_engines_serves_and_recovers_a_killed_engine(setup: Setup) -> None:
+    """The same sample, engines replaced by the emulator (the test image's switch, as another image would):
+    Running as containers, a completion through its ClusterIP, a killed engine container replaced in place."""
+    s = setup
+    s.cp.kubectl("create", "namespace", EMU_NS)
+    ecs = sample(s.image, emulator=True)
+    s.cp.kubectl("apply", "-n", EMU_NS, "-f", "-", input=json.dumps(ecs))
+    fleet = FleetView(s.cp, EMU_NS, ecs["metadata"]["name"], None, SERVED)
+    try:
+        fleet.wait_settled(2, 300, interval=0.5)
+        victim = constants.engine_name(fleet.name, 1)
+        logs = s.cp.kubectl("logs", "-n", EMU_NS, victim).stdout
+        assert "corefleet_client.emulator" in logs, logs[-2000:]  # the emulator, not vLLM, serves this rank
+        out = completion(s.url(fleet), max_tokens=16)
+        assert out["usage"]["completion_tokens"] == 16, out
+        old_uids = fleet.uids()
+        s.node.ctr("tasks", "kill", "--signal", "SIGKILL", s.container_id(victim, fleet))
+        wait_for(lambda: (fleet.status().get("operation") or {}).get("replace") == [1], 120,
+                 "a replacement of rank 1", interval=0.5, on_timeout=fleet.describe)
+        fleet.wait_settled(2, 300, interval=0.5)
+        uids = fleet.uids()
+        assert uids[victim] != old_uids[victim]
+        assert {n: u for n, u in uids.items() if n != victim} == {n: u for n, u in old_uids.items() if n != victim}
+        assert fleet.status()["recoveries"] == 1
+        completion(s.url(fleet))
+    finally:
+        s.cp.kubectl("delete", "namespace", EMU_NS, "--wait=false", check=False)
+
+
+def test_operator_log_has_no_forbidden(setup: Setup) -> None:
+    """Last: everything above ran under the chart's RBAC."""
+    log = setup.operator_log()
+    assert "Forbidden" not in log, log[-4000:]
+    assert " 403" not in log, log[-4000:]
+    assert "Traceback" not in log, log[-4000:]
