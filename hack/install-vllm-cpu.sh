@@ -91,10 +91,12 @@ if ! has_libnuma; then
     SUDO=sudo
   fi
   export DEBIAN_FRONTEND=noninteractive
-  if ! $SUDO apt-get install -y -q libnuma1 >/dev/null; then
+  # (setup.sh may be installing the node's packages meanwhile: wait for apt's locks rather than fail)
+  lock=(-o DPkg::Lock::Timeout=600)
+  if ! $SUDO apt-get "${lock[@]}" install -y -q libnuma1 >/dev/null; then
     # Package lists may be missing or stale: refresh them once and retry.
-    $SUDO apt-get update -q >/dev/null
-    $SUDO apt-get install -y -q libnuma1 >/dev/null
+    $SUDO apt-get "${lock[@]}" update -q >/dev/null
+    $SUDO apt-get "${lock[@]}" install -y -q libnuma1 >/dev/null
   fi
   has_libnuma || die "libnuma.so.1 still not found after installing libnuma1"
 fi

@@ -40,10 +40,12 @@ if [ ${#missing[@]} -gt 0 ]; then
   policy=/usr/sbin/policy-rc.d
   restore_policy=""
   if [ ! -e "$policy" ]; then printf '#!/bin/sh\nexit 101\n' >"$policy"; chmod 0755 "$policy"; restore_policy=1; fi
-  if ! apt-get install -y -q --no-install-recommends "${missing[@]}" >&2; then
+  # (setup.sh installs vLLM meanwhile, which may apt-get libnuma1: wait for apt's locks rather than fail)
+  lock=(-o DPkg::Lock::Timeout=600)
+  if ! apt-get "${lock[@]}" install -y -q --no-install-recommends "${missing[@]}" >&2; then
     # Package lists may be missing or stale: refresh them once and retry.
-    apt-get update -q >&2
-    apt-get install -y -q --no-install-recommends "${missing[@]}" >&2
+    apt-get "${lock[@]}" update -q >&2
+    apt-get "${lock[@]}" install -y -q --no-install-recommends "${missing[@]}" >&2
   fi
   [ -z "$restore_policy" ] || rm -f "$policy"
 fi
