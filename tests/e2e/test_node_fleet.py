@@ -58,7 +58,11 @@ SAMPLE = ROOT / "manifests" / "samples" / "enginecoreset.yaml"
 RELEASE, SYSTEM, NS, EMU_NS = "corefleet", "corefleet-system", "llm", "emu"
 MODEL, SERVED = "/models/tiny-llama", "tiny"  # tests/images/runtime-test
 TEST_IMAGE_PREFIX = "corefleet.local/runtime-test:"
-CONTEXT = 2048  # the test image's tiny model: long enough for a request that stays in flight for seconds
+CONTEXT = 8192  # the test image's tiny model
+# A long request, pinned to the leaving rank: ~10-25 s at 2.5-6 ms a token on this CPU (5-20 s in flight after the
+# scale-down sent at its first token), within the drain timeout below.
+LONG_TOKENS = 4096
+DRAIN_TIMEOUT = 120
 START_TIMEOUT = 600.0  # real vLLM engines starting as containers on a 2-core machine, up to 3 at once
 
 
@@ -74,7 +78,7 @@ def sample(image: str, *, emulator: bool = False) -> dict[str, Any]:
                                  {"name": "COREFLEET_TEST_EMULATOR_ARGS", "value": "--token-delay-ms 20"}]
     spec["frontend"]["resources"] = small
     spec["coordinator"] = {"resources": small}
-    spec["scaling"].update(readyTimeoutSeconds=int(START_TIMEOUT), drainTimeoutSeconds=60)
+    spec["scaling"].update(readyTimeoutSeconds=int(START_TIMEOUT), drainTimeoutSeconds=DRAIN_TIMEOUT)
     return ecs
 
 
@@ -236,10 +240,11 @@ def test_real_vllm_fleet_resizes_2_3_2_in_place_under_load(setup: Setup) -> None
             up_took = time.monotonic() - t0
         columns.append(s.fleet.get_ecs().split("\n")[1].split()[:4])
         served = wait_for(lambda: s.fleet.admin().fleet().rank(2).requests_total, 60, "rank 2 to serve requests")
-        # A long request on the leaving rank: the drain lets it finish.
-        long = PinnedStream(s.url(), SERVED, rank=2, max_tokens=CONTEXT - 64)
-        assert long.first_token.wait(60)
         with ResizeWatch(s.fleet) as down:
+            # A long request on the leaving rank, the scale-down sent at its first token: the drain lets it finish.
+            # (Sent later, it could end before the drain began: a tiny model on a fast core makes ~300 tokens/s.)
+            long = PinnedStream(s.url(), SERVED, rank=2, max_tokens=LONG_TOKENS)
+            assert long.first_token.wait(60)
             t0 = time.monotonic()
             s.fleet.scale(2)
             s.settle(2, timeout=180)
