@@ -29,8 +29,8 @@ from typing import TypeVar
 
 from corefleet_client.admin import FLEET_PATH, AdminClient, AdminError, ResizeRequest
 from corefleet_operator import constants
+from corefleet_operator.actions import CancelResize, StartResize
 from corefleet_operator.observe import FleetObs, FrontendObs, PodObs, fleet_obs, resize_obs
-from corefleet_operator.planner import CancelResize, StartResize
 
 logger = logging.getLogger(__name__)
 

@@ -85,9 +85,10 @@ import datetime
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any
 
 from corefleet_operator import builders, constants
+from corefleet_operator.actions import Action, Apply, CancelResize, Delete, Event, StartResize
 from corefleet_operator.models import (
     EngineCoreSetStatus,
     FleetPhase,
@@ -133,54 +134,6 @@ FRONTEND_POLL_SECONDS = 15.0
 UNRESPONSIVE_SECONDS = 60.0
 
 
-@dataclass(frozen=True)
-class Apply:
-    """Server-side apply of a whole object (create or converge)."""
-
-    obj: Mapping[str, Any]
-
-    @property
-    def key(self) -> tuple[str, str]:
-        return str(self.obj["kind"]), str(self.obj["metadata"]["name"])
-
-
-@dataclass(frozen=True)
-class Delete:
-    """Delete exactly this object: by name, with its UID as a precondition."""
-
-    api_version: str
-    kind: str
-    name: str
-    uid: str
-
-
-@dataclass(frozen=True)
-class StartResize:
-    """Ask the frontend's admin API to start (or, same id and target, confirm) a resize."""
-
-    resize_id: str
-    replicas: int
-    drain_timeout_s: float
-    join_timeout_s: float
-    replace: tuple[int, ...] = ()  # a replacement in place: these Dead ranks get new engines (replicas unchanged)
-
-
-@dataclass(frozen=True)
-class CancelResize:
-    """Ask the frontend to give a resize up (a new rank's pod failed: it will never join)."""
-
-    resize_id: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class Event:
-    type: Literal["Normal", "Warning"]
-    reason: str
-    message: str
-
-
-Action = Apply | Delete | StartResize | CancelResize
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,9 @@ from corefleet_client.admin import RankState, ResizePhase
 from corefleet_client.frontend.adminserver import AdminServer
 from corefleet_client.frontend.fleet import Fleet
 from corefleet_operator import constants, frontend_api
+from corefleet_operator.actions import CancelResize, StartResize
 from corefleet_operator.frontend_api import FrontendAPI
 from corefleet_operator.observe import PodObs, RankObs, fleet_obs
-from corefleet_operator.planner import CancelResize, StartResize
 from standins import IdleView, RecordingRunner
 
 TOKEN = "tok"

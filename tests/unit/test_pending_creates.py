@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from corefleet_operator import builders
+from corefleet_operator.actions import Apply, Delete
 from corefleet_operator.handlers import fleet as fleet_handlers
 from corefleet_operator.handlers.fleet import (
     EXPECTATION_SECONDS,
@@ -28,7 +29,6 @@ from corefleet_operator.handlers.fleet import (
 )
 from corefleet_operator.kube import KubeError
 from corefleet_operator.observe import pod_obs
-from corefleet_operator.planner import Apply, Delete
 from factories import make_ecs
 
 

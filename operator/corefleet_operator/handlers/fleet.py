@@ -48,6 +48,7 @@ from typing import Any, get_args
 import kopf
 
 from corefleet_operator import constants, metrics
+from corefleet_operator.actions import Action, Apply, CancelResize, Delete, Event, StartResize
 from corefleet_operator.frontend_api import FrontendAPI
 from corefleet_operator.kube import Kube, KubeError
 from corefleet_operator.models import (
@@ -71,13 +72,7 @@ from corefleet_operator.observe import (
 )
 from corefleet_operator.planner import (
     FRONTEND_POLL_SECONDS,
-    Action,
-    Apply,
-    CancelResize,
-    Delete,
-    Event,
     Plan,
-    StartResize,
     parse_time,
     plan,
     plan_invalid,
