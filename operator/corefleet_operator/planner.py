@@ -42,8 +42,8 @@ The rules:
   `spec.scaling.maxRecoveries` in a streak gives the fleet up: phase Failed (condition
   RecoveriesExhausted with the last loss's reason), its running pods deleted, the pods that ended
   kept for their logs, nothing created until the spec changes. A streak ends after
-  `STREAK_RESET_SECONDS` Running, or with a new spec generation. `COREFLEET_RECOVERY_BACKOFF_SCALE`
-  in the operator's environment scales every backoff (tests only).
+  `STREAK_RESET_SECONDS` Running, or with a new spec generation. `PlanSettings.backoff_scale` scales
+  every backoff (tests only; the operator reads it from `COREFLEET_RECOVERY_BACKOFF_SCALE`).
 * A pod whose configuration hash differs from the spec's means the spec changed (image, model,
   engine args, ...; not `replicas`): the fleet is recreated at the new spec (Restarting).
 * Recreation is one incarnation up: every pod of an older incarnation is deleted (by name and
@@ -75,14 +75,12 @@ The rules:
 * Services, the admin Secret and the NetworkPolicy are applied whenever they are missing or differ
   from what the builders produce, so drift is repaired; nothing is written when nothing changed.
 
-Pure module: no kopf, no Kubernetes client, no I/O (the tests' backoff scale is read from the
-environment once, at import).
+Pure module: no kopf, no Kubernetes client, no I/O, no environment (the knobs come in `PlanSettings`).
 """
 
 from __future__ import annotations
 
 import datetime
-import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -124,10 +122,16 @@ OPERATION_PHASES: tuple[OperationPhase, ...] = ("Pending", "Preparing", "Drainin
 BACKOFF_FIRST_SECONDS = 10.0
 BACKOFF_MAX_SECONDS = 300.0
 STREAK_RESET_SECONDS = 600.0
-# Tests only: every backoff is multiplied by this (e.g. 0.1: 0, 1 s, 2 s, ...), so that a crash loop runs through
-# its budget in seconds. Read once, from the operator's environment; 1 unless set.
-BACKOFF_SCALE_ENV = "COREFLEET_RECOVERY_BACKOFF_SCALE"
-BACKOFF_SCALE = float(os.environ.get(BACKOFF_SCALE_ENV) or 1.0)
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """The planner's knobs, passed in by the operator (read at its edge, never by the planner).
+
+    backoff_scale: every recovery backoff is multiplied by this (tests: e.g. 0.1 gives 0, 1 s, 2 s, ..., so a
+    crash loop runs through its budget in seconds)."""
+
+    backoff_scale: float = 1.0
 # The frontend's view of the ranks is read this often while the fleet serves; a rank it reports
 # Unresponsive for longer than UNRESPONSIVE_SECONDS (or Dead) while its pod runs is lost.
 FRONTEND_POLL_SECONDS = 15.0
@@ -455,12 +459,12 @@ def _continue_replace(fleet: FleetRef, observed: Observed, op: OperationStatus, 
     return r
 
 
-def backoff_seconds(attempt: int, scale: float | None = None) -> float:
+def backoff_seconds(attempt: int, scale: float = 1.0) -> float:
     """The wait before recovery `attempt` (1-based) of a streak: 0, then 10 s doubling up to 300 s (times the scale)."""
     if attempt <= 1:
         return 0.0
     wait = min(BACKOFF_MAX_SECONDS, BACKOFF_FIRST_SECONDS * 2.0 ** (attempt - 2))
-    return wait * (BACKOFF_SCALE if scale is None else scale)
+    return wait * scale
 
 
 def format_time(when: datetime.datetime) -> str:
@@ -562,7 +566,7 @@ def _adopt(fleet: FleetRef, observed: Observed) -> tuple[EngineCoreSetStatus, Ev
 
 
 # ---- the planner ------------------------------------------------------------------------------
-def plan(fleet: FleetRef, observed: Observed, now: str) -> Plan:
+def plan(fleet: FleetRef, observed: Observed, now: str, settings: PlanSettings = PlanSettings()) -> Plan:
     spec = fleet.spec
     old = observed.status
     desired = spec.replicas
@@ -679,7 +683,7 @@ def plan(fleet: FleetRef, observed: Observed, now: str) -> Plan:
             events.append(Event("Warning", "RecoveriesExhausted", exhausted_message(given_up, budget)))
             return _plan_failed(fleet, replace(observed, status=replace(old, operation=operation)), given_up,
                                 recoveries, events, now)
-        wait = backoff_seconds(attempt)
+        wait = backoff_seconds(attempt, settings.backoff_scale)
         recovery = RecoveryStatus(attempt=attempt, lostAt=now, reason=reason, retryAt=_later(now, wait),
                                   observedGeneration=observed.generation)
         recoveries += 1

@@ -22,6 +22,7 @@ import pytest
 
 from corefleet_client import commands
 from corefleet_operator import constants, crd, planner
+from corefleet_operator.handlers.fleet import BACKOFF_SCALE_ENV
 from corefleet_operator.localcluster import LocalControlPlane
 from factories import make_ecs
 from fleettest import FleetView, OperatorProcess, wait_for
@@ -54,7 +55,7 @@ def setup(k8s: LocalControlPlane, tmp_path_factory: pytest.TempPathFactory) -> I
     tmp = tmp_path_factory.mktemp("recovery")
     failing_engine = (commands.EMULATOR_MODULE, "--no-such-engine-flag")  # argparse: exit 2 at once
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(planner.BACKOFF_SCALE_ENV, str(BACKOFF_SCALE))  # the operator process inherits it
+        mp.setenv(BACKOFF_SCALE_ENV, str(BACKOFF_SCALE))  # the operator process inherits it
         with PodRunner(k8s, ns, tmp / "pods", engine=failing_engine) as runner, \
                 OperatorProcess(k8s, ns, tmp, resync_seconds=5.0) as operator:
             runner.hold = {constants.frontend_name(NAME), constants.coordinator_name(NAME)}

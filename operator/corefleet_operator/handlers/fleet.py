@@ -40,6 +40,7 @@ import copy
 import dataclasses
 import datetime
 import logging
+import os
 import secrets
 import time
 from collections.abc import Iterable, Mapping
@@ -73,6 +74,7 @@ from corefleet_operator.observe import (
 from corefleet_operator.planner import (
     FRONTEND_POLL_SECONDS,
     Plan,
+    PlanSettings,
     parse_time,
     plan,
     plan_invalid,
@@ -213,14 +215,23 @@ class QuietWakeups(logging.Filter):
 
 
 # ---- the reconcile path -----------------------------------------------------------------------
-def make_plan(body: Mapping[str, Any], observed: Observed) -> Plan:
+# Tests only: every recovery backoff is multiplied by this (e.g. 0.1: 0, 1 s, 2 s, ...), so that a crash loop
+# runs through its budget in seconds. Read from the operator's environment; 1 unless set.
+BACKOFF_SCALE_ENV = "COREFLEET_RECOVERY_BACKOFF_SCALE"
+
+
+def plan_settings() -> PlanSettings:
+    return PlanSettings(backoff_scale=float(os.environ.get(BACKOFF_SCALE_ENV) or 1.0))
+
+
+def make_plan(body: Mapping[str, Any], observed: Observed, settings: PlanSettings | None = None) -> Plan:
     meta = body["metadata"]
     try:
         spec = EngineCoreSetSpec.parse(body.get("spec") or {})
     except SpecError as e:
         return plan_invalid(e, observed, now())
     fleet = FleetRef(name=str(meta["name"]), namespace=str(meta["namespace"]), uid=str(meta["uid"]), spec=spec)
-    return plan(fleet, observed, now())
+    return plan(fleet, observed, now(), settings or plan_settings())
 
 
 EXPECTATION_SECONDS = 30.0  # how long a created pod may stay unseen before it is applied again
