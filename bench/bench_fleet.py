@@ -111,10 +111,10 @@ from typing import Any
 import psutil  # type: ignore[import-untyped]  # a vLLM dependency
 
 from bench_frontend import BenchError, _cpu_model, _vllm_version, http_get, log, machine_busy_seconds, run_in_state_dir
-from corefleet_client import local
 from corefleet_client.admin import AdminError
-from corefleet_client.local import LOCALHOST
-from corefleet_client.tinymodel import VLLM_CPU_FLAGS, VOCAB_SIZE, write_tiny_model
+from corefleet_harness import local
+from corefleet_harness.local import LOCALHOST
+from corefleet_harness.tinymodel import VLLM_CPU_FLAGS, VOCAB_SIZE, write_tiny_model
 
 SERVED_NAME = local.TINY_MODEL_NAME
 SIDES = ("stock", "corefleet")
@@ -160,7 +160,7 @@ def role_of(cmdline: list[str]) -> tuple[str, int | None]:
         return "EngineCore", rank
     if "corefleet_client.engine" in text:
         return "engine launcher", rank
-    if "corefleet_client.emulator" in text:
+    if "corefleet_harness.emulator" in text:
         return "emulator", rank
     if "multiprocessing" in text:
         return "helper", None

@@ -5,7 +5,7 @@
         [--duration 15] [--concurrency 32] [--rounds 4] [--max-tokens 16]
 
 Both sides are one API-server process (vLLM's `run_server`) over 2 emulated engines
-(`python -m corefleet_client.emulator --token-delay-ms 0`), so the engines cost next to nothing
+(`python -m corefleet_harness.emulator --token-delay-ms 0`), so the engines cost next to nothing
 and what limits requests/s is the frontend's own work per request: HTTP, tokenizing, routing
 (`get_core_engine_for_request`), bookkeeping, output processing and detokenizing. It does not
 measure real engines, how the fleet's processes are placed (sessions, process groups, CPU
@@ -14,7 +14,7 @@ binding) or the engines' competition with the frontend for the cores: see `bench
 * stock: `vllm serve MODEL --data-parallel-size 2 --data-parallel-size-local 0 --api-server-count 1
   ...`: vLLM's DPLB client, which starts its own DP coordinator (a child process), and waits for the
   two headless engines' handshake;
-* corefleet: `corefleet_client.local.start(engine="emulator")`: the standalone coordinator,
+* corefleet: `corefleet_harness.local.start(engine="emulator")`: the standalone coordinator,
   `python -m corefleet_client.frontend` (vLLM's API server over corefleet's `KubeDPLBClient`, plus
   the admin API) and the engines.
 
@@ -63,9 +63,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from corefleet_client import local
-from corefleet_client.local import LOCALHOST, FleetOptions, LocalFleet, LocalFleetError, Ports
-from corefleet_client.tinymodel import VLLM_CPU_FLAGS, write_tiny_model
+from corefleet_harness import local
+from corefleet_harness.local import LOCALHOST, FleetOptions, LocalFleet, LocalFleetError, Ports
+from corefleet_harness.tinymodel import VLLM_CPU_FLAGS, write_tiny_model
 
 REPLICAS = 2
 SERVED_NAME = "tiny-llama"

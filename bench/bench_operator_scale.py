@@ -49,8 +49,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))  # the tests' fleet factory: the same EngineCoreSets as the tests
 
-from corefleet_operator import builders, constants, crd  # noqa: E402
-from corefleet_operator.localcluster import (  # noqa: E402
+from corefleet_harness.localcluster import (  # noqa: E402
     ControlPlaneError,
     KubeletStandIn,
     LocalControlPlane,
@@ -60,6 +59,7 @@ from corefleet_operator.localcluster import (  # noqa: E402
     tail,
     wait_until,
 )
+from corefleet_operator import builders, constants, crd  # noqa: E402
 from factories import make_ecs  # noqa: E402
 
 PODS_PER_NODE = 250  # localcluster.gpu_node's pod capacity

@@ -59,10 +59,10 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent.parent / "tests"
 sys.path.insert(0, str(TESTS))
 
-from corefleet_client import commands  # noqa: E402
-from corefleet_client.tinymodel import VLLM_CPU_FLAGS, write_tiny_model  # noqa: E402
+from corefleet_harness.emulator import EMULATOR_MODULE  # noqa: E402
+from corefleet_harness.localcluster import LocalControlPlane, add_gpu_node, resolve_bin_dir  # noqa: E402
+from corefleet_harness.tinymodel import VLLM_CPU_FLAGS, write_tiny_model  # noqa: E402
 from corefleet_operator import constants, crd  # noqa: E402
-from corefleet_operator.localcluster import LocalControlPlane, add_gpu_node, resolve_bin_dir  # noqa: E402
 from factories import make_ecs  # noqa: E402
 from fleettest import FleetView, OperatorProcess, wait_for  # noqa: E402
 from podrunner import PodRunner  # noqa: E402
@@ -215,16 +215,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bench_resize: {platform.node()}, {os.cpu_count()} CPUs; {kind}, {args.token_delay_ms} ms/token; "
           f"{args.workers} clients, {args.max_tokens} tokens each; {args.small} <-> {args.large} ranks; in {work}",
           flush=True)
-    model = write_tiny_model(work / "tiny", moe=args.moe)
-    config = json.loads((model / "config.json").read_text())
-    config["max_position_embeddings"] = CONTEXT
+    model = write_tiny_model(work / "tiny", moe=args.moe, context=CONTEXT)
     if args.moe:
+        config = json.loads((model / "config.json").read_text())
         config["num_local_experts"] = args.experts
-    (model / "config.json").write_text(json.dumps(config))
+        (model / "config.json").write_text(json.dumps(config))
     flags = list(VLLM_CPU_FLAGS)
     del flags[flags.index("--load-format"):flags.index("--load-format") + 2]
     flags[flags.index("--max-model-len") + 1] = str(CONTEXT)
-    emulator = (commands.EMULATOR_MODULE, "--token-delay-ms", str(args.token_delay_ms))
+    emulator = (EMULATOR_MODULE, "--token-delay-ms", str(args.token_delay_ms))
     with LocalControlPlane(state_dir=work / "cp", bin_dir=resolve_bin_dir()) as k8s:
         add_gpu_node(k8s, "gpu-node-0", gpus=64)
         k8s.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(crd.crd()))

@@ -13,7 +13,7 @@
 # own elastic-EP tests use, has 64). Exits non-zero, saying why, when any of it is missing.
 #
 # ENGINE=emulator runs the same steps with emulated engines, no GPU (how this script was checked here):
-#   ENGINE=emulator COREFLEET_GPU_MOE_MODEL=<dir of `python -m corefleet_client.tinymodel DIR --moe`> \
+#   ENGINE=emulator COREFLEET_GPU_MOE_MODEL=<dir of `python -m corefleet_harness.tinymodel DIR --moe`> \
 #     FLAGS="--load-format dummy --max-model-len 256 --enforce-eager" PYTHON=.venv/bin/python bash hack/gpu-moe-resize.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +25,7 @@ ENGINE=${ENGINE:-vllm}
 FLAGS=${FLAGS:---max-model-len 2048 --trust-remote-code}  # vLLM flags of every process (word-split)
 STATE=$(mktemp -d /tmp/corefleet-gpu-moe.XXXXXX)
 export PYTHONPATH="$PWD/operator:$PWD/client${PYTHONPATH:+:$PYTHONPATH}"
-corefleet() { "$PYTHON" -m corefleet_operator.cli "$@"; }
+corefleet() { "$PYTHON" -m corefleet_harness.cli "$@"; }
 say() { echo "gpu-moe-resize: $*"; }
 
 [ -d "$MODEL" ] || { say "no model directory at $MODEL"; exit 2; }

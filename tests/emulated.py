@@ -10,7 +10,7 @@ from typing import Any
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequestType
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-from corefleet_client.emulator.engine import EmulatedEngineCore
+from corefleet_harness.emulator.engine import EmulatedEngineCore
 
 FRONTEND_DECODER = MsgpackDecoder(EngineCoreOutputs)  # AsyncMPClient / DPCoordinatorProc
 

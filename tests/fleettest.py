@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from corefleet_client.admin import AdminClient, AdminError, ResizeOperation
-from corefleet_client.tinymodel import VLLM_CPU_FLAGS
+from corefleet_harness.localcluster import LocalControlPlane, tail
+from corefleet_harness.tinymodel import VLLM_CPU_FLAGS
 from corefleet_operator import constants
-from corefleet_operator.localcluster import LocalControlPlane, tail
 from podrunner import PodRunner
 
 ECS_PATH = "/apis/corefleet.io/v1alpha1/namespaces/{ns}/enginecoresets/{name}"

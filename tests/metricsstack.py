@@ -35,7 +35,7 @@ from typing import Any
 
 import yaml
 
-from corefleet_operator.localcluster import Component, LocalControlPlane, free_port, tail, wait_until
+from corefleet_harness.localcluster import Component, LocalControlPlane, free_port, tail, wait_until
 
 PROMETHEUS_BIN_ENV = "COREFLEET_PROMETHEUS_BIN"
 ADAPTER_BIN_ENV = "COREFLEET_ADAPTER_BIN"

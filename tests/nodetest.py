@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Helpers for tests on a real node (`corefleet_operator.localnode`; import as `from nodetest import ...`).
+"""Helpers for tests on a real node (`corefleet_harness.localnode`; import as `from nodetest import ...`).
 
 * `image_archives`: the image archives hack/images.sh built (COREFLEET_IMAGES in .corefleet.env), by name;
 * `node_cluster`: a control plane that advertises this host's address, with one real node.
@@ -12,8 +12,8 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from corefleet_operator.localcluster import LocalControlPlane, resolve_bin_dir
-from corefleet_operator.localnode import LocalNode, host_ip
+from corefleet_harness.localcluster import LocalControlPlane, resolve_bin_dir
+from corefleet_harness.localnode import LocalNode, host_ip
 
 IMAGES_ENV = "COREFLEET_IMAGES"
 

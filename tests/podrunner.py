@@ -68,13 +68,14 @@ from pathlib import Path
 from typing import IO, Any
 
 from corefleet_client import commands
-from corefleet_operator.localcluster import LocalControlPlane
+from corefleet_harness.emulator import EMULATOR_MODULE
+from corefleet_harness.localcluster import LocalControlPlane
 
 logger = logging.getLogger(__name__)
 
 LAUNCHER_HOST_FLAGS = {  # the launchers' own listeners bind 0.0.0.0 unless told otherwise
     commands.ENGINE_MODULE: "--health-host",
-    commands.EMULATOR_MODULE: "--health-host",
+    EMULATOR_MODULE: "--health-host",
     commands.FRONTEND_MODULE: "--admin-host",
 }
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)|\$\$")

@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 
 from corefleet_client.process import send_json
-from corefleet_operator.localcluster import LocalControlPlane
+from corefleet_harness.localcluster import LocalControlPlane
 
 CHART = Path(__file__).resolve().parents[1] / "charts" / "corefleet"
 _RELABEL_KEYS = {"sourceLabels": "source_labels", "targetLabel": "target_label", "replacement": "replacement",

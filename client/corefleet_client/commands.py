@@ -4,7 +4,7 @@
 Every fleet process is `python -m MODULE ARGS`. The functions here return ARGS (everything after
 `python -m MODULE`) as pure functions of the values the caller decides: the operator's pod
 builders (`corefleet_operator.builders`) pass `0.0.0.0`, `$(POD_IP)`, pod DNS names and fixed
-ports; local mode (`corefleet_client.local`) passes 127.0.0.1 and free ports. The launchers'
+ports; local mode (the harness's `corefleet up`) passes 127.0.0.1 and free ports. The launchers'
 own flags come first, then `--`, then vLLM's (`corefleet_client.argv.split_launcher_argv`):
 
 * the coordinator: `--engine-count N --host H --front-publish-port ... [--no-wave-coordination]`
@@ -33,7 +33,6 @@ from typing import Any
 from corefleet_client.argv import ARGS_END
 
 ENGINE_MODULE = "corefleet_client.engine"
-EMULATOR_MODULE = "corefleet_client.emulator"
 COORDINATOR_MODULE = "corefleet_client.coordinator"
 FRONTEND_MODULE = "corefleet_client.frontend"
 # Separates a corefleet launcher's own flags from the vLLM command line it passes on (the
@@ -145,7 +144,7 @@ def engine_args(
     vllm_flags: Sequence[str] = (),
 ) -> list[str]:
     """Arguments of data-parallel rank `rank`'s engine launcher: `corefleet_client.engine` (a
-    headless vLLM engine core) or `corefleet_client.emulator` (its wire-level test double).
+    headless vLLM engine core) or a stand-in that takes the same flags (the harness's engine emulator).
 
     The engine handshakes with the DP master (the frontend) at `dp_address:rpc_port`. The
     launcher answers /livez and /readyz on `health_host` (the launcher's default, 0.0.0.0, when

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from corefleet_harness.localcluster import LocalControlPlane
 from corefleet_operator import constants, crd
-from corefleet_operator.localcluster import LocalControlPlane
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""`python -m corefleet_client.emulator` processes against a stock vLLM frontend and a test-side frontend.
+"""`python -m corefleet_harness.emulator` processes against a stock vLLM frontend and a test-side frontend.
 
 (a) Two emulated engines (ranks 0 and 1) behind a stock `vllm serve --data-parallel-size 2
     --data-parallel-size-local 0` (the frontend starts its own coordinator): /health, completions
@@ -37,8 +37,8 @@ import msgspec
 import pytest
 import zmq
 
-from corefleet_client.emulator.scheduler import expected_tokens
-from corefleet_operator.localcluster import free_port, wait_until
+from corefleet_harness.emulator.scheduler import expected_tokens
+from corefleet_harness.localcluster import free_port, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -115,7 +115,7 @@ def processes() -> Iterator[list[Proc]]:
 def emulator_cmd(model: Path, rank: int, dp_size: int, rpc_port: int, health_port: int, *extra: str,
                  vllm_extra: tuple[str, ...] = ()) -> list[str]:
     return [
-        sys.executable, "-m", "corefleet_client.emulator",
+        sys.executable, "-m", "corefleet_harness.emulator",
         "--token-delay-ms", "20", "--health-host", "127.0.0.1", "--health-port", str(health_port), *extra,
         "--", str(model), "--headless",
         "--data-parallel-size", str(dp_size), "--data-parallel-size-local", "1",
@@ -565,8 +565,8 @@ def test_parallel_config_hash_matches_a_real_engines(tmp_path: Path) -> None:
     flags (the frontend compares the two for MoE fleets). In-process: no engine is started."""
     from vllm.engine.arg_utils import EngineArgs
 
-    from corefleet_client.emulator.config import parse_args
-    from corefleet_client.emulator.wire import compute_parallel_config_hash
+    from corefleet_harness.emulator.config import parse_args
+    from corefleet_harness.emulator.wire import compute_parallel_config_hash
 
     model = write_tiny_model(tmp_path / "tiny-mixtral", architectures=["MixtralForCausalLM"], model_type="mixtral",
                              num_local_experts=4, num_experts_per_tok=2)

@@ -34,7 +34,7 @@ from typing import Any
 import psutil
 import pytest
 
-from corefleet_operator.localcluster import free_port, tail, wait_until
+from corefleet_harness.localcluster import free_port, tail, wait_until
 
 pytestmark = pytest.mark.e2e
 

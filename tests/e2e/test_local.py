@@ -22,13 +22,13 @@ from typing import Any
 
 import pytest
 
-from corefleet_client import local
+from corefleet_harness import local
 from fleettest import Load, wait_for
 from procs import read_lines_until
 
 pytestmark = pytest.mark.e2e
 
-CLI = [sys.executable, "-m", "corefleet_operator.cli"]
+CLI = [sys.executable, "-m", "corefleet_harness.cli"]
 
 
 def corefleet(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:

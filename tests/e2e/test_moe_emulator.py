@@ -25,11 +25,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from corefleet_client import commands
 from corefleet_client.admin import RankState
-from corefleet_client.tinymodel import VLLM_CPU_FLAGS, write_tiny_model
+from corefleet_harness.emulator import EMULATOR_MODULE
+from corefleet_harness.localcluster import LocalControlPlane
+from corefleet_harness.tinymodel import VLLM_CPU_FLAGS, write_tiny_model
 from corefleet_operator import constants
-from corefleet_operator.localcluster import LocalControlPlane
 from factories import make_ecs
 from fleettest import FleetView, Load, OperatorProcess, PinnedStream, ResizeWatch, wait_for
 from podrunner import PodRunner
@@ -77,14 +77,12 @@ class Setup:
 def setup(k8s: LocalControlPlane, crd_installed: None, module_namespace: str,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     tmp = tmp_path_factory.mktemp("moe-emulator")
-    model = write_tiny_model(tmp / "tiny-moe", moe=True)
-    config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": CONTEXT}))
+    model = write_tiny_model(tmp / "tiny-moe", moe=True, context=CONTEXT)
     flags = list(VLLM_CPU_FLAGS)
     i = flags.index("--load-format")
     del flags[i:i + 2]
     flags[flags.index("--max-model-len") + 1] = str(CONTEXT)
-    emulator = (commands.EMULATOR_MODULE, "--token-delay-ms", "10")
+    emulator = (EMULATOR_MODULE, "--token-delay-ms", "10")
     with PodRunner(k8s, module_namespace, tmp / "pods", engine=emulator) as runner, \
             OperatorProcess(k8s, module_namespace, tmp) as operator:
         ecs = (make_ecs(NAME, module_namespace).model(str(model)).replicas(2).max_replicas(4).tp(1).expert_parallel()

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Fleets on a real node: the operator installed by Helm, every pod a container, traffic through a Service.
 
-One control plane (advertising this host's address) and one real node (`corefleet_operator.localnode`:
+One control plane (advertising this host's address) and one real node (`corefleet_harness.localnode`:
 containerd and runc, the kubelet, kube-proxy, CoreDNS) serve the module, with images built here by
 hack/images.sh from the project's Dockerfiles: the operator image, and the runtime image on a vLLM-for-CPU
 base with the test layer on it (tests/images/runtime-test: the tiny model, since an EngineCoreSet's model
@@ -43,10 +43,10 @@ import pytest
 import yaml
 
 from corefleet_client.admin import RankState
+from corefleet_harness.localcluster import LocalControlPlane
+from corefleet_harness.localnode import LocalNode
 from corefleet_operator import constants
 from corefleet_operator.generate import OPERATOR_IMAGE
-from corefleet_operator.localcluster import LocalControlPlane
-from corefleet_operator.localnode import LocalNode
 from fleettest import FleetView, Load, PinnedStream, ResizeWatch, ecs_engine_args, wait_for
 from nodetest import image_archives, node_cluster
 
@@ -398,7 +398,7 @@ def test_the_sample_with_emulator_engines_serves_and_recovers_a_killed_engine(se
         fleet.wait_settled(2, 300, interval=0.5)
         victim = constants.engine_name(fleet.name, 1)
         logs = s.cp.kubectl("logs", "-n", EMU_NS, victim).stdout
-        assert "corefleet_client.emulator" in logs, logs[-2000:]  # the emulator, not vLLM, serves this rank
+        assert "corefleet_harness.emulator" in logs, logs[-2000:]  # the emulator, not vLLM, serves this rank
         out = completion(s.url(fleet), max_tokens=16)
         assert out["usage"]["completion_tokens"] == 16, out
         old_uids = fleet.uids()

@@ -40,9 +40,9 @@ from typing import Any
 import pytest
 import yaml
 
-from corefleet_client import commands
-from corefleet_client.tinymodel import write_tiny_model
-from corefleet_operator.localcluster import LocalControlPlane, free_port
+from corefleet_harness.emulator import EMULATOR_MODULE
+from corefleet_harness.localcluster import LocalControlPlane, free_port
+from corefleet_harness.tinymodel import write_tiny_model
 from factories import make_ecs
 from fleettest import FleetView, Load, OperatorProcess, ResizeWatch, ecs_engine_args, wait_for
 from metricsstack import Prometheus, PrometheusAdapter, current_average, hpa_events
@@ -133,7 +133,7 @@ def setup(k8s: LocalControlPlane, crd_installed: None, module_namespace: str,
         service_monitor_job(one(docs, "ServiceMonitor"), f"127.0.0.1:{metrics_port}"),
         pod_monitor_job(one(docs, "PodMonitor"), discovery.url),
     ]
-    emulator = (commands.EMULATOR_MODULE, "--token-delay-ms", str(TOKEN_DELAY_MS))
+    emulator = (EMULATOR_MODULE, "--token-delay-ms", str(TOKEN_DELAY_MS))
     with discovery, helm_installed(k8s, ns, tmp) as identity, \
             PodRunner(k8s, ns, tmp / "pods", engine=emulator) as runner, \
             OperatorProcess(k8s, ns, tmp, metrics_port=metrics_port, kubeconfig=identity.kubeconfig) as operator, \

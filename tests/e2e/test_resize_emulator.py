@@ -22,11 +22,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from corefleet_client import commands
 from corefleet_client.admin import RankState
-from corefleet_client.tinymodel import write_tiny_model
+from corefleet_harness.emulator import EMULATOR_MODULE
+from corefleet_harness.localcluster import LocalControlPlane
+from corefleet_harness.tinymodel import write_tiny_model
 from corefleet_operator import constants
-from corefleet_operator.localcluster import LocalControlPlane
 from factories import make_ecs
 from fleettest import FleetView, Load, OperatorProcess, PinnedStream, ResizeWatch, ecs_engine_args, wait_for
 from podrunner import PodRunner
@@ -59,10 +59,8 @@ class Setup:
 def setup(k8s: LocalControlPlane, crd_installed: None, module_namespace: str,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     tmp = tmp_path_factory.mktemp("resize-emulator")
-    model = write_tiny_model(tmp / "tiny")
-    config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": CONTEXT}))
-    emulator = (commands.EMULATOR_MODULE, "--token-delay-ms", str(TOKEN_DELAY_MS))
+    model = write_tiny_model(tmp / "tiny", context=CONTEXT)
+    emulator = (EMULATOR_MODULE, "--token-delay-ms", str(TOKEN_DELAY_MS))
     with PodRunner(k8s, module_namespace, tmp / "pods", engine=emulator) as runner, \
             OperatorProcess(k8s, module_namespace, tmp) as operator:
         ecs = (make_ecs(NAME, module_namespace).model(str(model)).replicas(2).max_replicas(4).tp(1)

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from corefleet_operator.localcluster import ADMIN_TOKEN, wait_until
+from corefleet_harness.localcluster import ADMIN_TOKEN, wait_until
 from procs import read_lines_until
 
 
 def test_cluster_up_runs_control_plane_and_operator_until_interrupted(tmp_path: Path) -> None:
     state = tmp_path / "state"
-    proc = subprocess.Popen([sys.executable, "-m", "corefleet_operator.cli", "cluster", "up",
+    proc = subprocess.Popen([sys.executable, "-m", "corefleet_harness.cli", "cluster", "up",
                              "--state-dir", str(state)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _check_up(proc, state)

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import yaml
 
+from corefleet_harness.localcluster import LocalControlPlane
 from corefleet_operator import constants
-from corefleet_operator.localcluster import LocalControlPlane
 from corefleet_operator.models import (
     Condition,
     EngineCoreSetSpec,

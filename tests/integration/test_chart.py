@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
+from corefleet_harness.localcluster import resolve_bin_dir
 from corefleet_operator import builders, constants
-from corefleet_operator.localcluster import resolve_bin_dir
 from factories import make_ecs
 
 pytestmark = pytest.mark.integration

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from corefleet_operator.localcluster import KubeletStandIn, LocalControlPlane, wait_until
+from corefleet_harness.localcluster import KubeletStandIn, LocalControlPlane, wait_until
 
 GROUP = "harness.corefleet.io"
 WIDGET_CRD: dict[str, Any] = {

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from corefleet_operator.localcluster import (
+from corefleet_harness.localcluster import (
     COMPONENTS,
     TOOLS,
     ControlPlaneError,

@@ -32,8 +32,8 @@ import yaml
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
+from corefleet_harness.localcluster import LocalControlPlane, resolve_bin_dir
 from corefleet_operator import constants
-from corefleet_operator.localcluster import LocalControlPlane, resolve_bin_dir
 from fleettest import wait_for
 from metricsstack import (
     FLEET_METRIC,

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """A real node on a real control plane: the kubelet, containerd and runc, the CNI bridge, kube-proxy
-and CoreDNS (`corefleet_operator.localnode`), running pods from images built here (hack/images.sh).
+and CoreDNS (`corefleet_harness.localnode`), running pods from images built here (hack/images.sh).
 
 One control plane (advertising this host's address) and one node serve the whole module; the last
 test stops the node and checks that nothing it made is left on the host.
@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
+from corefleet_harness.localcluster import LocalControlPlane, wait_until
+from corefleet_harness.localnode import PAUSE_IMAGE, LocalNode, host_ip
 from corefleet_operator.constants import GPU_RESOURCE
-from corefleet_operator.localcluster import LocalControlPlane, wait_until
-from corefleet_operator.localnode import PAUSE_IMAGE, LocalNode, host_ip
 from nodetest import image_archives, node_cluster
 
 BASE_IMAGE_PREFIX = "corefleet.local/bookworm-python:"

@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 import yaml
 
+from corefleet_harness.localcluster import LocalControlPlane
 from corefleet_operator import constants, rbac
-from corefleet_operator.localcluster import LocalControlPlane
 
 REPO = Path(__file__).resolve().parents[2]
 MANIFESTS = REPO / "manifests"

@@ -18,8 +18,8 @@ import pytest
 from kopf.testing import KopfRunner
 
 from clusterview import ClusterView
+from corefleet_harness.localcluster import KubeletStandIn, LocalControlPlane, fail_pod
 from corefleet_operator import crd
-from corefleet_operator.localcluster import KubeletStandIn, LocalControlPlane, fail_pod
 
 REPO = Path(__file__).resolve().parents[2]
 

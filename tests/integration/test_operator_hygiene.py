@@ -29,15 +29,15 @@ import pytest
 from kopf.testing import KopfRunner
 
 from clusterview import ClusterView
-from corefleet_operator import constants, crd
-from corefleet_operator.handlers import fleet as fleet_handlers
-from corefleet_operator.localcluster import (
+from corefleet_harness.localcluster import (
     KubeletStandIn,
     LocalControlPlane,
     add_gpu_node,
     finish_pod_deletions,
     mark_bound_pods_running,
 )
+from corefleet_operator import constants, crd
+from corefleet_operator.handlers import fleet as fleet_handlers
 
 OPERATOR_ARGS = ["run", "--standalone", "-m", "corefleet_operator.handlers"]
 

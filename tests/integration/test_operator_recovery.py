@@ -20,10 +20,10 @@ from typing import Any
 
 import pytest
 
-from corefleet_client import commands
+from corefleet_harness.emulator import EMULATOR_MODULE
+from corefleet_harness.localcluster import LocalControlPlane
 from corefleet_operator import constants, crd, planner
 from corefleet_operator.handlers.fleet import BACKOFF_SCALE_ENV
-from corefleet_operator.localcluster import LocalControlPlane
 from factories import make_ecs
 from fleettest import FleetView, OperatorProcess, wait_for
 from podrunner import PodRunner
@@ -53,7 +53,7 @@ def setup(k8s: LocalControlPlane, tmp_path_factory: pytest.TempPathFactory) -> I
     ns = f"r-{uuid.uuid4().hex[:10]}"
     k8s.kubectl("create", "namespace", ns)
     tmp = tmp_path_factory.mktemp("recovery")
-    failing_engine = (commands.EMULATOR_MODULE, "--no-such-engine-flag")  # argparse: exit 2 at once
+    failing_engine = (EMULATOR_MODULE, "--no-such-engine-flag")  # argparse: exit 2 at once
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(BACKOFF_SCALE_ENV, str(BACKOFF_SCALE))  # the operator process inherits it
         with PodRunner(k8s, ns, tmp / "pods", engine=failing_engine) as runner, \

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from corefleet_operator.localcluster import LocalControlPlane
+from corefleet_harness.localcluster import LocalControlPlane
 from fleettest import wait_for
 from podrunner import LIVENESS, READINESS, STARTUP, PodRunner, ProbeAttempt
 

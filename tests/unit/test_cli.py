@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The `corefleet` command: argument handling, and local mode's supervision with stand-in processes.
 
-Local mode (`corefleet up/status/down`, `corefleet_client.local`) is exercised here with `sleep`
+Local mode (`corefleet up/status/down`, `corefleet_harness.local`) is exercised here with `sleep`
 processes and a fake interpreter that plays the coordinator, frontend (health + admin API) and
 engines in a few lines; the real fleet runs in tests/e2e/test_local.py. `corefleet cluster up`
 runs in tests/e2e/test_up.py.
@@ -27,11 +27,13 @@ from typing import Any
 
 import pytest
 
-from corefleet_client import commands, local
+from corefleet_client import commands
 from corefleet_client.admin import FLEET_PATH, FleetState, FleetStatus, RankState, RankStatus, authorized
-from corefleet_client.tinymodel import VLLM_CPU_FLAGS
+from corefleet_harness import local
+from corefleet_harness.cli import build_parser, main
+from corefleet_harness.emulator import EMULATOR_MODULE
+from corefleet_harness.tinymodel import VLLM_CPU_FLAGS
 from corefleet_operator import __version__, builders, constants
-from corefleet_operator.cli import build_parser, main
 from factories import make_ecs
 from procs import read_lines_until
 
@@ -168,7 +170,7 @@ def test_command_lines() -> None:
         "--data-parallel-start-rank", "1", "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port",
         "1002", "--enforce-eager"]
     emulator = local.engine_argv(py, "emulator", "/m", 2, 0, PORTS, [], token_delay_ms=7)
-    assert emulator[:9] == [py, "-m", "corefleet_client.emulator", "--health-host", "127.0.0.1",
+    assert emulator[:9] == [py, "-m", "corefleet_harness.emulator", "--health-host", "127.0.0.1",
                             "--health-port", "1010", "--token-delay-ms", "7"]
     assert emulator[9:] == local.engine_argv(py, "vllm", "/m", 2, 0, PORTS, [])[7:]
 
@@ -226,7 +228,7 @@ def test_pods_and_local_mode_build_their_command_lines_with_commands(moe: bool) 
             admin_host="127.0.0.1", admin_port=1001, admin_token_file="/t", coordinator_address="127.0.0.1",
             coordinator_front_publish_port=1003, coordinator_back_output_port=1004, coordinator_back_publish_port=1005,
             engine0_address="127.0.0.1" if moe else None, vllm_flags=["--enforce-eager"])]
-    for kind, module, delay in (("vllm", commands.ENGINE_MODULE, None), ("emulator", commands.EMULATOR_MODULE, 7)):
+    for kind, module, delay in (("vllm", commands.ENGINE_MODULE, None), ("emulator", EMULATOR_MODULE, 7)):
         assert local.engine_argv(py, kind, "/m", 2, 1, PORTS, ["--enforce-eager"], token_delay_ms=7) == [
             py, "-m", module, *commands.engine_args(
                 model="/m", dp_size=2, rank=1, dp_address="127.0.0.1", rpc_port=1002, health_host="127.0.0.1",
@@ -505,6 +507,7 @@ FAKE_PYTHON = '''\
 import json, os, signal, sys, time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from corefleet_client.admin import FleetState, FleetStatus, RankState, RankStatus, authorized
+from corefleet_harness.emulator import EMULATOR_MODULE
 
 assert sys.argv[1] == "-m", sys.argv
 module, args = sys.argv[2].rsplit(".", 1)[1], sys.argv[3:]
@@ -606,7 +609,7 @@ def test_up_in_the_foreground_stops_its_processes_on_sigterm(tmp_path: Path, fak
     state = tmp_path / "state"
     port = local.free_ports(1)[0]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    code = ("import functools, sys; from corefleet_client import local; from corefleet_operator.cli import main; "
+    code = ("import functools, sys; from corefleet_harness import local; from corefleet_harness.cli import main; "
             f"local.FleetOptions = functools.partial(local.FleetOptions, python={fake_python!r}); "
             "sys.exit(main(sys.argv[1:]))")
     proc = subprocess.Popen([sys.executable, "-c", code, "up", "--engine", "emulator", "--state-dir", str(state),

@@ -27,8 +27,8 @@ import msgspec
 import pytest
 from vllm.v1.engine import EEPNotificationType, EngineCoreOutputs, ReconfigureDistributedRequest, ReconfigureRankType
 
-from corefleet_client.emulator.config import EmulatorConfig
-from corefleet_client.emulator.engine import (
+from corefleet_harness.emulator.config import EmulatorConfig
+from corefleet_harness.emulator.engine import (
     READY_FOR_SWITCH,
     EmulatedEngineCore,
     EngineExit,

@@ -32,10 +32,10 @@ from vllm.v1.engine import (
 from vllm.v1.engine.utils import EngineHandshakeMetadata, EngineZmqAddresses
 from vllm.v1.serial_utils import MsgpackEncoder
 
-from corefleet_client.emulator import wire
-from corefleet_client.emulator.config import EmulatorConfig, parse_args
-from corefleet_client.emulator.engine import EmulatedEngineCore, _convert_msgspec_args
-from corefleet_client.emulator.scheduler import (
+from corefleet_harness.emulator import wire
+from corefleet_harness.emulator.config import EmulatorConfig, parse_args
+from corefleet_harness.emulator.engine import EmulatedEngineCore, _convert_msgspec_args
+from corefleet_harness.emulator.scheduler import (
     FIRST_TOKEN_ID,
     EmulatedScheduler,
     PauseState,

@@ -35,7 +35,7 @@ import zmq
 
 from corefleet_client import engine as launcher
 from corefleet_client.enginehealth import ChildProcess, EngineState, HandshakeRelay, HealthServer, engine_identity
-from corefleet_client.local import free_ports
+from corefleet_harness.local import free_ports
 from corefleet_operator import builders
 from corefleet_operator.constants import ENGINE_HEALTH_PORT
 from factories import make_ecs

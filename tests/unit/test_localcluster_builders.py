@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from corefleet_operator.localcluster import fake_pod_ip, gpu_node, running_status, wait_until
+from corefleet_harness.localcluster import fake_pod_ip, gpu_node, running_status, wait_until
 
 
 def test_gpu_node_has_gpu_capacity_and_is_ready() -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from corefleet_client.tinymodel import VLLM_CPU_FLAGS, VOCAB_SIZE, write_tiny_model
+from corefleet_harness.tinymodel import VLLM_CPU_FLAGS, VOCAB_SIZE, write_tiny_model
 
 
 def test_dense_model_directory(tmp_path: Path) -> None:
@@ -78,7 +78,7 @@ def test_a_different_directory_is_replaced_whole(tmp_path: Path) -> None:
 
 
 def test_command_line_and_no_heavy_imports(tmp_path: Path) -> None:
-    probe = ("import sys; from corefleet_client.tinymodel import main; rc = main(sys.argv[1:]); "
+    probe = ("import sys; from corefleet_harness.tinymodel import main; rc = main(sys.argv[1:]); "
              "assert not {'torch', 'vllm'} & set(sys.modules), 'imported torch/vllm'; sys.exit(rc)")
     proc = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "m"), "--moe"],
                           capture_output=True, text=True, timeout=60)

@@ -472,7 +472,7 @@ def test_the_frontends_config_keeps_the_engines_eplb_settings(tmp_path: Any, mon
     from vllm.config.parallel import EPLBConfig
     from vllm.engine.arg_utils import EngineArgs
 
-    from corefleet_client.tinymodel import write_tiny_model
+    from corefleet_harness.tinymodel import write_tiny_model
 
     monkeypatch.setattr(EngineArgs, "create_engine_config", EngineArgs.create_engine_config)  # restored after
     vllm_compat.install_frontend_eplb_config()

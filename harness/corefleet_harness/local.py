@@ -10,7 +10,7 @@ frontend's HTTP port, which the user picks:
 * the frontend: `python -m corefleet_client.frontend <admin/coordinator flags> -- MODEL <vLLM flags>`,
   the OpenAI API on the HTTP port and the admin API (`corefleet_client.admin`) on its own port;
 * one engine per rank: `python -m corefleet_client.engine` (real vLLM, headless) or
-  `python -m corefleet_client.emulator` (the wire-level test double), `--health-port H -- MODEL
+  `python -m corefleet_harness.emulator` (the wire-level test double), `--health-port H -- MODEL
   --headless --data-parallel-start-rank i ...`.
 
 Supervision, all recorded in a state directory so that another `corefleet` command finds it:
@@ -33,7 +33,7 @@ Supervision, all recorded in a state directory so that another `corefleet` comma
   reuse a pid that still names a process group.
 
 This module uses only the standard library (the `corefleet` command lives in the operator package,
-which never imports vLLM, torch or ZeroMQ); the tiny model is written by `corefleet_client.tinymodel`,
+which never imports vLLM, torch or ZeroMQ); the tiny model is written by `corefleet_harness.tinymodel`,
 which imports `tokenizers` only when it builds a tokenizer.
 """
 
@@ -71,7 +71,8 @@ from corefleet_client.admin import (
     ResizePhase,
     ResizeRequest,
 )
-from corefleet_client.tinymodel import VLLM_CPU_FLAGS, write_tiny_model
+from corefleet_harness.emulator import EMULATOR_MODULE
+from corefleet_harness.tinymodel import VLLM_CPU_FLAGS, write_tiny_model
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ ROLE_ENGINE = "engine"
 ENGINE_VLLM = "vllm"
 ENGINE_EMULATOR = "emulator"
 ENGINE_KINDS = (ENGINE_VLLM, ENGINE_EMULATOR)
-ENGINE_MODULES = {ENGINE_VLLM: commands.ENGINE_MODULE, ENGINE_EMULATOR: commands.EMULATOR_MODULE}
+ENGINE_MODULES = {ENGINE_VLLM: commands.ENGINE_MODULE, ENGINE_EMULATOR: EMULATOR_MODULE}
 LAUNCHER_ARGS_END = commands.LAUNCHER_ARGS_END  # where `corefleet up`'s own flags end and vLLM's begin
 
 DEFAULT_PORT = 8000

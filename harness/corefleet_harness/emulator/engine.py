@@ -33,10 +33,10 @@ import zmq
 from vllm.utils.network_utils import make_zmq_socket
 
 from corefleet_client.coordstore import tcp_socket
-from corefleet_client.emulator import wire
-from corefleet_client.emulator.config import EmulatorConfig
-from corefleet_client.emulator.scheduler import EmulatedScheduler, PauseState
-from corefleet_client.emulator.wire import (
+from corefleet_harness.emulator import wire
+from corefleet_harness.emulator.config import EmulatorConfig
+from corefleet_harness.emulator.scheduler import EmulatedScheduler, PauseState
+from corefleet_harness.emulator.wire import (
     EEPNotificationType,
     EngineCoreOutputs,
     EngineCoreRequestType,

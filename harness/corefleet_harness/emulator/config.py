@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The emulator's command line: its own flags, then `--`, then a headless vLLM engine's flags.
 
-    python -m corefleet_client.emulator [EMULATOR FLAGS] -- MODEL --headless --data-parallel-size N
+    python -m corefleet_harness.emulator [EMULATOR FLAGS] -- MODEL --headless --data-parallel-size N
         --data-parallel-size-local 1 --data-parallel-start-rank R --data-parallel-address HOST
         --data-parallel-rpc-port P [other vLLM flags]
 
@@ -125,7 +125,7 @@ def _vllm_parser() -> argparse.ArgumentParser:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m corefleet_client.emulator",
+        prog="python -m corefleet_harness.emulator",
         description="A wire-level vLLM 0.32.0 engine core for tests: vLLM's structs and framing, no model. "
                     "Give the headless vLLM engine's arguments after `--`.",
         allow_abbrev=False,

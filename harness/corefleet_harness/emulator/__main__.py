@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""`python -m corefleet_client.emulator [--token-delay-ms 10] [--health-port P] -- MODEL --headless ...`
+"""`python -m corefleet_harness.emulator [--token-delay-ms 10] [--health-port P] -- MODEL --headless ...`
 
 1. Parse the command line (no vLLM import) and start the health server, so `/livez` answers
    while vLLM is being imported.
@@ -18,11 +18,11 @@ import time
 from collections.abc import Sequence
 from types import FrameType
 
-from corefleet_client.emulator.config import parse_args
-from corefleet_client.emulator.health import HealthState, start_health_server
 from corefleet_client.process import configure_logging, exit_promptly
+from corefleet_harness.emulator.config import parse_args
+from corefleet_harness.emulator.health import HealthState, start_health_server
 
-logger = logging.getLogger("corefleet_client.emulator")
+logger = logging.getLogger("corefleet_harness.emulator")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -47,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _request_stop)
     signal.signal(signal.SIGINT, _request_stop)
 
-    from corefleet_client.emulator.engine import EmulatedEngineCore
+    from corefleet_harness.emulator.engine import EmulatedEngineCore
 
     coord_store = None
     if cfg.coord_store_port is not None:  # what engine rank 0's launcher serves beside a vLLM engine

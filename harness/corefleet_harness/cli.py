@@ -4,7 +4,7 @@
   corefleet up [-- VLLM_FLAGS]  a local fleet without Kubernetes: the coordinator, the frontend and N
                        engines (real vLLM, or the emulator) as processes on 127.0.0.1; prints the
                        OpenAI endpoint and runs until interrupted (`--detach` leaves it running).
-                       The logic is in `corefleet_client.local`.
+                       The logic is in `corefleet_harness.local`.
   corefleet status     the local fleet's processes (alive, RSS) and its ranks from the admin API
   corefleet scale N    resize the running local fleet to N ranks in place (the frontend's resize
                        operation: new engines join, leaving ones drain and retire; survivors untouched)
@@ -32,10 +32,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
-from corefleet_client import local
-from corefleet_client.tinymodel import VLLM_CPU_FLAGS
-from corefleet_operator import __version__, constants, crd
-from corefleet_operator.localcluster import (
+from corefleet_harness import local
+from corefleet_harness.localcluster import (
     ControlPlaneError,
     LocalControlPlane,
     add_gpu_node,
@@ -44,6 +42,8 @@ from corefleet_operator.localcluster import (
     tail,
     wait_until,
 )
+from corefleet_harness.tinymodel import VLLM_CPU_FLAGS
+from corefleet_operator import __version__, constants, crd
 
 
 def _healthy(url: str) -> bool:

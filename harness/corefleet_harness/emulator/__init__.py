@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A wire-level vLLM 0.32.0 engine core for tests: `python -m corefleet_client.emulator`.
+"""A wire-level vLLM 0.32.0 engine core for tests: `python -m corefleet_harness.emulator`.
 
 It takes a headless engine's place where real vLLM cannot run on CPU (MoE elastic EP) and in
 frontend benchmarks. It speaks vLLM's protocol with vLLM's own msgspec structs and serializers
@@ -44,3 +44,6 @@ Left out, because the emulator has no DP process group, workers or weights: ever
 (gloo DP group and its `dp_master_port` key, weight transfer, KV-size and wave-state all-reduces,
 EPLB reshuffles, `eep_async/*` worker keys); each state that only waits for one passes at once.
 """
+
+# `python -m EMULATOR_MODULE` runs it (what a pod's command names in place of `corefleet_client.engine`).
+EMULATOR_MODULE = "corefleet_harness.emulator"

@@ -17,7 +17,7 @@ Writing is deterministic (same bytes every time), idempotent (a directory that a
 exactly these files is left alone) and atomic (files go to a temporary sibling directory that is
 renamed into place), so concurrent `corefleet up`s and tests may share one directory.
 
-    python -m corefleet_client.tinymodel DIR [--moe]
+    python -m corefleet_harness.tinymodel DIR [--moe]
 
 This module imports neither torch nor vLLM: only `tokenizers` (a vLLM dependency), and only
 when a tokenizer is built.
@@ -108,9 +108,12 @@ _CORPUS = (
 )
 
 
-def model_config(moe: bool = False) -> dict[str, Any]:
-    """The model's config.json as a dict (a fresh copy)."""
-    return copy.deepcopy(_MOE_CONFIG if moe else _DENSE_CONFIG)
+def model_config(moe: bool = False, context: int | None = None) -> dict[str, Any]:
+    """The model's config.json as a dict (a fresh copy); `context` replaces its max_position_embeddings."""
+    config = copy.deepcopy(_MOE_CONFIG if moe else _DENSE_CONFIG)
+    if context is not None:
+        config["max_position_embeddings"] = context
+    return config
 
 
 def _tokenizer_json() -> str:
@@ -150,8 +153,9 @@ def _dump(data: dict[str, Any]) -> str:
     return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
 
-def model_files(moe: bool = False) -> dict[str, str]:
-    """File name -> content of the tiny model directory."""
+def model_files(moe: bool = False, context: int | None = None) -> dict[str, str]:
+    """File name -> content of the tiny model directory (`context`: its max_position_embeddings, if not the
+    default's)."""
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS,
@@ -164,7 +168,7 @@ def model_files(moe: bool = False) -> dict[str, str]:
         "chat_template": CHAT_TEMPLATE,
     }
     return {
-        "config.json": _dump(model_config(moe)),
+        "config.json": _dump(model_config(moe, context)),
         "generation_config.json": _dump({"bos_token_id": 1, "eos_token_id": 2}),
         "tokenizer.json": _tokenizer_json(),
         "tokenizer_config.json": _dump(tokenizer_config),
@@ -180,8 +184,10 @@ def _holds(path: Path, files: dict[str, str]) -> bool:
         return False
 
 
-def write_tiny_model(path: str | os.PathLike[str], moe: bool = False) -> Path:
-    """Write the tiny model to `path` (created with its parents) unless it already holds it.
+def write_tiny_model(path: str | os.PathLike[str], moe: bool = False, context: int | None = None) -> Path:
+    """Write the tiny model to `path` (created with its parents) unless it already holds it; `context`
+    widens (or narrows) its max_position_embeddings (requests that stay in flight for seconds need more
+    than the default's).
 
     1. Build every file in memory and return at once if `path` already holds exactly those.
     2. Write them into a temporary sibling directory.
@@ -190,7 +196,7 @@ def write_tiny_model(path: str | os.PathLike[str], moe: bool = False) -> Path:
        won the race with the same content, its directory stays and ours is dropped.
     """
     path = Path(path).absolute()
-    files = model_files(moe)
+    files = model_files(moe, context)
     if _holds(path, files):
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -219,13 +225,15 @@ def write_tiny_model(path: str | os.PathLike[str], moe: bool = False) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m corefleet_client.tinymodel",
+    parser = argparse.ArgumentParser(prog="python -m corefleet_harness.tinymodel",
                                      description="Write a tiny llama (or Mixtral) model directory for vLLM on CPU.")
     parser.add_argument("path", help="the model directory to write")
     parser.add_argument("--moe", action="store_true", help="MixtralForCausalLM (4 experts, 2 per token)")
+    parser.add_argument("--context", type=int, default=None,
+                        help=f"max_position_embeddings (default {MAX_MODEL_LEN})")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s [%(name)s] %(message)s", stream=sys.stderr)
-    print(write_tiny_model(args.path, moe=args.moe))  # noqa: T201
+    print(write_tiny_model(args.path, moe=args.moe, context=args.context))  # noqa: T201
     return 0
 
 

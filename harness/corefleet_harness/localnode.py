@@ -52,8 +52,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from corefleet_harness.localcluster import Component, LocalControlPlane, free_port, http_get, wait_until
 from corefleet_operator.constants import GPU_RESOURCE
-from corefleet_operator.localcluster import Component, LocalControlPlane, free_port, http_get, wait_until
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ etcd, kube-apiserver (token auth, RBAC on), kube-controller-manager and kube-sch
 as child processes on ports picked here, with their state in one directory. By default there is no
 kubelet: `add_gpu_node` registers fake nodes with `nvidia.com/gpu` capacity, and `KubeletStandIn`
 plays the kubelet's part by moving scheduled pods to Running/Ready. With `node_ip` set, a real node
-(`corefleet_operator.localnode`: containerd, kubelet, kube-proxy, CoreDNS) can join it.
+(`corefleet_harness.localnode`: containerd, kubelet, kube-proxy, CoreDNS) can join it.
 
 The binaries come from `hack/control-plane.sh`, which builds them from the Go module proxy and
 caches them outside the repository; its output directory is given here as `bin_dir` (or through
@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from corefleet_client.local import free_ports
-from corefleet_client.local import tail as tail  # one log-tail helper; re-exported for the harness users
+from corefleet_harness.local import free_ports
+from corefleet_harness.local import tail as tail  # one log-tail helper; re-exported for the harness users
 from corefleet_operator.constants import GPU_RESOURCE
 
 logger = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class ControlPlaneError(RuntimeError):
 
 
 def free_port() -> int:
-    """A free TCP port on 127.0.0.1, below the ephemeral range (see `corefleet_client.local.free_ports`)."""
+    """A free TCP port on 127.0.0.1, below the ephemeral range (see `corefleet_harness.local.free_ports`)."""
     return free_ports(1)[0]
 
 

@@ -45,7 +45,7 @@ from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder, UtilityResult
 from vllm.version import __version__ as VLLM_VERSION
 
-from corefleet_client.emulator.config import EmulatorConfig
+from corefleet_harness.emulator.config import EmulatorConfig
 
 __all__ = [
     "EEP_NOTIFICATION_CALL_ID",

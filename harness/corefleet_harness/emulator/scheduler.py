@@ -30,8 +30,8 @@ from collections import defaultdict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from corefleet_client.emulator import wire
-from corefleet_client.emulator.wire import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+from corefleet_harness.emulator import wire
+from corefleet_harness.emulator.wire import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 
 # Token ids below this are the special tokens of the tiny models (<unk>, <s>, </s>); never emitted.
 FIRST_TOKEN_ID = 3
