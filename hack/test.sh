@@ -1,23 +1,117 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
-# Run corefleet's checks and test suite: lint (ruff), types (mypy), the import contract, then pytest
-# tiers unit + integration + e2e (gpu runs only by hand where an accelerator is lent).
-# Extra arguments go to pytest. Expects hack/setup.sh to have run (make test does both).
+# corefleet's test runner: the tiers in order, each set up first, stopping at the first tier that fails.
+#
+#   hack/test.sh                 all of: fast, integration, e2e (what `make test` and CI run)
+#   hack/test.sh fast            ruff, mypy (strict, all code), import contracts, generated files, unit tests:
+#                                no root, no Go, no images (`make check`)
+#   hack/test.sh integration     the real control plane, Prometheus, helm (`make test-integration`)
+#   hack/test.sh e2e             real fleet processes, a real node (root) (`make test-e2e`)
+#   hack/test.sh gpu             the checks that need a GPU with vLLM for CUDA; only where one is lent (`make test-gpu`)
+#   hack/test.sh TIER... -- ARGS extra pytest arguments (e.g. `-k resize`, a path inside the tier)
+#
+# Each tier sets up what it needs (hack/setup.sh, idempotent: quick on a warm machine). With more than one
+# tier, what the later tiers need (the control plane's and node's Go builds, the images) is set up in the
+# background while the fast tier runs; a failing fast tier stops it.
+# A tier fails when a test fails, when pytest collects nothing (a mistyped marker or path is no green run),
+# or when a test outlives the tier's per-test timeout (longer than any test's own deadlines, so that their
+# diagnostics print first). Every tier writes a JUnit report and the 25 slowest tests; the logs of every
+# failed test's processes (fleet, operator, control plane, node) are kept: all in $COREFLEET_TEST_ARTIFACTS
+# (default ./test-results), named at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${COREFLEET_VENV:-.venv}
-# shellcheck disable=SC1091
-set -a; . ./.corefleet.env; set +a
-export PATH="$COREFLEET_K8S_BIN:$PWD/$VENV/bin:$PATH"
+ART=${COREFLEET_TEST_ARTIFACTS:-$PWD/test-results}
+export COREFLEET_TEST_ARTIFACTS=$ART
 
-echo "== ruff";   ruff check operator client harness tests bench
-echo "== mypy";   mypy operator/corefleet_operator client/corefleet_client harness/corefleet_harness
-echo "== imports"; lint-imports
-echo "== verify"; python -m corefleet_operator.generate --check
-echo "== pytest"
-rc=0
-# The slowest tests are listed at the end: where CI time goes, run after run.
-python -m pytest -m "unit or integration or e2e" --durations=40 "$@" || rc=$?
-# pytest's 5 means "no tests collected": not a failure of the suite itself.
-if [ "$rc" -eq 5 ]; then echo "pytest: no tests collected"; rc=0; fi
-exit "$rc"
+# Seconds a single test (setup and teardown included) may take, per tier.
+declare -A TIMEOUT=([fast]=60 [integration]=420 [e2e]=900 [gpu]=1800)
+# What each tier needs set up (hack/setup.sh parts).
+declare -A NEEDS=([fast]="venv" [integration]="venv cluster" [e2e]="venv cluster node" [gpu]="venv")
+
+tiers=() args=()
+while [ $# -gt 0 ]; do
+  case $1 in
+    --) shift; args=("$@"); break ;;
+    fast|integration|e2e|gpu) tiers+=("$1"); shift ;;
+    *) echo "test: unknown tier '$1' (fast, integration, e2e, gpu; pytest arguments go after --)" >&2; exit 2 ;;
+  esac
+done
+[ ${#tiers[@]} -gt 0 ] || tiers=(fast integration e2e)
+
+rm -rf "$ART"
+mkdir -p "$ART"
+t_start=$SECONDS
+say() { echo "test: $*"; }
+finish() {
+  local rc=$?
+  [ -z "${bg_pid:-}" ] || kill -- -"$bg_pid" 2>/dev/null || true
+  if [ "$rc" -eq 0 ]; then say "passed: ${tiers[*]} in $((SECONDS - t_start)) s"
+  else say "FAILED (exit $rc) after $((SECONDS - t_start)) s"; fi
+  say "reports and the logs of failed tests: $ART"
+  exit "$rc"
+}
+trap finish EXIT
+
+# The parts every tier asked for, and those the first tier needs now.
+all_parts=$(for t in "${tiers[@]}"; do echo "${NEEDS[$t]}"; done | tr ' ' '\n' | awk 'NF && !seen[$0]++' | paste -sd' ' -)
+# shellcheck disable=SC2086  # the parts are words
+bash hack/setup.sh ${NEEDS[${tiers[0]}]}
+rest=$(for p in $all_parts; do [[ " ${NEEDS[${tiers[0]}]} " == *" $p "* ]] || echo "$p"; done | paste -sd' ' -)
+bg_pid=""
+if [ -n "$rest" ]; then
+  say "setting up '$rest' in the background (log: $ART/setup.log)"
+  set -m
+  # shellcheck disable=SC2086
+  bash hack/setup.sh $rest >"$ART/setup.log" 2>&1 &
+  bg_pid=$!
+  set +m
+fi
+
+load_env() {
+  # shellcheck disable=SC1091
+  set -a; . ./.corefleet.env; set +a
+  export PATH="${COREFLEET_K8S_BIN:+$COREFLEET_K8S_BIN:}$PWD/$VENV/bin:$PATH"
+}
+
+wait_setup() {
+  [ -n "$bg_pid" ] || return 0
+  say "waiting for the background set-up"
+  if ! wait "$bg_pid"; then
+    bg_pid=""
+    tail -n 40 "$ART/setup.log" >&2
+    say "set-up of '$rest' failed (whole log: $ART/setup.log)"
+    return 1
+  fi
+  bg_pid=""
+}
+
+static_checks() {
+  echo "== ruff";    ruff check operator client harness tests bench
+  echo "== mypy";    mypy
+  echo "== imports"; lint-imports
+  echo "== verify";  python -m corefleet_operator.generate --check
+}
+
+run_pytest() {
+  local tier=$1 marker=$1 rc=0
+  [ "$tier" != fast ] || marker=unit
+  echo "== pytest: $tier (marker '$marker', ${TIMEOUT[$tier]} s per test)"
+  python -m pytest -m "$marker" --timeout="${TIMEOUT[$tier]}" --durations=25 \
+    --junitxml="$ART/junit-$tier.xml" -o junit_suite_name="corefleet-$tier" "${args[@]}" || rc=$?
+  # 5: nothing collected. A marker or path that selects nothing is a mistake, never a green run.
+  [ "$rc" -ne 5 ] || say "$tier: pytest collected no test"
+  return "$rc"
+}
+
+for tier in "${tiers[@]}"; do
+  t0=$SECONDS
+  if [ "$tier" != "${tiers[0]}" ]; then wait_setup; fi
+  load_env
+  if [ "$tier" = fast ]; then static_checks; fi
+  if ! run_pytest "$tier"; then
+    say "tier '$tier' failed after $((SECONDS - t0)) s; later tiers not run"
+    exit 1
+  fi
+  say "tier '$tier' passed in $((SECONDS - t0)) s"
+done

@@ -20,6 +20,9 @@ import pytest
 
 from corefleet_harness.localcluster import KubeletStandIn, LocalControlPlane, add_gpu_node, resolve_bin_dir
 
+# The logs of every failed test's processes, kept for the test runner (hack/test.sh).
+pytest_plugins = ["failurelogs"]
+
 TIERS = ("unit", "integration", "e2e", "gpu")
 TESTS = Path(__file__).parent
 
