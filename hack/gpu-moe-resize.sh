@@ -24,7 +24,7 @@ PORT=${PORT:-8000}
 ENGINE=${ENGINE:-vllm}
 FLAGS=${FLAGS:---max-model-len 2048 --trust-remote-code}  # vLLM flags of every process (word-split)
 STATE=$(mktemp -d /tmp/corefleet-gpu-moe.XXXXXX)
-export PYTHONPATH="$PWD/operator:$PWD/client${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD/operator:$PWD/client:$PWD/harness${PYTHONPATH:+:$PYTHONPATH}"
 corefleet() { "$PYTHON" -m corefleet_harness.cli "$@"; }
 say() { echo "gpu-moe-resize: $*"; }
 

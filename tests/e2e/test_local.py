@@ -100,8 +100,7 @@ def run_fleet(state: Path, engine: str, replicas: int, up_timeout: float, sizes:
     rec = local.load_record(state)
     assert rec is not None
     assert [p.name for p in rec.processes] == ["coordinator", "frontend", *(f"engine-{r}" for r in range(replicas))]
-    assert all(f"corefleet_client.{'emulator' if engine == 'emulator' else 'engine'}" in p.argv
-               for p in rec.processes[2:])
+    assert all(local.ENGINE_MODULES[engine] in p.argv for p in rec.processes[2:])
 
     # 1. Text prompts through the endpoint (completions and chat), spread over the ranks.
     for i in range(2 * replicas):
