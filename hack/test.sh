@@ -25,7 +25,7 @@ ART=${COREFLEET_TEST_ARTIFACTS:-$PWD/test-results}
 export COREFLEET_TEST_ARTIFACTS=$ART
 
 # Seconds a single test (setup and teardown included) may take, per tier.
-declare -A TIMEOUT=([fast]=60 [integration]=420 [e2e]=900 [gpu]=1800)
+declare -A TIMEOUT=([fast]=30 [integration]=420 [e2e]=900 [gpu]=1800)
 # What each tier needs set up (hack/setup.sh parts).
 declare -A NEEDS=([fast]="venv" [integration]="venv cluster" [e2e]="venv cluster node" [gpu]="venv")
 

@@ -269,3 +269,16 @@ def test_launched_engines_join_a_stock_frontend(tmp_path: Path, procs: list[Proc
     log = engines[0].log.read_text()
     assert "Engine stopped" in log, engines[0].output()
     assert "Traceback" not in log, engines[0].output()
+
+
+def test_a_refused_engine_core_argument_fails_the_launcher_with_its_message() -> None:
+    """The whole launcher, run for real (its engine core parses the flags with vLLM's own parser): the engine
+    core refuses, the launcher exits with its status 2 and the parser's message, no traceback."""
+    argv = ["tiny-model", "--data-parallel-size", "2", "--data-parallel-size-local", "1", "--data-parallel-start-rank",
+            "1", "--data-parallel-address", "10.0.0.5", "--data-parallel-rpc-port", "29550"]  # no --headless
+    result = subprocess.run([sys.executable, "-m", "corefleet_client.engine", "--health-host", "127.0.0.1",
+                             "--health-port", str(free_port()), "--", *argv],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert "--headless is required" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr

@@ -335,18 +335,6 @@ def test_launch_report_round_trips(tmp_path: Path) -> None:
     assert launcher.read_report(r) is None
 
 
-def test_a_refused_engine_core_argument_fails_the_launcher_with_its_message(
-        capfd: pytest.CaptureFixture[str]) -> None:
-    """The whole launcher, run for real: the engine core refuses, the launcher exits with its status 2."""
-    port = free_ports(1)[0]
-    result = subprocess.run([sys.executable, "-m", "corefleet_client.engine", "--health-host", "127.0.0.1",
-                             "--health-port", str(port), "--", *[a for a in GOOD if a != "--headless"]],
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 2, result.stderr
-    assert "--headless is required" in result.stderr, result.stderr
-    assert "Traceback" not in result.stderr, result.stderr
-
-
 @pytest.mark.parametrize(("exitcode", "status"), [(-9, 137), (-15, 143), (3, 3), (0, 1), (None, 1)])
 def test_an_engine_that_exits_on_its_own_fails_the_pod(exitcode: int | None, status: int) -> None:
     assert launcher._exit_status(exitcode) == status
