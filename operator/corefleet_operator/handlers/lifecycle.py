@@ -1,16 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Operator start-up: kopf settings that keep kopf's bookkeeping out of our API."""
+"""Operator start-up: kopf settings that keep kopf's bookkeeping out of our API, and the login (kopf's
+own connection and the reconcilers' API client both log in with `connection_info`)."""
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import kopf
 
 from corefleet_operator import constants
 from corefleet_operator.handlers.fleet import QuietWakeups
-from corefleet_operator.kube import Kube, connection_info
+from corefleet_operator.kube import Kube
 
 
 def configure_settings(settings: kopf.OperatorSettings) -> None:
@@ -36,6 +38,40 @@ def configure_settings(settings: kopf.OperatorSettings) -> None:
         settings.watching.label_selectors[resource] = owned
 
 
+def connection_info() -> kopf.ConnectionInfo:
+    """Credentials through the Kubernetes client library: in-cluster service account, else kubeconfig.
+
+    Unlike kopf's `login_via_client`, the kubeconfig path is read from $KUBECONFIG when this runs
+    (the library reads the variable once, when it is imported). Bearer tokens, client certificates
+    and exec/auth-provider plugins all end up in the library's Configuration, read here. Both kopf's
+    own connection (`login`) and the reconcilers' API client (`kube.Kube`) log in with it.
+    """
+    import kubernetes.client
+    import kubernetes.config
+
+    cfg = kubernetes.client.Configuration()
+    try:
+        kubernetes.config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
+    except kubernetes.config.ConfigException:
+        path = os.environ.get("KUBECONFIG") or os.path.expanduser("~/.kube/config")
+        try:
+            kubernetes.config.load_kube_config(config_file=path,  # type: ignore[no-untyped-call]
+                                               client_configuration=cfg)
+        except kubernetes.config.ConfigException as e:
+            raise kopf.LoginError(f"no Kubernetes credentials in-cluster or in {path}: {e}") from e
+    header = cfg.get_api_key_with_prefix("BearerToken") or cfg.get_api_key_with_prefix("authorization")
+    scheme, _, token = (header or "").rpartition(" ")
+    return kopf.ConnectionInfo(
+        server=cfg.host,
+        ca_path=cfg.ssl_ca_cert,
+        insecure=not cfg.verify_ssl,
+        scheme=scheme or None,
+        token=token or None,
+        certificate_path=cfg.cert_file,
+        private_key_path=cfg.key_file,
+    )
+
+
 @kopf.on.login()
 def login(**_: Any) -> kopf.ConnectionInfo:
     return connection_info()
@@ -47,7 +83,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     objects_log = logging.getLogger("kopf.objects")
     if not any(isinstance(f, QuietWakeups) for f in objects_log.filters):
         objects_log.addFilter(QuietWakeups())
-    memo.kube = Kube()
+    memo.kube = Kube(login=connection_info)
     memo.wakeups = {}  # (namespace, name) -> the fleet daemon's wake-up event
 
 
