@@ -1,11 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Operator start-up: kopf settings that keep kopf's bookkeeping out of our API, and the login (kopf's
-own connection and the reconcilers' API client both log in with `connection_info`)."""
+"""Operator start-up: kopf settings that keep kopf's bookkeeping out of our API, the login, and the
+operator's edge: what the fleets' reconcilers are given (the API client, the planner's settings read
+once from the environment) goes into kopf's memo here."""
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import kopf
@@ -13,6 +15,16 @@ import kopf
 from corefleet_operator import constants
 from corefleet_operator.handlers.fleet import QuietWakeups
 from corefleet_operator.kube import Kube
+from corefleet_operator.planner import PlanSettings
+
+# Tests only: every recovery backoff is multiplied by this (e.g. 0.1: 0, 1 s, 2 s, ...), so that a crash loop
+# runs through its budget in seconds. Read from the operator's environment once, at start-up; 1 unless set.
+BACKOFF_SCALE_ENV = "COREFLEET_RECOVERY_BACKOFF_SCALE"
+
+
+def plan_settings(environ: Mapping[str, str]) -> PlanSettings:
+    """The planner's settings from the operator's environment."""
+    return PlanSettings(backoff_scale=float(environ.get(BACKOFF_SCALE_ENV) or 1.0))
 
 
 def configure_settings(settings: kopf.OperatorSettings) -> None:
@@ -84,6 +96,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     if not any(isinstance(f, QuietWakeups) for f in objects_log.filters):
         objects_log.addFilter(QuietWakeups())
     memo.kube = Kube(login=connection_info)
+    memo.plan_settings = plan_settings(os.environ)  # the one read of the environment's knobs
     memo.wakeups = {}  # (namespace, name) -> the fleet daemon's wake-up event
 
 
