@@ -5,8 +5,11 @@ Server-side apply with a fixed field manager, plain creates (pods, which are nev
 place), reads of single objects, deletes by name with a UID precondition (forced, with no grace
 period, for pods whose node is lost), status merge patches; 404/409 handling and logging in one
 place; every request counted (by verb, resource and code) in the operator's metrics. Credentials
-come from kopf's own login helpers (in-cluster service account or kubeconfig) and are refreshed
-on 401.
+come from the `login` it is given (the operator's: `handlers.lifecycle.connection_info`, in-cluster
+service account or kubeconfig) and are refreshed on 401.
+
+No kopf here (the executor and the reconciler use this module and never import kopf): kopf's
+`ConnectionInfo` is read through the `Credentials` protocol.
 """
 
 from __future__ import annotations
@@ -16,11 +19,10 @@ import json
 import logging
 import os
 import ssl
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 import aiohttp
-import kopf
 
 from corefleet_operator import constants, metrics
 
@@ -54,39 +56,6 @@ def object_path(api_version: str, kind: str, namespace: str, name: str | None = 
     return f"{path}/{name}" if name else path
 
 
-def connection_info() -> kopf.ConnectionInfo:
-    """Credentials through the Kubernetes client library: in-cluster service account, else kubeconfig.
-
-    Unlike kopf's `login_via_client`, the kubeconfig path is read from $KUBECONFIG when this runs
-    (the library reads the variable once, when it is imported). Bearer tokens, client certificates
-    and exec/auth-provider plugins all end up in the library's Configuration, read here.
-    """
-    import kubernetes.client
-    import kubernetes.config
-
-    cfg = kubernetes.client.Configuration()
-    try:
-        kubernetes.config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
-    except kubernetes.config.ConfigException:
-        path = os.environ.get("KUBECONFIG") or os.path.expanduser("~/.kube/config")
-        try:
-            kubernetes.config.load_kube_config(config_file=path,  # type: ignore[no-untyped-call]
-                                               client_configuration=cfg)
-        except kubernetes.config.ConfigException as e:
-            raise kopf.LoginError(f"no Kubernetes credentials in-cluster or in {path}: {e}") from e
-    header = cfg.get_api_key_with_prefix("BearerToken") or cfg.get_api_key_with_prefix("authorization")
-    scheme, _, token = (header or "").rpartition(" ")
-    return kopf.ConnectionInfo(
-        server=cfg.host,
-        ca_path=cfg.ssl_ca_cert,
-        insecure=not cfg.verify_ssl,
-        scheme=scheme or None,
-        token=token or None,
-        certificate_path=cfg.cert_file,
-        private_key_path=cfg.key_file,
-    )
-
-
 def resource_of(path: str) -> str:
     """`/api/v1/namespaces/ns/pods/p/status` -> `pods/status` (for counting requests)."""
     parts = path.split("?")[0].strip("/").split("/")
@@ -97,10 +66,39 @@ def resource_of(path: str) -> str:
     return "/".join(parts[:1] + parts[2:3])
 
 
-class Kube:
-    """An aiohttp client for the API server, created inside kopf's event loop."""
+FilePath = str | bytes | os.PathLike[str] | os.PathLike[bytes]
 
-    def __init__(self, info: kopf.ConnectionInfo | None = None, *, timeout: float = 30.0) -> None:
+
+class Credentials(Protocol):
+    """Where the API server is and how to authenticate to it (the fields of kopf's `ConnectionInfo` read here)."""
+
+    @property
+    def server(self) -> str: ...
+    @property
+    def ca_path(self) -> FilePath | None: ...
+    @property
+    def ca_data(self) -> str | bytes | None: ...
+    @property
+    def insecure(self) -> bool | None: ...
+    @property
+    def scheme(self) -> str | None: ...
+    @property
+    def token(self) -> str | None: ...
+    @property
+    def certificate_path(self) -> FilePath | None: ...
+    @property
+    def private_key_path(self) -> FilePath | None: ...
+
+
+class Kube:
+    """An aiohttp client for the API server, created inside kopf's event loop.
+
+    `login` (a blocking call, run off the event loop) gives the credentials, when the first request
+    is made and again after a 401; `info`, if given, is used first."""
+
+    def __init__(self, login: Callable[[], Credentials], info: Credentials | None = None, *,
+                 timeout: float = 30.0) -> None:
+        self._login_call = login
         self._info = info
         self._session: aiohttp.ClientSession | None = None
         # Bounds on each connection's I/O, not on the whole request: when many fleets reconcile at
@@ -109,8 +107,8 @@ class Kube:
         self._timeout = aiohttp.ClientTimeout(sock_connect=timeout, sock_read=timeout)
         self._lock = asyncio.Lock()
 
-    async def _login(self) -> kopf.ConnectionInfo:
-        return await asyncio.to_thread(connection_info)
+    async def _login(self) -> Credentials:
+        return await asyncio.to_thread(self._login_call)
 
     async def _ensure(self) -> aiohttp.ClientSession:
         async with self._lock:

@@ -2,12 +2,13 @@
 """What the operator observes of a fleet, as plain immutable values, and the pure code that makes them.
 
 The kopf handlers (`corefleet_operator.handlers.fleet`) keep compact copies of a fleet's children
-in kopf indexes: one `PodObs` per pod (`pod_obs`) and the other children's bodies. Before each
-reconcile, `observe` gathers them with the EngineCoreSet's generation, its stored status and the
-admin token into one `Observed`, which the planner (`corefleet_operator.planner`) and the status
-(`corefleet_operator.status`) read. The handler adds what the frontend's admin API says: of a
-resize in flight (`FrontendObs`) and, while the fleet serves (`fleet_view_due`), of its ranks
-(`FleetObs`).
+in kopf indexes keyed by `ChildKey` (its controller's UID included: `controller_uid`): one `PodObs`
+per pod (`pod_obs`), one `Terminating` per pod being deleted, and the other children's bodies.
+Before each reconcile, `observe` gathers them with the EngineCoreSet's generation, its stored status
+and the admin token into one `Observed`, which the planner (`corefleet_operator.planner`) and the
+status (`corefleet_operator.status`) read. The reconciler (`corefleet_operator.reconciler`) adds what
+the frontend's admin API says: of a resize in flight (`FrontendObs`) and, while the fleet serves
+(`fleet_view_due`), of its ranks (`FleetObs`).
 
 Pure module: no kopf, no Kubernetes client, no I/O.
 """
@@ -100,6 +101,31 @@ class Observed:
     admin_token: str = ""
     frontend: FrontendObs | None = None  # asked only while a resize is in flight
     fleet: FleetObs | None = None  # the frontend's view of the ranks, asked while the fleet runs (`fleet_view_due`)
+
+
+@dataclass(frozen=True)
+class Terminating:
+    """A fleet pod being deleted: when its grace period ends (`deletionTimestamp`) and where it runs."""
+
+    name: str
+    uid: str
+    deadline: str  # metadata.deletionTimestamp: the deletion request plus the grace period
+    node: str
+
+
+# The key of a fleet's children in the kopf indexes: (namespace, fleet label, controlling EngineCoreSet's
+# UID). A fleet reads its own UID's entries only: labels alone would let a user's object, or the children
+# of a deleted EngineCoreSet of the same name still being garbage-collected, pass for the fleet's own.
+ChildKey = tuple[str, str, str]
+
+
+def controller_uid(meta: Mapping[str, Any]) -> str:
+    """The UID of the EngineCoreSet that controls an object (its controller ownerReference), else ""."""
+    for ref in meta.get("ownerReferences") or ():
+        if ref.get("controller") and ref.get("kind") == constants.KIND and \
+                str(ref.get("apiVersion", "")).startswith(f"{constants.GROUP}/"):
+            return str(ref.get("uid") or "")
+    return ""
 
 
 def pod_obs(name: str, meta: Mapping[str, Any], spec: Mapping[str, Any], status: Mapping[str, Any]) -> PodObs:

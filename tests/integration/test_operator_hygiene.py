@@ -36,8 +36,7 @@ from corefleet_harness.localcluster import (
     finish_pod_deletions,
     mark_bound_pods_running,
 )
-from corefleet_operator import constants, crd
-from corefleet_operator.handlers import fleet as fleet_handlers
+from corefleet_operator import constants, crd, executor
 
 OPERATOR_ARGS = ["run", "--standalone", "-m", "corefleet_operator.handlers"]
 
@@ -235,7 +234,7 @@ def test_pods_stuck_terminating_on_a_lost_node_are_force_deleted_and_the_fleet_r
     unreachable; its pods are evicted as the taint manager does (here with a 1 s grace period, and
     the operator's margin past it cut from 30 s to 2 s, to keep the test short). Before the fix, the
     recovery waited for those pods forever."""
-    monkeypatch.setattr(fleet_handlers, "STUCK_TERMINATION_SECONDS", 2.0)
+    monkeypatch.setattr(executor, "STUCK_TERMINATION_SECONDS", 2.0)
     lost, healthy = pool
     with NodeKubelets(cluster.k8s, cluster.ns) as kubelets, running_operator(cluster.ns):
         cluster.apply(cluster.make("n").replicas(1).set(

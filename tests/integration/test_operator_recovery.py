@@ -23,7 +23,7 @@ import pytest
 from corefleet_harness.emulator import EMULATOR_MODULE
 from corefleet_harness.localcluster import LocalControlPlane
 from corefleet_operator import constants, crd, planner
-from corefleet_operator.handlers.fleet import BACKOFF_SCALE_ENV
+from corefleet_operator.handlers.lifecycle import BACKOFF_SCALE_ENV
 from factories import make_ecs
 from fleettest import FleetView, OperatorProcess, wait_for
 from podrunner import PodRunner

@@ -484,7 +484,7 @@ def test_disruption_budget_covers_every_fleet_pod_and_blocks_voluntary_eviction(
 
 def test_child_names_of_two_fleets_can_collide_only_on_the_headless_service() -> None:
     """`x-fleet`'s endpoint Service is `x`'s headless Service: the one collision the naming allows
-    (the operator refuses to take an object another fleet controls; see handlers/fleet.py)."""
+    (the operator refuses to take an object another fleet controls; see executor.py)."""
     def names(fleet: str) -> set[tuple[str, str]]:
         return {(o["kind"], o["metadata"]["name"])
                 for o in _children(make_ecs(fleet).replicas(2).network_policy().obj(), 2)}

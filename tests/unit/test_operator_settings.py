@@ -1,12 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
-"""kopf's bookkeeping stays under corefleet's prefix, and its watches are bounded."""
+"""kopf's bookkeeping stays under corefleet's prefix, and its watches are bounded; the operator's knobs
+are read from its environment once, at start-up."""
 
 from __future__ import annotations
 
+import asyncio
+
 import kopf
+import pytest
 
 from corefleet_operator import constants
-from corefleet_operator.handlers.lifecycle import configure_settings
+from corefleet_operator.handlers.lifecycle import BACKOFF_SCALE_ENV, configure_settings, plan_settings, startup
+from corefleet_operator.planner import PlanSettings
 
 
 def test_kopf_bookkeeping_uses_our_prefix_and_finalizer() -> None:
@@ -39,3 +44,12 @@ def test_names_are_derived_from_the_group() -> None:
     assert constants.API_VERSION == "corefleet.io/v1alpha1"
     for label in (constants.LABEL_FLEET, constants.LABEL_ROLE, constants.LABEL_RANK):
         assert label.startswith("corefleet.io/")
+
+
+def test_the_planners_settings_are_read_from_the_environment_at_startup(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert plan_settings({}) == PlanSettings(backoff_scale=1.0)
+    monkeypatch.setenv(BACKOFF_SCALE_ENV, "0.2")
+    memo = kopf.Memo()
+    asyncio.run(startup(settings=kopf.OperatorSettings(), memo=memo))
+
+    assert memo.plan_settings == PlanSettings(backoff_scale=0.2)  # what every fleet's reconciler is given
