@@ -7,6 +7,8 @@ business: their pods' ends are not losses (`planner.losses`). A fresh fleet has 
 
 MoE: the redundant experts belong to the committed size they were reported for
 (`status.redundantExperts` at `status.replicas`; after a resize that completes now, R' at the new size).
+A fleet recreated at that size starts every pod with them (`planner.children`): elastic EP keeps the
+physical experts per rank, so a fleet recreated without them could not shrink back.
 
 Pure module: no kopf, no Kubernetes client, no I/O.
 """

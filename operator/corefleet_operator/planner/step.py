@@ -16,7 +16,7 @@ the new incarnation's pods are created only once the old ones are gone (`planner
 
 Then a new size (`new_size`): `spec.replicas` differing from the committed size, while nothing else is
 decided and no operation runs. 0 stops the fleet; a stopped fleet starts at the new size; a fleet that
-never served (Starting, Restarting) is recreated at it; a Running one is resized in place
+never served (Pending, Starting, Restarting) is recreated at it; a Running one is resized in place
 (`planner.resize`), or waits for a failed resize's retry; any other waits until it runs.
 
 Pure module: no kopf, no Kubernetes client, no I/O.
