@@ -11,7 +11,7 @@ Pure module: no kopf, no Kubernetes client, no I/O.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -109,123 +109,164 @@ def _seconds(start: str, end: str) -> float:
         return 0.0
 
 
+@dataclass(frozen=True)
+class _Facts:
+    """What the conditions are computed from: the decision, and what its pods say of the fleet."""
+
+    fleet: FleetRef
+    decision: Decision
+    generation: int  # the spec generation the conditions are computed for
+    now: str
+    by_name: Mapping[str, PodObs]  # the pods of the decided incarnation
+    ready: int  # ranks serving, below the committed size
+    frontend_ready: bool
+
+    @property
+    def n(self) -> int:
+        return self.decision.replicas
+
+    @property
+    def op(self) -> OperationStatus | None:
+        return self.decision.operation
+
+    @property
+    def replacing(self) -> bool:
+        """Lost dense ranks are replaced in place."""
+        return self.op is not None and not self.op.done and bool(self.op.replace)
+
+    @property
+    def resizing(self) -> bool:
+        """A resize in place runs."""
+        return self.op is not None and not self.op.done and not self.replacing
+
+    @property
+    def given_up(self) -> bool:
+        return self.decision.phase == "Failed" and self.decision.recovery is not None
+
+    def cond(self, ctype: str, ok: bool, reason: str, message: str) -> Condition:
+        return _cond(ctype, ok, reason, message, self.generation, self.now)
+
+
 def compute_status(fleet: FleetRef, generation: int, old: EngineCoreSetStatus, pods: Iterable[PodObs],
                    decision: Decision, now: str) -> EngineCoreSetStatus:
     """The whole status for the pods that belong to the fleet's current incarnation."""
-    n = decision.replicas
     by_name = {p.name: p for p in pods if p.fleet_generation == decision.fleet_generation}
-    ranks = decision.ranks
-    ready = sum(1 for rk in ranks if rk.phase == "Serving" and rk.rank < n)
     frontend = by_name.get(constants.frontend_name(fleet.name))
-    frontend_ready = frontend is not None and frontend.ready and frontend.phase == "Running"
-    unschedulable = sorted(p.name for p in by_name.values() if not p.node and p.message)
-    op = decision.operation
-    replacing = op is not None and not op.done and bool(op.replace)  # lost dense ranks replaced in place
-    in_flight = op is not None and not op.done and not replacing  # a resize
-
+    facts = _Facts(fleet=fleet, decision=decision, generation=generation, now=now, by_name=by_name,
+                   ready=sum(1 for rk in decision.ranks if rk.phase == "Serving" and rk.rank < decision.replicas),
+                   frontend_ready=frontend is not None and frontend.ready and frontend.phase == "Running")
     conditions = old.conditions
-    phase = decision.phase
-    recovery = decision.recovery
-    given_up = phase == "Failed" and recovery is not None
-    # Available: the endpoint answers with at least one rank behind it.
-    if given_up and recovery is not None:
-        available = _cond(AVAILABLE, False, "RecoveriesExhausted", "the fleet was given up", generation, now)
-    elif phase == "Stopped":
-        available = _cond(AVAILABLE, False, "Stopped", "replicas is 0", generation, now)
-    elif frontend_ready and ready > 0:
-        available = _cond(AVAILABLE, True, "RanksServing", f"{ready}/{n} ranks serving", generation, now)
-    elif not frontend_ready:
-        available = _cond(AVAILABLE, False, "FrontendNotReady", "the frontend is not ready", generation, now)
-    else:
-        available = _cond(AVAILABLE, False, "NoRanksServing", f"0/{n} ranks serving", generation, now)
-    # Progressing: the fleet is moving towards the spec (its incarnation, or a resize).
-    if given_up:
-        progressing = _cond(PROGRESSING, False, "RecoveriesExhausted", "the fleet was given up; nothing is created "
-                            "until its spec changes", generation, now)
-    elif replacing and op is not None:
-        progressing = _cond(PROGRESSING, True, "ReplacingRanks", f"{op.id}: {_ranks(op.replace)} replaced in place "
-                            f"({op.phase})", generation, now)
-    elif phase in ("Running", "Stopped", "Degraded"):
-        progressing = _cond(PROGRESSING, False, "Complete", f"fleet at {n} ranks", generation, now)
-    elif phase == "Scaling" and op is not None:
-        progressing = _cond(PROGRESSING, True, "Resizing", f"resize {op.id}: {op.fromReplicas} -> {op.toReplicas}",
-                            generation, now)
-    else:
-        reason = {"Recovering": "Recovering", "Restarting": "Restarting"}.get(phase, "CreatingPods")
-        progressing = _cond(PROGRESSING, True, reason,
-                            f"incarnation {decision.fleet_generation}: {ready}/{n} ranks serving",
-                            generation, now)
     if decision.new_incarnation:  # a new incarnation's readiness deadline starts now
         conditions = tuple(c for c in conditions if c.type != PROGRESSING)
-    # Scaling: a resize in place runs, or why none does.
-    if in_flight and op is not None:
-        direction = "ScalingUp" if op.scale_up else "ScalingDown"
-        scaling = _cond(SCALING, True, direction, f"resize {op.id} ({op.fromReplicas} -> {op.toReplicas}) "
-                                                  f"{op.phase}: {op.message}", generation, now)
-    elif op is not None and op.phase == "Failed" and decision.desired != n and decision.retry_in is not None:
-        scaling = _cond(SCALING, False, "ResizeFailed", f"resize {op.id} ({op.fromReplicas} -> {op.toReplicas}) "
-                                                        f"failed: {op.message}; retrying in {decision.retry_in:.0f}s",
-                        generation, now)
-    elif decision.desired != n and phase != "Stopped":
-        scaling = _cond(SCALING, False, "Waiting", f"replicas is {decision.desired}: the fleet resizes once it runs "
-                                                   f"at {n} ranks ({phase})", generation, now)
-    else:
-        scaling = _cond(SCALING, False, "Stable", f"fleet at {n} ranks", generation, now)
-    # Degraded: something needs attention.
-    failed = [rk for rk in ranks if rk.phase == "Failed" and rk.rank < n]
     started = next((c.lastTransitionTime for c in conditions if c.type == PROGRESSING and c.status == "True"), now)
-    timeout = fleet.spec.scaling.readyTimeoutSeconds
-    waited = _seconds(started, now)
-    if given_up and recovery is not None:
-        degraded = _cond(DEGRADED, True, "RecoveriesExhausted", exhausted_message(recovery, decision.max_recoveries),
-                         generation, now)
-    elif replacing and op is not None:
-        degraded = _cond(DEGRADED, True, "RankReplacing",
-                         f"{_ranks(op.replace)} lost: replaced in place ({op.phase}: {op.message}); {ready}/{n} ranks "
-                         "serving", generation, now)
-    elif phase == "Recovering" and waited <= timeout:
-        detail = f"recovery {decision.recoveries}"
-        if recovery is not None:
-            detail = f"recovery {recovery.attempt} of {decision.max_recoveries} in a row, {decision.recoveries} in all"
-            if recovery.retryAt and _seconds(now, recovery.retryAt) > 0:
-                detail += f"; backoff until {recovery.retryAt}"
-        why = f": {recovery.reason}" if recovery is not None else ""
-        degraded = _cond(DEGRADED, True, "RankLost", f"recreating the fleet after losing a rank ({detail}){why}",
-                         generation, now)
-    elif failed:
-        degraded = _cond(DEGRADED, True, "RankFailed",
-                         "; ".join(f"rank {rk.rank}: {rk.message or 'failed'}" for rk in failed), generation, now)
-    elif phase in ("Starting", "Restarting", "Recovering") and waited > timeout:
-        unready = [name for name in _members(fleet, n) if not (by_name.get(name) and by_name[name].ready)]
-        detail = "; ".join(f"{name}: {_pod_state(by_name.get(name))}" for name in unready) or "no pod is unready"
-        degraded = _cond(DEGRADED, True, "ReadyTimeout",
-                         f"not ready {waited:.0f}s after incarnation {decision.fleet_generation} started "
-                         f"(readyTimeoutSeconds {timeout}): {detail}", generation, now)
-    elif unschedulable:
-        degraded = _cond(DEGRADED, True, "Unschedulable",
-                         "; ".join(f"{name}: {by_name[name].message}" for name in unschedulable), generation, now)
-    elif phase == "Degraded":
-        degraded = _cond(DEGRADED, True, "RankNotReady", f"{ready}/{n} ranks serving", generation, now)
-    else:
-        degraded = _cond(DEGRADED, False, "AsExpected", "", generation, now)
-    for c in (available, progressing, scaling, degraded):
+    for c in (_available(facts), _progressing(facts), _scaling(facts), _degraded(facts, started)):
         conditions = set_condition(conditions, c)
-
     return EngineCoreSetStatus(
         observedGeneration=generation,
-        replicas=n,
-        readyReplicas=ready,
+        replicas=decision.replicas,
+        readyReplicas=facts.ready,
         selector=constants.engine_selector(fleet.name),
-        phase=phase,
+        phase=decision.phase,
         conditions=conditions,
-        ranks=tuple(ranks),
-        operation=op,
+        ranks=tuple(decision.ranks),
+        operation=decision.operation,
         recoveries=decision.recoveries,
         recovery=decision.recovery,
         fleetGeneration=decision.fleet_generation,
         endpoint=endpoint(fleet),
         redundantExperts=decision.redundant_experts,
     )
+
+
+def _available(f: _Facts) -> Condition:
+    """Available: the endpoint answers with at least one rank behind it."""
+    if f.given_up:
+        return f.cond(AVAILABLE, False, "RecoveriesExhausted", "the fleet was given up")
+    if f.decision.phase == "Stopped":
+        return f.cond(AVAILABLE, False, "Stopped", "replicas is 0")
+    if f.frontend_ready and f.ready > 0:
+        return f.cond(AVAILABLE, True, "RanksServing", f"{f.ready}/{f.n} ranks serving")
+    if not f.frontend_ready:
+        return f.cond(AVAILABLE, False, "FrontendNotReady", "the frontend is not ready")
+    return f.cond(AVAILABLE, False, "NoRanksServing", f"0/{f.n} ranks serving")
+
+
+def _progressing(f: _Facts) -> Condition:
+    """Progressing: the fleet is moving towards the spec (its incarnation, a replacement, or a resize)."""
+    phase, op = f.decision.phase, f.op
+    if f.given_up:
+        return f.cond(PROGRESSING, False, "RecoveriesExhausted",
+                      "the fleet was given up; nothing is created until its spec changes")
+    if f.replacing and op is not None:
+        return f.cond(PROGRESSING, True, "ReplacingRanks", f"{op.id}: {_ranks(op.replace)} replaced in place "
+                                                           f"({op.phase})")
+    if phase in ("Running", "Stopped", "Degraded"):
+        return f.cond(PROGRESSING, False, "Complete", f"fleet at {f.n} ranks")
+    if phase == "Scaling" and op is not None:
+        return f.cond(PROGRESSING, True, "Resizing", f"resize {op.id}: {op.fromReplicas} -> {op.toReplicas}")
+    reason = {"Recovering": "Recovering", "Restarting": "Restarting"}.get(phase, "CreatingPods")
+    return f.cond(PROGRESSING, True, reason,
+                  f"incarnation {f.decision.fleet_generation}: {f.ready}/{f.n} ranks serving")
+
+
+def _scaling(f: _Facts) -> Condition:
+    """Scaling: a resize in place runs, or why none does."""
+    op, desired, n = f.op, f.decision.desired, f.n
+    if f.resizing and op is not None:
+        direction = "ScalingUp" if op.scale_up else "ScalingDown"
+        return f.cond(SCALING, True, direction, f"resize {op.id} ({op.fromReplicas} -> {op.toReplicas}) "
+                                                f"{op.phase}: {op.message}")
+    if op is not None and op.phase == "Failed" and desired != n and f.decision.retry_in is not None:
+        return f.cond(SCALING, False, "ResizeFailed", f"resize {op.id} ({op.fromReplicas} -> {op.toReplicas}) "
+                                                      f"failed: {op.message}; retrying in "
+                                                      f"{f.decision.retry_in:.0f}s")
+    if desired != n and f.decision.phase != "Stopped":
+        return f.cond(SCALING, False, "Waiting", f"replicas is {desired}: the fleet resizes once it runs at {n} "
+                                                 f"ranks ({f.decision.phase})")
+    return f.cond(SCALING, False, "Stable", f"fleet at {n} ranks")
+
+
+def _degraded(f: _Facts, started: str) -> Condition:
+    """Degraded: something needs attention (`started`: since when the fleet has been progressing)."""
+    d, op, n = f.decision, f.op, f.n
+    timeout = f.fleet.spec.scaling.readyTimeoutSeconds
+    waited = _seconds(started, f.now)
+    failed = [rk for rk in d.ranks if rk.phase == "Failed" and rk.rank < n]
+    unschedulable = sorted(p.name for p in f.by_name.values() if not p.node and p.message)
+    if f.given_up and d.recovery is not None:
+        return f.cond(DEGRADED, True, "RecoveriesExhausted", exhausted_message(d.recovery, d.max_recoveries))
+    if f.replacing and op is not None:
+        return f.cond(DEGRADED, True, "RankReplacing", f"{_ranks(op.replace)} lost: replaced in place ({op.phase}: "
+                                                       f"{op.message}); {f.ready}/{n} ranks serving")
+    if d.phase == "Recovering" and waited <= timeout:
+        return f.cond(DEGRADED, True, "RankLost", _recovering_message(f))
+    if failed:
+        return f.cond(DEGRADED, True, "RankFailed",
+                      "; ".join(f"rank {rk.rank}: {rk.message or 'failed'}" for rk in failed))
+    if d.phase in ("Starting", "Restarting", "Recovering") and waited > timeout:
+        unready = [name for name in _members(f.fleet, n) if not (f.by_name.get(name) and f.by_name[name].ready)]
+        detail = "; ".join(f"{name}: {_pod_state(f.by_name.get(name))}" for name in unready) or "no pod is unready"
+        return f.cond(DEGRADED, True, "ReadyTimeout", f"not ready {waited:.0f}s after incarnation "
+                                                      f"{d.fleet_generation} started (readyTimeoutSeconds {timeout}): "
+                                                      f"{detail}")
+    if unschedulable:
+        return f.cond(DEGRADED, True, "Unschedulable",
+                      "; ".join(f"{name}: {f.by_name[name].message}" for name in unschedulable))
+    if d.phase == "Degraded":
+        return f.cond(DEGRADED, True, "RankNotReady", f"{f.ready}/{n} ranks serving")
+    return f.cond(DEGRADED, False, "AsExpected", "")
+
+
+def _recovering_message(f: _Facts) -> str:
+    """Why a recovering fleet is degraded: the streak, its backoff, and the last loss."""
+    d, recovery = f.decision, f.decision.recovery
+    detail = f"recovery {d.recoveries}"
+    if recovery is not None:
+        detail = f"recovery {recovery.attempt} of {d.max_recoveries} in a row, {d.recoveries} in all"
+        if recovery.retryAt and _seconds(f.now, recovery.retryAt) > 0:
+            detail += f"; backoff until {recovery.retryAt}"
+    why = f": {recovery.reason}" if recovery is not None else ""
+    return f"recreating the fleet after losing a rank ({detail}){why}"
 
 
 def _ranks(ranks: Iterable[int]) -> str:

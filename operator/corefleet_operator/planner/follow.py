@@ -1,0 +1,67 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The planner's first phase: the operation in flight (`status.operation` not done), followed one step.
+
+A resize (`planner.resize`) is followed from the frontend's account of it, a replacement of lost dense
+ranks in place (`planner.replace`) through its own steps. The ranks an operation moves are its
+business: their pods' ends are not losses (`planner.losses`). A fresh fleet has no operation to follow.
+
+MoE: the redundant experts belong to the committed size they were reported for
+(`status.redundantExperts` at `status.replicas`; after a resize that completes now, R' at the new size).
+A fleet recreated at that size starts every pod with them (`planner.children`): elastic EP keeps the
+physical experts per rank, so a fleet recreated without them could not shrink back.
+
+Pure module: no kopf, no Kubernetes client, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from corefleet_operator.actions import Event
+from corefleet_operator.models import FleetRef, OperationStatus
+from corefleet_operator.observe import Observed
+from corefleet_operator.planner.basis import Basis
+from corefleet_operator.planner.replace import ReplaceStep, continue_replace
+from corefleet_operator.planner.resize import ResizeStep, continue_resize
+
+
+@dataclass(frozen=True)
+class Flight:
+    """The operation in flight after this pass followed it (or the stored one, if none runs)."""
+
+    operation: OperationStatus | None  # the status's operation: the one in flight as it now stands, or the last
+    committed: int  # the committed size (a resize that completes now commits its new size)
+    resize: ResizeStep | None = None
+    replacing: ReplaceStep | None = None
+    moving: frozenset[int] = frozenset()  # ranks the operation adds, removes or replaces
+    redundant_size: int = 0  # MoE: the committed size `redundant_experts` is for
+    redundant_experts: int | None = None
+
+    @property
+    def events(self) -> tuple[Event, ...]:
+        return (self.resize.events if self.resize is not None else ()) \
+            + (self.replacing.events if self.replacing is not None else ())
+
+    @property
+    def lost(self) -> tuple[str, ...]:
+        """Why the operation lost the fleet, if it did (a recovery)."""
+        return tuple(why for why in (self.resize.lost if self.resize is not None else "",
+                                     self.replacing.lost if self.replacing is not None else "") if why)
+
+
+def follow_operation(fleet: FleetRef, observed: Observed, basis: Basis, now: str) -> Flight:
+    """Follow the operation in flight, if any, one step."""
+    old, running = basis.old, basis.running
+    still = Flight(operation=old.operation, committed=basis.committed, redundant_size=old.replicas,
+                   redundant_experts=old.redundantExperts)
+    if running is None or basis.fresh:
+        return still
+    if running.replace:
+        replacing = continue_replace(fleet, observed, running, basis.current, basis.streak, now)
+        return replace(still, operation=replacing.operation, replacing=replacing, moving=frozenset(running.replace))
+    resize = continue_resize(fleet, observed, running, basis.committed, basis.current, now)
+    flight = replace(still, operation=resize.operation, committed=resize.committed, resize=resize,
+                     moving=resize.joining | resize.leaving)
+    if resize.operation.phase == "Completed" and resize.committed != old.replicas:
+        flight = replace(flight, redundant_size=resize.committed, redundant_experts=resize.redundant_experts)
+    return flight

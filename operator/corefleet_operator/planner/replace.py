@@ -1,0 +1,192 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A replacement in place: a dense fleet loses ranks, not the endpoint.
+
+When a dense fleet (not `expertParallel`) serves (Running or Degraded, no operation in flight) and the
+only losses are engine ranks below the committed size (not all of them), with its frontend and
+coordinator pods Ready, the lost ranks are replaced in place, in the same incarnation (`in_place`), as
+an operation: `status.operation` with `replace` = the ranks, fromReplicas == toReplicas
+(`start_replace`, then `continue_replace` on every reconcile, also after an operator restart):
+
+* Pending: each lost rank's old pod is deleted (by name and UID); once it is gone and the recovery's
+  backoff is over, the operation is Preparing (written before the new pods are created: a pod of the
+  rank seen while Pending is the old one, one seen while Preparing the new one).
+* Preparing: the new pod of the same name is created (again, if one vanished); once the frontend
+  reports the ranks Dead (its view comes with `FrontendObs.fleet` while it does not know the
+  operation), `StartResize` with `replace` asks it to take the new engines through vLLM's handshake
+  (idempotent by id).
+* Completed once it serves on them and their pods are Ready (Committing meanwhile; event RankReplaced).
+
+The fleet is Degraded meanwhile and the other ranks serve on. A replacement is a loss like any other
+for the recovery streak (attempt, backoff, budget, `recoveries`: `planner.recovery`). A replacement that
+fails (the frontend's operation Failed or refused, a new pod that fails, no end within
+readyTimeoutSeconds + FRONTEND_GRACE_SECONDS after the new pods could start) is `lost`: the whole fleet
+is recreated. So is a fleet that loses anything else during it, its frontend or coordinator, or an MoE
+fleet that loses a rank (its collectives cannot lose a member).
+
+Pure module: no kopf, no Kubernetes client, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from corefleet_operator import constants
+from corefleet_operator.actions import Action, Delete, Event, StartResize
+from corefleet_operator.models import EngineCoreSetSpec, FleetRef, OperationStatus, RecoveryStatus
+from corefleet_operator.observe import FrontendObs, Observed, PodObs
+from corefleet_operator.planner.basis import Basis
+from corefleet_operator.planner.common import FRONTEND_GRACE_SECONDS, listed, pod_ready, seconds_between
+from corefleet_operator.status import POD_TERMINAL
+
+
+@dataclass(frozen=True)
+class ReplaceStep:
+    """One step of a replacement: the operation as it now stands, and what the plan does about it."""
+
+    operation: OperationStatus
+    actions: tuple[Action, ...] = ()  # the old pods' deletes, StartResize with `replace`
+    events: tuple[Event, ...] = ()
+    lost: str = ""  # the replacement failed: recover the whole fleet, with this reason
+    create: bool = False  # the replaced ranks' new pods may be created (again, if one vanished) this pass
+    wait: float | None = None  # look again within this many seconds (the backoff's end)
+
+
+def replace_id(ranks: Iterable[int], fleet_generation: int, now: str) -> str:
+    """A replacement's id: readable, unique per incarnation and second (`replace-r1-g1-20261201t101500z`)."""
+    stamp = now.replace("-", "").replace(":", "").lower()
+    return f"replace-r{'-'.join(str(r) for r in sorted(ranks))}-g{fleet_generation}-{stamp}"
+
+
+def in_place(fleet: FleetRef, basis: Basis, lost: Sequence[tuple[int | None, str]], changed: bool) -> bool:
+    """Whether this pass's losses (each with the engine rank it is, None for anything else) are replaced in
+    place rather than by recreating the fleet: only engine ranks below the committed size, not all of them,
+    lost from a dense fleet that serves in its current incarnation and configuration with nothing in flight,
+    its frontend and coordinator Ready."""
+    old = basis.old
+    ranks = {rank for rank, _ in lost if rank is not None}
+    return (bool(lost) and all(rank is not None for rank, _ in lost) and not fleet.spec.expertParallel
+            and not basis.fresh and not basis.given_up and not changed and basis.running is None
+            and old.phase in ("Running", "Degraded") and old.fleetGeneration == basis.generation
+            and all(0 <= rank < basis.committed for rank in ranks) and len(ranks) < basis.committed
+            and pod_ready(basis.current.get(constants.frontend_name(fleet.name)))
+            and pod_ready(basis.current.get(constants.coordinator_name(fleet.name))))
+
+
+def start_replace(fleet: FleetRef, observed: Observed, ranks: Sequence[int], committed: int, generation: int,
+                  current: Mapping[str, PodObs], recovery: RecoveryStatus, now: str) -> ReplaceStep:
+    """A new replacement of the lost `ranks`, and its first step (the old pods' deletes)."""
+    op = OperationStatus(id=replace_id(ranks, generation, now), fromReplicas=committed, toReplicas=committed,
+                         phase="Pending", startedAt=now, message=f"replacing {listed(ranks)} in place",
+                         fleetGeneration=generation, replace=tuple(ranks))
+    return continue_replace(fleet, observed, op, current, recovery, now)
+
+
+def continue_replace(fleet: FleetRef, observed: Observed, op: OperationStatus, current: Mapping[str, PodObs],
+                     recovery: RecoveryStatus | None, now: str) -> ReplaceStep:
+    """Follow a replacement of lost dense ranks in place (`op.replace`) one step (see the module)."""
+    spec = fleet.spec
+    names = {rank: constants.engine_name(fleet.name, rank) for rank in op.replace}
+    retry_at = recovery.retryAt if recovery is not None and recovery.lostAt == op.startedAt else None
+    if op.phase == "Pending":
+        step = _pending(observed, op, names, retry_at, now)
+        if step.operation.phase == "Pending":
+            return step
+        op = step.operation
+    step = ReplaceStep(operation=op, create=True)
+    failed = _failed_new_pod(op, names, current)
+    if failed:
+        return replace(step, lost=failed)
+    step = _with_frontend(spec, observed, step, names, current, now)
+    if step.lost or step.operation.done:
+        return step
+    timeout = float(spec.scaling.readyTimeoutSeconds) + FRONTEND_GRACE_SECONDS
+    elapsed = seconds_between(retry_at or op.startedAt, now)
+    if elapsed > timeout:
+        return replace(step, lost=(f"replacement {op.id} of {listed(op.replace)}: not done {elapsed:.0f}s after "
+                                   f"its new pod(s) could start (readyTimeoutSeconds "
+                                   f"{spec.scaling.readyTimeoutSeconds} + {FRONTEND_GRACE_SECONDS:.0f}s): "
+                                   f"{step.operation.message}"))
+    return step
+
+
+def _pending(observed: Observed, op: OperationStatus, names: Mapping[int, str], retry_at: str | None,
+             now: str) -> ReplaceStep:
+    """Pending: the old pods are deleted, then the recovery's backoff awaited; after both, Preparing."""
+    what = listed(op.replace)
+    there = [p for p in observed.pods if p.name in names.values()]
+    if there:
+        deletes = tuple(Delete("v1", "Pod", p.name, p.uid) for p in there if not p.terminating)
+        return ReplaceStep(operation=replace(op, message=f"deleting the old pod(s) of {what}"), actions=deletes)
+    backoff = max(0.0, seconds_between(now, retry_at)) if retry_at else 0.0
+    if backoff > 0:
+        return ReplaceStep(operation=replace(op, message=f"backoff until {retry_at} before the new pod(s) of {what}"),
+                           wait=backoff)
+    return ReplaceStep(operation=replace(op, phase="Preparing", message=f"creating the new pod(s) of {what}"))
+
+
+def _failed_new_pod(op: OperationStatus, names: Mapping[int, str], current: Mapping[str, PodObs]) -> str:
+    """Why the replacement is lost because a new pod ended (empty: none did)."""
+    for rank, name in sorted(names.items()):
+        pod = current.get(name)
+        if pod is not None and pod.phase in POD_TERMINAL:
+            why = f": {pod.message}" if pod.message else ""
+            return f"replacement {op.id}: the new pod of rank {rank} ({name}) {pod.phase.lower()}{why}"
+    return ""
+
+
+def _with_frontend(spec: EngineCoreSetSpec, observed: Observed, step: ReplaceStep, names: Mapping[int, str],
+                   current: Mapping[str, PodObs], now: str) -> ReplaceStep:
+    """Preparing: what the frontend says decides the step (it cannot be asked, refused the operation, does
+    not know it yet, failed it, completed it, or runs it)."""
+    op = step.operation
+    what = listed(op.replace)
+    frontend = observed.frontend
+    if frontend is None or not frontend.reachable:
+        why = frontend.error if frontend is not None else "the frontend has no address"
+        return replace(step, operation=replace(op, message=f"waiting for the frontend's admin API: {why}"))
+    seen = frontend.resize
+    if seen is None and frontend.refused:
+        return replace(step, lost=f"replacement {op.id} of {what}: {frontend.refused}")
+    if seen is None:
+        return _ask_once_dead(spec, observed, frontend, step)
+    if seen.phase == "Failed":
+        return replace(step, lost=f"replacement {op.id} of {what} failed: {seen.error or seen.message}")
+    if seen.phase == "Completed":
+        return _completed(step, names, current, now)
+    return replace(step, operation=replace(op, phase="Preparing", message=seen.message or op.message))
+
+
+def _ask_once_dead(spec: EngineCoreSetSpec, observed: Observed, frontend: FrontendObs,
+                   step: ReplaceStep) -> ReplaceStep:
+    """The frontend does not know the operation: it is asked once it reports every replaced rank Dead (vLLM
+    takes a new engine only in a dead one's place)."""
+    op = step.operation
+    what = listed(op.replace)
+    seen = frontend.fleet if frontend.fleet is not None else observed.fleet
+    states = {rank: (seen.ranks[rank].state if seen is not None and rank in seen.ranks else "unknown")
+              for rank in op.replace}
+    if seen is not None and seen.reachable and all(state == "Dead" for state in states.values()):
+        ask = StartResize(op.id, op.toReplicas, float(spec.scaling.drainTimeoutSeconds),
+                          float(spec.scaling.readyTimeoutSeconds), replace=tuple(op.replace))
+        return replace(step, actions=(*step.actions, ask),
+                       operation=replace(op, message=f"asking the frontend to replace {what}"))
+    shown = ", ".join(f"rank {rank} {state}" for rank, state in sorted(states.items()))
+    return replace(step, operation=replace(op, message=f"waiting for the frontend to report {what} Dead ({shown})"))
+
+
+def _completed(step: ReplaceStep, names: Mapping[int, str], current: Mapping[str, PodObs], now: str) -> ReplaceStep:
+    """The frontend serves on the new engines: Completed once their pods are Ready too (Committing until)."""
+    op = step.operation
+    what = listed(op.replace)
+    unready = sorted(rank for rank, name in names.items() if not pod_ready(current.get(name)))
+    if unready:
+        return replace(step, operation=replace(op, phase="Committing",
+                                               message=f"the frontend serves on {what} again; waiting for the "
+                                                       f"pod(s) of {listed(unready)} to be Ready"))
+    took = seconds_between(op.startedAt, now)
+    return replace(step, operation=replace(op, phase="Completed", finishedAt=now,
+                                           message=f"{what} replaced in place in {took:.0f}s"),
+                   events=(Event("Normal", "RankReplaced", f"replacement {op.id}: {what} replaced in place (new "
+                                                           f"pod(s), same rank), serving again after {took:.0f}s; "
+                                                           "the other ranks served throughout"),))

@@ -1,0 +1,197 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The planner's third phase: the next step for the fleet, from its losses and its new size.
+
+After losses (`after_losses`), in this order:
+
+* a fleet given up whose spec changed is recreated at the new spec (Restarting, a new streak);
+* losses are a recovery (`planner.recovery`): the operation in flight fails with them; past the
+  budget the fleet is given up; else the lost dense ranks are replaced in place when they can be
+  (`planner.replace.in_place`), and otherwise the fleet is recreated at the committed size
+  (Recovering);
+* a configuration change recreates the fleet at the new spec (Restarting; an operation in flight is
+  superseded).
+
+Recreation is one incarnation up: every pod of an older incarnation is deleted (by name and UID), and
+the new incarnation's pods are created only once the old ones are gone (`planner.children`).
+
+Then a new size (`new_size`): `spec.replicas` differing from the committed size, while nothing else is
+decided and no operation runs. 0 stops the fleet; a stopped fleet starts at the new size; a fleet that
+never served (Pending, Starting, Restarting) is recreated at it; a Running one is resized in place
+(`planner.resize`), or waits for a failed resize's retry; any other waits until it runs.
+
+Pure module: no kopf, no Kubernetes client, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from corefleet_operator.actions import Event
+from corefleet_operator.models import FleetPhase, FleetRef, OperationStatus, RecoveryStatus
+from corefleet_operator.observe import Observed
+from corefleet_operator.planner import recovery as rec
+from corefleet_operator.planner.basis import Basis
+from corefleet_operator.planner.common import Plan, PlanSettings, listed
+from corefleet_operator.planner.follow import Flight
+from corefleet_operator.planner.losses import Losses
+from corefleet_operator.planner.replace import ReplaceStep, in_place, start_replace
+from corefleet_operator.planner.resize import ResizeStep, retry_wait, start_resize
+
+
+@dataclass(frozen=True)
+class Step:
+    """The fleet after this pass's decisions: its incarnation and committed size, the operation, the recovery."""
+
+    generation: int  # the incarnation (one up when the fleet is recreated)
+    committed: int  # the committed size
+    phase: FleetPhase  # the phase decided so far (`planner.phase` settles it from what stands)
+    new_incarnation: bool  # the fleet is (re)created this pass
+    operation: OperationStatus | None  # the status's operation
+    recovery: RecoveryStatus | None  # the recovery streak
+    recoveries: int  # recoveries in all
+    resize: ResizeStep | None = None  # a resize followed or started this pass
+    replacing: ReplaceStep | None = None  # a replacement followed or started this pass
+    events: tuple[Event, ...] = ()  # what the pass has told so far
+    retry_in: float | None = None  # a failed resize to this size is tried again in this many seconds
+
+    @property
+    def in_flight(self) -> bool:
+        """A resize runs after this pass."""
+        return self.resize is not None and not self.resize.operation.done
+
+    @property
+    def replacing_now(self) -> bool:
+        """A replacement runs after this pass (in the same incarnation)."""
+        return self.replacing is not None and not self.replacing.operation.done and not self.new_incarnation
+
+    @property
+    def joining(self) -> frozenset[int]:
+        """New ranks of a resize in flight: their pods are kept and created."""
+        if self.resize is None or self.new_incarnation or not self.in_flight:
+            return frozenset()
+        return self.resize.joining
+
+    @property
+    def leaving(self) -> frozenset[int]:
+        """Ranks a resize in flight removes that the frontend has not retired yet: their pods are kept."""
+        if self.resize is None or self.new_incarnation or not self.in_flight:
+            return frozenset()
+        return self.resize.leaving - self.resize.retired
+
+    @property
+    def keep_ranks(self) -> frozenset[int]:
+        """The engine ranks whose pods the fleet keeps."""
+        return frozenset(range(self.committed)) | self.joining | self.leaving
+
+
+def first_step(basis: Basis, flight: Flight) -> Step:
+    """The step before anything is decided: the fleet as it stands, the operation as followed."""
+    return Step(generation=basis.generation, committed=flight.committed, phase=basis.old.phase,
+                new_incarnation=basis.fresh, operation=flight.operation, recovery=basis.streak,
+                recoveries=basis.old.recoveries, resize=flight.resize, replacing=flight.replacing,
+                events=basis.events + flight.events)
+
+
+def next_step(fleet: FleetRef, observed: Observed, basis: Basis, flight: Flight, losses: Losses,
+              settings: PlanSettings, now: str) -> Step | Plan:
+    """The next step: recreate, replace, resize or wait (a whole Plan when the fleet is given up)."""
+    step = after_losses(fleet, observed, basis, losses, first_step(basis, flight), settings, now)
+    if isinstance(step, Plan):
+        return step
+    return new_size(fleet, basis, step, now)
+
+
+def after_losses(fleet: FleetRef, observed: Observed, basis: Basis, losses: Losses, step: Step,
+                 settings: PlanSettings, now: str) -> Step | Plan:
+    """A new incarnation, a replacement in place, or the fleet given up, for what this pass found."""
+    if basis.given_up:
+        return _recreate(step, "Restarting", fleet.spec.replicas, recovery=None, event=Event(
+            "Normal", "Restarting", f"spec changed after the fleet was given up: recreating all ranks at "
+                                    f"{fleet.spec.replicas} (incarnation {step.generation + 1})"))
+    if losses.lost:
+        return _recover(fleet, observed, basis, losses, step, settings, now)
+    if losses.changed:
+        return _restart_changed(fleet, basis, step, now)
+    return step
+
+
+def _recreate(step: Step, phase: FleetPhase, committed: int, recovery: RecoveryStatus | None,
+              event: Event) -> Step:
+    """One incarnation up, at `committed` ranks (its pods wait until the old incarnation's are gone)."""
+    return replace(step, generation=step.generation + 1, new_incarnation=True, phase=phase, committed=committed,
+                   recovery=recovery, events=(*step.events, event))
+
+
+def _fail_running(running: OperationStatus | None, step: Step, message: str, kind: str, now: str) -> Step:
+    """The operation in flight fails with the incarnation (event ResizeFailed)."""
+    if running is None:
+        return step
+    failed = replace(running, phase="Failed", finishedAt=now, message=message)
+    return replace(step, operation=failed, events=(
+        *step.events, Event("Warning", "ResizeFailed", f"{kind} {running.id}: {failed.message}")))
+
+
+def _recover(fleet: FleetRef, observed: Observed, basis: Basis, losses: Losses, step: Step,
+             settings: PlanSettings, now: str) -> Step | Plan:
+    """Losses: one recovery of the streak (or the fleet given up), by replacement in place or a new incarnation."""
+    reason = losses.reason
+    running = basis.running
+    kind = "replacement" if running is not None and running.replace else "resize"
+    step = _fail_running(running, step, f"the fleet was lost during the {kind}: {reason}", kind, now)
+    attempt = rec.next_attempt(basis.streak, fleet.spec.scaling.maxRecoveries, settings)
+    if attempt.exhausted:
+        return rec.give_up(fleet, observed, basis.old, step.operation, attempt, reason, step.recoveries,
+                           step.events, now)
+    recovery = rec.recovery_for(attempt, reason, observed.generation, now)
+    step = replace(step, recovery=recovery, recoveries=step.recoveries + 1)
+    count = f"recovery {attempt.number} of {attempt.budget} {rec.when(attempt, recovery)}"
+    if in_place(fleet, basis, losses.lost, losses.changed):
+        ranks = losses.ranks
+        replacing = start_replace(fleet, observed, ranks, step.committed, step.generation, basis.current, recovery,
+                                  now)
+        told = Event("Warning", "RankLost", f"{reason}: replacing {listed(ranks)} in place (new pod(s), the other "
+                                            f"ranks serve on), {count}")
+        return replace(step, operation=replacing.operation, replacing=replacing,
+                       events=(*step.events, told, *replacing.events))
+    committed = basis.old.replicas if step.committed == 0 else step.committed
+    step = _recreate(step, "Recovering", committed, recovery, Event(
+        "Warning", "RankLost", f"{reason}: recreating the fleet at {committed} ranks (incarnation "
+                               f"{step.generation + 1}), {count}"))
+    return replace(step, resize=None)  # the resize in flight, if any, failed with the incarnation
+
+
+def _restart_changed(fleet: FleetRef, basis: Basis, step: Step, now: str) -> Step:
+    """A configuration change: the fleet is recreated at the new spec, superseding any operation in flight."""
+    desired = fleet.spec.replicas
+    step = _recreate(step, "Restarting", desired, step.recovery, Event(
+        "Normal", "Restarting", f"spec changed (configuration): recreating all ranks at {desired} (incarnation "
+                                f"{step.generation + 1})"))
+    step = _fail_running(basis.running, step, "superseded by a configuration change (the fleet is recreated)",
+                         "resize", now)
+    return replace(step, resize=None)
+
+
+def new_size(fleet: FleetRef, basis: Basis, step: Step, now: str) -> Step:
+    """`spec.replicas` differing from the committed size, with nothing else decided and no operation running."""
+    spec = fleet.spec
+    desired = spec.replicas
+    if step.new_incarnation or step.in_flight or step.replacing_now or desired == step.committed:
+        return step
+    old = basis.old
+    if desired == 0:
+        return replace(step, committed=0, events=(*step.events, Event(
+            "Normal", "Stopping", f"replicas is 0: deleting the fleet's {step.committed} ranks")))
+    if step.committed == 0:
+        return _recreate(step, "Starting", desired, step.recovery, Event(
+            "Normal", "Creating", f"creating a fleet of {desired} ranks of {spec.model}"))
+    if old.phase in ("Starting", "Restarting", "Pending"):  # it never served: nothing to keep
+        return _recreate(step, "Restarting", desired, step.recovery, Event(
+            "Normal", "Restarting", f"replicas {step.committed} -> {desired}: the fleet was not serving yet: "
+                                    f"recreating all ranks (incarnation {step.generation + 1})"))
+    if old.phase != "Running":
+        return step  # it resizes once it runs
+    wait = retry_wait(old, desired, now)
+    if wait:
+        return replace(step, retry_in=wait)
+    resize = start_resize(fleet, step.committed, step.generation, now)
+    return replace(step, resize=resize, operation=resize.operation, events=(*step.events, *resize.events))
