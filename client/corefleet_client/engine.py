@@ -230,25 +230,119 @@ def _exit_status(exitcode: int | None) -> int:
     return 128 - exitcode if exitcode < 0 else exitcode
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args, vllm_argv = parse_args(sys.argv[1:] if argv is None else argv)
-    configure_logging(logging.INFO)
+class StopSignals:
+    """SIGTERM (the kubelet) and SIGINT stop the engine once: the first raises KeyboardInterrupt in the main
+    thread; later ones, or any once the engine is being stopped (asked to, or it exited), change nothing."""
 
-    # SIGTERM (the kubelet) and SIGINT stop the engine once.
-    stop_requested = False
-    stopping = False  # the engine is being stopped (asked to, or it exited): a signal changes nothing
+    def __init__(self) -> None:
+        self.requested = False
+        self.stopping = False  # the engine is being stopped: a signal must not interrupt that
 
-    def _request_stop(signum: int, frame: FrameType | None) -> None:
-        nonlocal stop_requested
-        if stop_requested or stopping:
+    def install(self) -> None:
+        signal.signal(signal.SIGTERM, self._request_stop)
+        signal.signal(signal.SIGINT, self._request_stop)
+
+    def _request_stop(self, signum: int, frame: FrameType | None) -> None:
+        if self.requested or self.stopping:
             return  # already shutting the engine down; do not interrupt that
-        stop_requested = True
+        self.requested = True
         logger.info("Received %s, shutting the engine down", signal.Signals(signum).name)
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, _request_stop)
-    signal.signal(signal.SIGINT, _request_stop)
 
+class Launch:
+    """The launcher's children and what it learned of them: the coordination store (elastic EP's rank 0), the
+    engine core, the launch report and the handshake relay. Started in `run`'s numbered steps, stopped by `stop`."""
+
+    def __init__(self, args: argparse.Namespace, vllm_argv: list[str], state: EngineState,
+                 signals: StopSignals) -> None:
+        self.args = args
+        self.vllm_argv = vllm_argv
+        self.state = state
+        self.signals = signals
+        self.engine: subprocess.Popen[bytes] | None = None
+        self.store: subprocess.Popen[bytes] | None = None
+        self.store_stopping = threading.Event()
+        self.engine_process: ChildProcess | None = None
+        self.report: LaunchReport | None = None
+        self.relay: HandshakeRelay | None = None
+        self.handshake_address = ""  # where the engine core's handshake goes: the relay's local address
+
+    def run(self) -> None:
+        """Start everything, then wait until the engine exits (or a signal interrupts)."""
+        args = self.args
+        # 0. Engine rank 0 of an elastic-EP fleet: the startup's coordination store, before the engine
+        #    (every engine of the fleet opens it at startup).
+        if args.coord_store_port is not None:
+            self.store = subprocess.Popen(coord_store_argv(args), stdin=subprocess.DEVNULL)
+            logger.info("Coordination store process started (pid %d) on %s:%d", self.store.pid, args.health_host,
+                        args.coord_store_port)
+        # 1. The engine core: it parses vLLM's flags, builds the config and reports on a pipe.
+        engine, report_r = self._start_engine()
+        self.report = launch = read_report(report_r)
+        # 2. The relay, to the frontend the engine core reported.
+        if launch is not None:
+            self.state.rank = launch.rank
+            self.relay = HandshakeRelay(launch.rank, self.handshake_address, launch.frontend_address,
+                                        joined=self.state.joined)
+            self.relay.start()
+            logger.info("Engine core %s (pid %d) is rank %d of %d, frontend %s", launch.name, engine.pid,
+                        launch.rank, launch.data_parallel_size, launch.frontend_address)
+        # 3. Until the engine exits or a signal arrives.
+        engine.wait()
+        self.signals.stopping = True
+        if launch is not None:
+            logger.error("Engine core %s exited with code %s without a stop signal; exiting",
+                         launch.name, engine.returncode)
+        else:
+            logger.error("The engine core exited with code %s before it was configured; exiting", engine.returncode)
+
+    def _start_engine(self) -> tuple[subprocess.Popen[bytes], int]:
+        """The engine core process, and the read end of the pipe it reports on."""
+        report_r, report_w = os.pipe()
+        self.handshake_address = handshake_ipc_address()
+        try:
+            engine = self.engine = subprocess.Popen(
+                engine_core_argv(self.args, self.vllm_argv, self.handshake_address, report_w),
+                stdin=subprocess.DEVNULL, pass_fds=(report_w,))
+        finally:
+            os.close(report_w)
+        self.engine_process = ChildProcess(engine)
+        self.state.attach(self.engine_process)
+        if self.store is not None:
+            watch_coord_store(self.store, engine, self.store_stopping)
+        logger.info("Engine core process started (pid %d)", engine.pid)
+        return engine, report_r
+
+    def stop(self) -> None:
+        """Stop what runs: the relay, the engine if a signal asked (it exited otherwise), the store, orphans."""
+        if self.relay is not None:
+            self.relay.close()
+        if self.engine is not None and self.signals.requested:
+            grace = (self.report.shutdown_timeout if self.report is not None else 0.0) + ORPHAN_GRACE_S
+            logger.info("Waiting up to %.0f seconds for the engine to exit", grace)
+            stop_engine(self.engine, grace)
+        if self.store is not None:
+            self.store_stopping.set()
+            stop_engine(self.store, ORPHAN_GRACE_S, "the coordination store")  # after the engine, which may use it
+        if self.engine is not None:
+            stop_orphans()
+
+    def exit_status(self) -> int:
+        if self.signals.requested:
+            logger.info("Engine stopped")
+            return EXIT_OK
+        assert self.engine is not None
+        if self.report is None and self.engine.returncode == EXIT_USAGE:
+            return EXIT_USAGE  # refused arguments, explained by the engine core on stderr
+        return _exit_status(self.engine.returncode)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, vllm_argv = parse_args(sys.argv[1:] if argv is None else argv)
+    configure_logging(logging.INFO)
+    signals = StopSignals()
+    signals.install()
     become_subreaper()
     state = EngineState(None)
     try:
@@ -256,78 +350,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:
         logger.error("Cannot serve health on %s:%d: %s", args.health_host, args.health_port, e)
         return EXIT_FAILED
-    engine: subprocess.Popen[bytes] | None = None
-    store: subprocess.Popen[bytes] | None = None
-    store_stopping = threading.Event()
-    engine_process: ChildProcess | None = None
-    launch: LaunchReport | None = None
-    relay: HandshakeRelay | None = None
+    launch = Launch(args, vllm_argv, state, signals)
     try:
         health.start()
-        # 0. Engine rank 0 of an elastic-EP fleet: the startup's coordination store, before the engine
-        #    (every engine of the fleet opens it at startup).
-        if args.coord_store_port is not None:
-            store = subprocess.Popen(coord_store_argv(args), stdin=subprocess.DEVNULL)
-            logger.info("Coordination store process started (pid %d) on %s:%d", store.pid, args.health_host,
-                        args.coord_store_port)
-        # 1. The engine core: it parses vLLM's flags, builds the config and reports on a pipe.
-        report_r, report_w = os.pipe()
-        handshake_address = handshake_ipc_address()
-        try:
-            engine = subprocess.Popen(engine_core_argv(args, vllm_argv, handshake_address, report_w),
-                                      stdin=subprocess.DEVNULL, pass_fds=(report_w,))
-        finally:
-            os.close(report_w)
-        engine_process = ChildProcess(engine)
-        state.attach(engine_process)
-        if store is not None:
-            watch_coord_store(store, engine, store_stopping)
-        logger.info("Engine core process started (pid %d)", engine.pid)
-        launch = read_report(report_r)
-
-        # 2. The relay, to the frontend the engine core reported.
-        if launch is not None:
-            state.rank = launch.rank
-            relay = HandshakeRelay(launch.rank, handshake_address, launch.frontend_address, joined=state.joined)
-            relay.start()
-            logger.info("Engine core %s (pid %d) is rank %d of %d, frontend %s", launch.name, engine.pid,
-                        launch.rank, launch.data_parallel_size, launch.frontend_address)
-
-        # 3. Until the engine exits or a signal arrives.
-        engine.wait()
-        stopping = True
-        if launch is not None:
-            logger.error("Engine core %s exited with code %s without a stop signal; exiting",
-                         launch.name, engine.returncode)
-        else:
-            logger.error("The engine core exited with code %s before it was configured; exiting", engine.returncode)
+        launch.run()
     except KeyboardInterrupt:
-        if not stop_requested:
+        if not signals.requested:
             raise
     finally:
-        stopping = True
-        if relay is not None:
-            relay.close()
-        if engine is not None and stop_requested:
-            grace = (launch.shutdown_timeout if launch is not None else 0.0) + ORPHAN_GRACE_S
-            logger.info("Waiting up to %.0f seconds for the engine to exit", grace)
-            stop_engine(engine, grace)
-        if store is not None:
-            store_stopping.set()
-            stop_engine(store, ORPHAN_GRACE_S, "the coordination store")  # after the engine, which may use it
-        if engine is not None:
-            stop_orphans()
+        signals.stopping = True
+        launch.stop()
         health.close()  # /livez has said 503 since the engine exited
-        if engine_process is not None:
-            engine_process.close()
-
-    if stop_requested:
-        logger.info("Engine stopped")
-        return EXIT_OK
-    assert engine is not None
-    if launch is None and engine.returncode == EXIT_USAGE:
-        return EXIT_USAGE  # refused arguments, explained by the engine core on stderr
-    return _exit_status(engine.returncode)
+        if launch.engine_process is not None:
+            launch.engine_process.close()
+    return launch.exit_status()
 
 
 if __name__ == "__main__":

@@ -19,13 +19,14 @@ What needs no change at all, for the record:
 
 The changes:
 
-1. `use_client_class` replaces `EngineCoreClient.make_async_mp_client`
+1. `use_client_factory` replaces `EngineCoreClient.make_async_mp_client`
    (vllm/v1/engine/core_client.py). AsyncLLM builds its engine-core client only through this
    static factory and takes no class parameter, so the frontend cannot otherwise get corefleet's
-   DPLB subclass. The replacement returns corefleet's class wherever vLLM would build an internal
-   load-balancing client, `DPLBAsyncMPClient` (DP > 1) or `AsyncMPClient` (DP = 1): a fleet of one
-   rank uses the same DPLB client, so that it can grow (change 4), and defers to vLLM otherwise
-   (external load balancing).
+   DPLB subclass, nor hand it the fleet's options and registry. The replacement builds corefleet's
+   client (`frontend.client.client_factory`: the class with those bound as constructor arguments)
+   wherever vLLM would build an internal load-balancing client, `DPLBAsyncMPClient` (DP > 1) or
+   `AsyncMPClient` (DP = 1): a fleet of one rank uses the same DPLB client, so that it can grow
+   (change 4), and defers to vLLM otherwise (external load balancing).
 2. `advertised_parallel_config` replaces the `data_parallel_master_ip` that
    `wait_for_engine_startup` (vllm/v1/engine/utils.py) sends in INIT for MoE fleets
    (`coordinated_dp`). vLLM sends the frontend's own address, because it assumes engine rank 0 runs
@@ -102,7 +103,7 @@ import copy
 import functools
 import inspect
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from http import HTTPStatus
 from typing import Any
 
@@ -120,8 +121,8 @@ _ORIGINAL_ASYNC_LLM_INIT = AsyncLLM.__init__
 UNSERVED_ROUTES = ("/scale_elastic_ep", "/is_scaling_elastic_ep")
 
 
-def use_client_class(dp_client: type) -> None:
-    """Make AsyncLLM build corefleet's client for every internal load-balancing fleet (change 1)."""
+def use_client_factory(dp_client: Callable[..., Any]) -> None:
+    """Make AsyncLLM build corefleet's client with `dp_client` for every internal load-balancing fleet (change 1)."""
 
     def make_async_mp_client(vllm_config: Any, executor_class: Any, log_stats: bool,
                              client_addresses: dict[str, Any] | None = None, client_count: int = 1,

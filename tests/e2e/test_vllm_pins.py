@@ -220,7 +220,7 @@ def test_output_reader_is_what_yielding_output_socket_wraps(core_client: ModuleT
 
 
 def test_handshake_can_be_aborted_through_a_watched_process(engine_utils: ModuleType) -> None:
-    """frontend.client.HandshakeAbort stops vLLM's handshake loop as a "watched frontend process"."""
+    """frontend.handshake.HandshakeAbort stops vLLM's handshake loop as a "watched frontend process"."""
     assert "watched_frontend_processes" in engine_utils.CoreEngineLaunch.__dataclass_fields__
     startup = inspect.getsource(engine_utils.wait_for_engine_startup)
     for line in ("proc.sentinel if isinstance(proc.sentinel, int) else proc.sentinel.fileno()",

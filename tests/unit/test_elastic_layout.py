@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 
 from corefleet_client.admin import RankState, ResizeOperation, ResizePhase, ResizeRequest
-from corefleet_client.frontend.adminserver import ResizeRefused
 from corefleet_client.frontend.fleet import ExpertLayout, Fleet
+from corefleet_client.frontend.types import ResizeRefused
 from corefleet_operator import builders
 from standins import IdleView, RecordingRunner
 

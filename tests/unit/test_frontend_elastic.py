@@ -9,23 +9,26 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from corefleet_client.admin import RankState, ResizeOperation, ResizePhase
-from corefleet_client.frontend.client import ResizeFailed
-from corefleet_client.frontend.elastic import ElasticEPResize, _new_notifications
+from corefleet_client.frontend.elastic import ElasticResize, _new_notifications
 from corefleet_client.frontend.fleet import Fleet
+from corefleet_client.frontend.membership import Membership
+from corefleet_client.frontend.types import Cancels, FleetOptions, ResizeFailed
+
+OPTIONS = FleetOptions(coordinator_address="127.0.0.1", coordinator_front_publish_port=1,
+                       coordinator_back_output_port=2, coordinator_back_publish_port=3)
 
 
-class Host(ElasticEPResize):
-    """The parts of KubeDPLBClient the notifications and waits use."""
-
-    def __init__(self) -> None:
-        self._fleet = Fleet("m", 4)
-        self._records: dict[int, Any] = {}
-        self._lost: dict[int, str] = {}
+def make_elastic() -> ElasticResize:
+    """The elastic-EP component over a membership with no member records (what the notifications and waits use)."""
+    client: Any = SimpleNamespace(core_engines=[])
+    return ElasticResize(Membership(client, Fleet("m", 4), joiner=None, vllm_abort=None),  # type: ignore[arg-type]
+                         Cancels(), OPTIONS)
 
 
 OP = ResizeOperation(id="r", from_replicas=4, to_replicas=2, phase=ResizePhase.COMMITTING)
@@ -35,12 +38,12 @@ def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
-async def notify(host: Host, *notifications: tuple[str, int], leaving: tuple[int, ...] = (2, 3),
+async def notify(host: ElasticResize, *notifications: tuple[str, int], leaving: tuple[int, ...] = (2, 3),
                  committed: bool = True) -> Any:
-    host._eep = eep = _new_notifications("r", leaving)
+    host.running = eep = _new_notifications("r", leaving)
     eep.committed = committed
     for notification in notifications:
-        await host.eep_process_engine_core_notification(notification)
+        await host.notification(notification)
     return eep
 
 
@@ -50,19 +53,19 @@ def error_of(eep: Any) -> str:
 
 
 def test_the_expected_notifications_resolve_the_waits_and_retire_the_leaving_ranks() -> None:
-    host = Host()
+    host = make_elastic()
 
     async def scenario() -> Any:
         eep = await notify(host, ("SHUTDOWN_COMPLETE", 3), ("RECONFIGURE_FINISHED", 0), ("SHUTDOWN_COMPLETE", 2))
         assert not eep.error.done()
-        await host._eep_wait(OP, eep.finished, time.monotonic() + 5, "RECONFIGURE_FINISHED", [0, 1])
+        await host.wait(OP, eep.finished, time.monotonic() + 5, "RECONFIGURE_FINISHED", [0, 1])
         for rank in (2, 3):
-            await host._eep_wait(OP, eep.shut_down[rank], time.monotonic() + 5, f"SHUTDOWN_COMPLETE {rank}", [0, 1])
+            await host.wait(OP, eep.shut_down[rank], time.monotonic() + 5, f"SHUTDOWN_COMPLETE {rank}", [0, 1])
         return eep
 
     run(scenario())
-    assert [host._fleet.record(r).state for r in (2, 3)] == [RankState.RETIRED] * 2
-    assert "SHUTDOWN_COMPLETE" in host._fleet.record(2).message
+    assert [host.fleet.record(r).state for r in (2, 3)] == [RankState.RETIRED] * 2
+    assert "SHUTDOWN_COMPLETE" in host.fleet.record(2).message
 
 
 @pytest.mark.parametrize(("notifications", "committed", "words"), [
@@ -76,34 +79,34 @@ def test_the_expected_notifications_resolve_the_waits_and_retire_the_leaving_ran
 ])
 def test_a_notification_out_of_protocol_fails_the_resize(notifications: list[tuple[str, int]], committed: bool,
                                                           words: str) -> None:
-    host = Host()
+    host = make_elastic()
 
     async def scenario() -> str:
         eep = await notify(host, *notifications, committed=committed)
         assert words in error_of(eep)
         with pytest.raises(ResizeFailed, match="elastic-EP protocol error") as failed:
-            await host._eep_wait(OP, asyncio.get_running_loop().create_future(), time.monotonic() + 5, "x", [0])
+            await host.wait(OP, asyncio.get_running_loop().create_future(), time.monotonic() + 5, "x", [0])
         return str(failed.value)
 
     assert words in run(scenario())
 
 
 def test_a_notification_while_no_resize_runs_is_only_logged(caplog: pytest.LogCaptureFixture) -> None:
-    host = Host()
-    host._eep = None
-    run(host.eep_process_engine_core_notification(("SHUTDOWN_COMPLETE", 2)))
+    host = make_elastic()
+    host.running = None
+    run(host.notification(("SHUTDOWN_COMPLETE", 2)))
     assert "SHUTDOWN_COMPLETE from rank 2 while no elastic-EP resize runs" in caplog.text
-    assert host._fleet.record(2).state == RankState.JOINING  # nothing changed
+    assert host.fleet.record(2).state == RankState.JOINING  # nothing changed
 
 
 def test_a_dead_participant_ends_a_wait_and_leaves_the_fleet_to_be_recreated() -> None:
-    host = Host()
-    host._lost[2] = "connection to the engine lost"
+    host = make_elastic()
+    host.members.lost[2] = "connection to the engine lost"
 
     async def scenario() -> ResizeFailed:
-        host._eep = _new_notifications("r", (2, 3))
+        host.running = _new_notifications("r", (2, 3))
         with pytest.raises(ResizeFailed) as failed:
-            await host._eep_wait(OP, asyncio.get_running_loop().create_future(), time.monotonic() + 5, "x", [0, 2])
+            await host.wait(OP, asyncio.get_running_loop().create_future(), time.monotonic() + 5, "x", [0, 2])
         return failed.value
 
     failed = run(scenario())
@@ -112,12 +115,12 @@ def test_a_dead_participant_ends_a_wait_and_leaves_the_fleet_to_be_recreated() -
 
 
 def test_a_wait_past_its_deadline_fails() -> None:
-    host = Host()
+    host = make_elastic()
 
     async def scenario() -> None:
-        host._eep = _new_notifications("r", ())
+        host.running = _new_notifications("r", ())
         with pytest.raises(ResizeFailed, match="RECONFIGURE_FINISHED from rank 0: no answer within the deadline"):
-            await host._eep_wait(OP, asyncio.get_running_loop().create_future(), time.monotonic() + 0.3,
+            await host.wait(OP, asyncio.get_running_loop().create_future(), time.monotonic() + 0.3,
                                  "RECONFIGURE_FINISHED from rank 0", [0])
 
     run(scenario())

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 from vllm.v1.engine.core_client import DPLBAsyncMPClient
 
-from corefleet_client.frontend.client import routing_counts
 from corefleet_client.frontend.fleet import identity
+from corefleet_client.frontend.membership import routing_counts
 
 UNROUTABLE = 1 << 60
 

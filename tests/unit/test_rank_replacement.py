@@ -4,11 +4,12 @@
 1. `ResizeRequest.replace` on the wire (validation, JSON both ways, a plain resize unchanged).
 2. `Fleet.start_resize` for a replacement, behind a real AdminServer: only Dead ranks, same size,
    dense fleets, one operation at a time, idempotent by id.
-3. `RankReplacement._replace`, run through the client's own `_resize` (the dispatch) on a stand-in
-   for the client whose handshake and ready responses the test plays: what the commit changes
-   (routing counters, unroutable, Serving, the KV block total) and what a failure leaves (the rank
-   Dead and unroutable, the operation Failed, the fleet intact). The handshake itself runs against
-   real engine processes in tests/e2e/test_frontend_replace.py.
+3. `Replacement.replace`, run through the client's own dispatch (`ResizeOperations.run`) over a real
+   `Membership` of a stand-in for vLLM's client, the handshake and ready responses played by the
+   test: what the commit changes (routing counters, unroutable, Serving, the KV block total, the
+   lost engine's probe) and what a failure leaves (the rank Dead and unroutable, the operation
+   Failed, the fleet intact). The handshake itself runs against real engine processes in
+   tests/e2e/test_frontend_replace.py.
 """
 
 from __future__ import annotations
@@ -35,9 +36,13 @@ from corefleet_client.admin import (
     ResizeRequest,
 )
 from corefleet_client.frontend.adminserver import AdminServer
-from corefleet_client.frontend.client import KubeDPLBClient, ResizeFailed
-from corefleet_client.frontend.fleet import Fleet, RankRecord, identity
-from corefleet_client.frontend.replace import RankReplacement
+from corefleet_client.frontend.elastic import ElasticResize
+from corefleet_client.frontend.fleet import Fleet, identity
+from corefleet_client.frontend.membership import Membership
+from corefleet_client.frontend.operations import ResizeOperations
+from corefleet_client.frontend.replace import Replacement
+from corefleet_client.frontend.resize import DenseResize
+from corefleet_client.frontend.types import Cancels, FleetOptions, ResizeFailed
 
 TOKEN = "t0ken"
 
@@ -218,14 +223,52 @@ def test_a_dead_rank_still_blocks_a_plain_resize_but_not_its_replacement(setup: 
 
 
 # ---- 3. the client's side -------------------------------------------------------------------------
-class FakeClient(RankReplacement):
-    """The attributes and methods `_replace` and the client's `_resize` use; the handshake played by the test."""
+OPTIONS = FleetOptions(coordinator_address="127.0.0.1", coordinator_front_publish_port=1,
+                       coordinator_back_output_port=2, coordinator_back_publish_port=3)
 
-    _resize = KubeDPLBClient._resize
+
+class Joiner:
+    """The new engines' handshake and ready responses, played by the test."""
+
+    def __init__(self, client: FakeClient) -> None:
+        self.client = client
+        self.handshakes: list[tuple[list[int], str]] = []
+
+    def discard_stale_ready_responses(self) -> None:
+        pass
+
+    async def join(self, op: ResizeOperation, ranks: list[int], address: str, parallel_config: Any = None) -> None:
+        self.handshakes.append((list(ranks), address))
+        if self.client.handshake_error is not None:
+            raise self.client.handshake_error
+
+    async def read_ready_responses(self, ranks: list[int]) -> None:
+        if self.client.ready_error is not None:
+            raise self.client.ready_error
+        # What vLLM's _apply_ready_response does with each ready response.
+        self.client.vllm_config.cache_config.num_gpu_blocks += 100 * len(ranks)
+
+    def abort(self, reason: str, resize_id: str | None = None) -> None:
+        pass
+
+
+class RecordingMembership(Membership):
+    """The client's real membership, recording the requests it ends with an error."""
+
+    failed: list[tuple[list[str], str]]
+
+    def fail_requests(self, request_ids: Any, message: str, rank: int | None = None) -> None:
+        ids = list(request_ids)
+        self.failed.append((ids, message))
+        super().fail_requests(ids, message, rank)
+
+
+class FakeClient:
+    """vLLM's client as far as `Membership` reads it, its membership, and the probes the replacement forgets."""
 
     def __init__(self, fleet: Fleet, handshake_error: Exception | None = None,
                  ready_error: Exception | None = None) -> None:
-        self._fleet = fleet
+        self.fleet = fleet
         self.vllm_config = SimpleNamespace(
             parallel_config=SimpleNamespace(data_parallel_master_ip="127.0.0.1", data_parallel_rpc_port=29550),
             cache_config=SimpleNamespace(num_gpu_blocks=200))
@@ -233,53 +276,42 @@ class FakeClient(RankReplacement):
         self.lb_engines: list[list[int | float]] = [[0, 1, 0.1] for _ in range(fleet.size)]
         self.engine_inflight: Counter[bytes] = Counter({identity(r): 1 for r in range(fleet.size)})
         self.reqs_in_flight: dict[str, bytes] = {}
-        self._records: dict[int, RankRecord] = {r: fleet.record(r) for r in range(fleet.size)}
-        self._unroutable: dict[int, str] = {}
-        self._probes: dict[int, Any] = {}
-        self._cancels: dict[str, str] = {}
-        self.handshakes: list[tuple[list[int], str]] = []
-        self.failed: list[tuple[list[str], str]] = []
+        self.outputs_queue: asyncio.Queue[Any] = asyncio.Queue()
         self.handshake_error, self.ready_error = handshake_error, ready_error
+        self.joiner = Joiner(self)
+        self.members = RecordingMembership(self, fleet, self.joiner, vllm_abort=self._vllm_abort)  # type: ignore[arg-type]
+        self.members.failed = []
+        self.cancels = Cancels()
+        self.forgotten: list[int] = []  # ranks whose probes the liveness watcher was told to forget
+
+    async def _vllm_abort(self, request_ids: list[str], engine: bytes) -> None:
+        raise AssertionError("a replacement aborts nothing on an engine")
+
+    def forget(self, rank: int) -> None:
+        self.forgotten.append(rank)
 
     def kill(self, rank: int) -> None:
-        """What `_rank_died` leaves: Dead, unroutable, its requests failed."""
-        self._fleet.set_rank(rank, RankState.DEAD, "connection to the engine lost")
-        self._unroutable[rank] = f"rank {rank} is Dead"
+        """What `Liveness.rank_died` leaves: Dead, unroutable, its requests failed."""
+        self.fleet.set_rank(rank, RankState.DEAD, "connection to the engine lost")
+        self.members.unroutable[rank] = f"rank {rank} is Dead"
         self.engine_inflight[identity(rank)] = 0
         self.lb_engines[rank] = [1 << 60, 1 << 60, 0.0]
 
-    def _check_cancel(self, op: ResizeOperation) -> None:
-        if op.id in self._cancels:
-            raise ResizeFailed(f"cancelled: {self._cancels[op.id]}")
-
-    def _discard_stale_ready_responses(self) -> None:
-        pass
-
-    async def _run_handshake(self, op: ResizeOperation, engines: list[Any], address: str) -> None:
-        self.handshakes.append(([int.from_bytes(e.identity, "little") for e in engines], address))
-        if self.handshake_error is not None:
-            raise self.handshake_error
-
-    async def _read_ready_responses(self, ranks: list[int]) -> None:
-        if self.ready_error is not None:
-            raise self.ready_error
-        self.vllm_config.cache_config.num_gpu_blocks += 100 * len(ranks)  # what vLLM's _apply_ready_response does
-
-    def _requests_on(self, rank: int) -> list[str]:
-        return [rid for rid, engine in self.reqs_in_flight.items() if engine == identity(rank)]
-
-    def _fail_requests(self, request_ids: list[str], message: str, rank: int | None = None) -> None:
-        for rid in request_ids:
-            self.reqs_in_flight.pop(rid, None)
-        self.failed.append((list(request_ids), message))
+    async def run(self, resize_id: str) -> None:
+        """The operation, run by the client's dispatch."""
+        members, cancels = self.members, self.cancels
+        operations = ResizeOperations(members, cancels, DenseResize(members, cancels),
+                                      ElasticResize(members, cancels, OPTIONS), Replacement(members, cancels, self),
+                                      asyncio.get_running_loop())
+        await operations.run(resize_id)
 
 
 def _replace(client: FakeClient, ranks: tuple[int, ...], resize_id: str = "rep-1") -> ResizeOperation:
-    started, op = client._fleet.start_resize(ResizeRequest(id=resize_id, replicas=client._fleet.size,
-                                                           join_timeout_s=30, replace=ranks))
+    started, op = client.fleet.start_resize(ResizeRequest(id=resize_id, replicas=client.fleet.size,
+                                                          join_timeout_s=30, replace=ranks))
     assert started
-    asyncio.run(client._resize(op.id))
-    done = client._fleet.resize(op.id)
+    asyncio.run(client.run(op.id))
+    done = client.fleet.resize(op.id)
     assert done is not None
     return done
 
@@ -293,12 +325,13 @@ def test_a_replaced_rank_serves_again_with_fresh_routing_counters() -> None:
     assert (op.phase, op.error, op.rank(1).state) == (ResizePhase.COMPLETED, "", RankState.SERVING)
     assert "rank 1 replaced in place" in op.message
     # The handshake was for exactly the replaced rank, on the fleet's handshake address.
-    assert client.handshakes == [([1], "tcp://127.0.0.1:29550")]
+    assert client.joiner.handshakes == [([1], "tcp://127.0.0.1:29550")]
     assert fleet.ranks_in(RankState.SERVING) == [0, 1, 2]
-    assert client._unroutable == {}
+    assert client.members.unroutable == {}
     assert client.lb_engines[1] == [0, 0, 0.0]
     assert client.engine_inflight[identity(1)] == 0
-    assert client._records[1] is fleet.record(1)
+    assert client.members.records[1] is fleet.record(1)
+    assert client.forgotten == [1]  # no probe of the lost engine counts for the new one
     # The others were not touched; neither was the size, nor the fleet's KV-cache total.
     assert client.lb_engines[0] == client.lb_engines[2] == [0, 1, 0.1]
     assert client.engine_inflight[identity(0)] == client.engine_inflight[identity(2)] == 1
@@ -313,7 +346,8 @@ def test_a_request_left_on_the_replaced_rank_ends_with_an_error() -> None:
     client.kill(1)
     client.reqs_in_flight = {"a": identity(0), "b": identity(1)}
     _replace(client, (1,))
-    assert client.failed == [(["b"], "rank 1 was replaced by rep-1 before this request finished: retry the request")]
+    assert client.members.failed == [
+        (["b"], "rank 1 was replaced by rep-1 before this request finished: retry the request")]
     assert client.reqs_in_flight == {"a": identity(0)}
 
 
@@ -335,7 +369,7 @@ def test_a_failed_replacement_leaves_the_rank_dead_and_the_fleet_intact(
     assert fleet.ranks_in(RankState.DEAD) == [1]
     assert fleet.ranks_in(RankState.SERVING) == [0]
     assert f"replacement rep-1 failed: {op.error}" == fleet.record(1).message
-    assert 1 in client._unroutable
+    assert 1 in client.members.unroutable
     assert client.vllm_config.cache_config.num_gpu_blocks == 200
     # A second try with a new engine may come.
     client.handshake_error = client.ready_error = None
@@ -348,10 +382,10 @@ def test_a_cancelled_replacement_leaves_the_rank_dead() -> None:
     client = FakeClient(fleet)
     fleet.serving(View(), Runner())
     client.kill(1)
-    client._cancels["rep-1"] = "the operator gave up"
+    client.cancels.request("rep-1", "the operator gave up")
     op = _replace(client, (1,))
     assert (op.phase, op.error) == (ResizePhase.FAILED, "cancelled: the operator gave up")
-    assert client.handshakes == []
+    assert client.joiner.handshakes == []
     assert fleet.ranks_in(RankState.DEAD) == [1]
 
 
@@ -363,14 +397,14 @@ def test_the_lost_engines_load_is_ignored_until_the_new_engine_gets_a_request() 
     _replace(client, (1,))
     # The coordinator still publishes the lost engine's last counts for rank 1 (a new list each time).
     client.lb_engines = [[0, 0, 0.0], [0, 3, 0.4]]
-    client._ignore_stale_loads()
+    client.members.ignore_stale_loads()
     assert client.lb_engines == [[0, 0, 0.0], [0, 0, 0.0]]
     # Its first request: from then on its engine publishes its own counts, and they are taken as they come.
     fleet.record(1).requests_total += 1
     client.lb_engines = [[0, 0, 0.0], [0, 1, 0.1]]
-    client._ignore_stale_loads()
+    client.members.ignore_stale_loads()
     assert client.lb_engines == [[0, 0, 0.0], [0, 1, 0.1]]
-    assert client._stale_loads == {}
+    assert client.members.stale_loads == {}
 
 
 def test_a_replaced_rank_that_dies_again_is_left_unroutable() -> None:
@@ -380,9 +414,9 @@ def test_a_replaced_rank_that_dies_again_is_left_unroutable() -> None:
     client.kill(1)
     _replace(client, (1,))
     client.kill(1)
-    client._ignore_stale_loads()
+    client.members.ignore_stale_loads()
     assert client.lb_engines[1] == [1 << 60, 1 << 60, 0.0]
-    assert client._stale_loads == {}
+    assert client.members.stale_loads == {}
 
 
 def test_two_dead_ranks_are_replaced_in_one_operation() -> None:
@@ -393,6 +427,6 @@ def test_two_dead_ranks_are_replaced_in_one_operation() -> None:
     client.kill(0)
     op = _replace(client, (2, 0))
     assert (op.phase, op.replace, [r.rank for r in op.ranks]) == (ResizePhase.COMPLETED, (0, 2), [0, 2])
-    assert client.handshakes == [([0, 2], "tcp://127.0.0.1:29550")]
+    assert client.joiner.handshakes == [([0, 2], "tcp://127.0.0.1:29550")]
     assert fleet.ranks_in(RankState.SERVING) == [0, 1, 2]
-    assert client._unroutable == {}
+    assert client.members.unroutable == {}

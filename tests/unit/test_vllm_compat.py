@@ -24,8 +24,10 @@ from vllm.v1.serial_utils import MsgpackEncoder, UtilityResult
 
 from corefleet_client import vllm_compat
 from corefleet_client.admin import FleetState, RankState
-from corefleet_client.frontend.client import FleetOptions, KubeDPLBClient
+from corefleet_client.frontend.client import KubeDPLBClient
 from corefleet_client.frontend.fleet import Fleet, identity
+from corefleet_client.frontend.handshake import Handshake
+from corefleet_client.frontend.types import FleetOptions
 
 
 class AlwaysReady:
@@ -157,13 +159,13 @@ class Requests:
 
 
 def make_client(ranks: int, engines: Engines, interval: float = 0.01, timeout: float = 0.2) -> KubeDPLBClient:
-    """corefleet's client past its handshake (which needs engines), as `_fleet_started` leaves it."""
+    """corefleet's client past its handshake (which needs engines), as `_serve` leaves it."""
     client = KubeDPLBClient.__new__(KubeDPLBClient)
     engines.client = client
-    client._fleet_options = FleetOptions(coordinator_address="127.0.0.1", coordinator_front_publish_port=1,
-                                         coordinator_back_output_port=2, coordinator_back_publish_port=3,
-                                         liveness_interval_s=interval, liveness_timeout_s=timeout)
-    client._fleet = Fleet("tiny", ranks)
+    options = FleetOptions(coordinator_address="127.0.0.1", coordinator_front_publish_port=1,
+                           coordinator_back_output_port=2, coordinator_back_publish_port=3,
+                           liveness_interval_s=interval, liveness_timeout_s=timeout)
+    fleet = Fleet("tiny", ranks)
     client.core_engines = [identity(r) for r in range(ranks)]
     client.lb_engines = [[0, 0, 0.0] for _ in range(ranks)]
     client.reqs_in_flight = {}
@@ -176,8 +178,8 @@ def make_client(ranks: int, engines: Engines, interval: float = 0.01, timeout: f
     client.client_count = 1
     client.outputs_queue = asyncio.Queue()
     client._ensure_output_queue_task = lambda: None  # type: ignore[method-assign]  # no output socket here
-    client._fleet_started()
-    client._async_llm = SimpleNamespace(output_processor=Requests())
+    client._serve(options, fleet, Handshake(client, options, fleet))
+    client._members.async_llm = SimpleNamespace(output_processor=Requests())
     return client
 
 
@@ -190,13 +192,12 @@ async def until(check: Callable[[], Any], what: str, within: float = 5.0) -> Non
 
 
 def stop_watching(client: KubeDPLBClient) -> None:
-    client._shutting_down = True
-    assert client._liveness_task is not None
-    client._liveness_task.cancel()
+    assert client._liveness.task is not None
+    client._liveness.stop()
 
 
 def state(client: KubeDPLBClient, rank: int) -> RankState:
-    return client._fleet.snapshot().rank(rank).state
+    return client._members.fleet.snapshot().rank(rank).state
 
 
 def test_a_slow_rank_is_unresponsive_then_serving_again_and_its_late_answer_is_vllms_to_take() -> None:
@@ -208,7 +209,7 @@ def test_a_slow_rank_is_unresponsive_then_serving_again_and_its_late_answer_is_v
             engines.stopped.add(1)  # SIGSTOP
             await until(lambda: state(client, 1) != RankState.SERVING, "rank 1 to leave Serving")
             assert state(client, 1) == RankState.UNRESPONSIVE
-            snapshot = client._fleet.snapshot()
+            snapshot = client._members.fleet.snapshot()
             assert snapshot.state == FleetState.DEGRADED
             assert "rank 1 Unresponsive" in snapshot.message
             assert snapshot.rank(1).since is not None
@@ -220,9 +221,9 @@ def test_a_slow_rank_is_unresponsive_then_serving_again_and_its_late_answer_is_v
             # New requests avoid it; one pinned to it gets a 503 naming the rank and its state, unsent.
             unpinned = SimpleNamespace(request_id="free", data_parallel_rank=None, pooling_params=None)
             assert [client.get_core_engine_for_request(unpinned) for _ in range(3)] == [identity(0)] * 3
-            client._async_llm.output_processor.add("pinned")
+            client._members.async_llm.output_processor.add("pinned")
             await client.add_request_async(SimpleNamespace(request_id="pinned", data_parallel_rank=1))
-            error = client._async_llm.output_processor.errors["pinned"]
+            error = client._members.async_llm.output_processor.errors["pinned"]
             assert isinstance(error, GracefulHTTPError)
             assert error.http_status == HTTPStatus.SERVICE_UNAVAILABLE
             assert "data_parallel_rank 1 takes no requests: rank 1 is Unresponsive" in error.message, error.message
@@ -254,10 +255,10 @@ def test_a_lost_connection_makes_an_unresponsive_rank_dead() -> None:
             await until(lambda: state(client, 1) == RankState.UNRESPONSIVE, "rank 1 Unresponsive")
             client.reqs_in_flight["req"] = identity(1)
             client.engine_inflight[identity(1)] += 1
-            client._async_llm.output_processor.add("req")
+            client._members.async_llm.output_processor.add("req")
             engines.lost.add(1)  # the process is gone: its connection goes with it
             await until(lambda: state(client, 1) == RankState.DEAD, "rank 1 Dead")
-            assert isinstance(client._async_llm.output_processor.errors["req"], GracefulHTTPError)
+            assert isinstance(client._members.async_llm.output_processor.errors["req"], GracefulHTTPError)
             client.check_fleet_health()  # rank 0 still serves
             assert not engines.errors
         finally:
@@ -291,9 +292,9 @@ def test_health_is_503_only_when_no_rank_serves() -> None:
             await until(lambda: state(client, 0) == state(client, 1) == RankState.UNRESPONSIVE, "both Unresponsive")
             with pytest.raises(EngineDeadError):
                 client.check_fleet_health()
-            client._async_llm.output_processor.add("any")
+            client._members.async_llm.output_processor.add("any")
             await client.add_request_async(SimpleNamespace(request_id="any", data_parallel_rank=None))
-            error = client._async_llm.output_processor.errors["any"]
+            error = client._members.async_llm.output_processor.errors["any"]
             assert isinstance(error, GracefulHTTPError)
             assert "no rank of the fleet takes requests" in error.message
             engines.cont(0)
@@ -310,15 +311,15 @@ def test_a_stall_of_the_frontends_own_loop_blames_no_rank() -> None:
         engines = Engines()
         client = make_client(2, engines, timeout=0.3)
         transitions: list[tuple[int, RankState]] = []
-        set_rank = client._fleet.set_rank
+        set_rank = client._members.fleet.set_rank
 
         def record(rank: int, new: RankState, message: str = "") -> None:
             transitions.append((rank, new))
             set_rank(rank, new, message)
 
-        client._fleet.set_rank = record  # type: ignore[method-assign]
+        client._members.fleet.set_rank = record  # type: ignore[method-assign]
         try:
-            await until(lambda: len(client._probes) == 2 or engines.utility_calls(1, "is_sleeping") >= 2,
+            await until(lambda: len(client._liveness.probes) == 2 or engines.utility_calls(1, "is_sleeping") >= 2,
                         "liveness calls going")
             # The loop blocks longer than the timeout while the engines' answers wait to be read.
             engines.stopped.update({0, 1})
@@ -342,8 +343,8 @@ def test_the_liveness_watcher_is_restarted_if_it_fails(caplog: pytest.LogCapture
         engines = Engines()
         client = make_client(2, engines)
         try:
-            first = client._liveness_task
-            original = client._liveness_tick
+            first = client._liveness.task
+            original = client._liveness.tick
             failures = [RuntimeError("boom")]
 
             async def failing_tick(now: float) -> None:
@@ -351,8 +352,8 @@ def test_the_liveness_watcher_is_restarted_if_it_fails(caplog: pytest.LogCapture
                     raise failures.pop()
                 await original(now)
 
-            client._liveness_tick = failing_tick  # type: ignore[method-assign]
-            await until(lambda: client._liveness_task is not first, "a new watcher task")
+            client._liveness.tick = failing_tick  # type: ignore[method-assign]
+            await until(lambda: client._liveness.task is not first, "a new watcher task")
             engines.stopped.add(1)
             await until(lambda: state(client, 1) == RankState.UNRESPONSIVE, "detection by the new watcher")
         finally:

@@ -2,9 +2,9 @@
 """`python -m corefleet_client.frontend [corefleet flags] -- <vllm serve flags>`
 
 vLLM's own OpenAI API server (`run_server`, one API server process) over corefleet's engine-core
-client (`frontend.client`), plus the authenticated admin API on its own port. The vLLM flags are
-parsed by vLLM's `vllm serve` parser, so every serve flag works; the DP flags must describe a
-frontend with no local engine: `--data-parallel-size N --data-parallel-size-local 0
+client (`frontend.client`), plus the authenticated admin API on its own port (`frontend.serve`).
+The vLLM flags are parsed by vLLM's `vllm serve` parser, so every serve flag works; the DP flags
+must describe a frontend with no local engine: `--data-parallel-size N --data-parallel-size-local 0
 --data-parallel-address <this pod's IP> --data-parallel-rpc-port P`.
 
 Exit codes: 0 after SIGTERM/SIGINT, 2 for bad arguments or a missing admin token, 1 otherwise.
@@ -25,7 +25,6 @@ from corefleet_client.process import configure_logging, exit_promptly
 EXIT_USAGE = 2
 # The default of --liveness-timeout where the command line is not one's own (local fleets in tests).
 ENV_LIVENESS_TIMEOUT = "COREFLEET_LIVENESS_TIMEOUT"
-logger = logging.getLogger("corefleet.frontend")
 
 
 def _env_float(name: str, default: float) -> float:
@@ -80,76 +79,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"corefleet frontend: {e}\n")
         return EXIT_USAGE
     configure_logging(logging.INFO)
+    # vLLM is imported only now, with the module that serves (not to break an import cycle: there is
+    # none), so that `--help` and argument errors stay fast.
+    from corefleet_client.frontend import serve
 
-    # vLLM is imported only now: `--help` and argument errors stay fast.
-    import prometheus_client
-    import uvloop
-    import vllm
-    from vllm.entrypoints.launchers.api_server.entry import run_server
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    from corefleet_client import vllm_compat
-    from corefleet_client.frontend.adminserver import AdminServer
-    from corefleet_client.frontend.client import FleetOptions, KubeDPLBClient
-    from corefleet_client.frontend.fleet import Fleet
-    from corefleet_client.frontend.metrics import FleetCollector
-
-    vparser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
-    args = vparser.parse_args(vllm_argv)
-    if getattr(args, "model_tag", None):
-        args.model = args.model_tag
-    validate_parsed_serve_args(args)
-    problems = []
-    if args.headless:
-        problems.append("--headless is for engines, not the frontend")
-    if args.data_parallel_size_local != 0:
-        problems.append("--data-parallel-size-local must be 0: the frontend starts no engine")
-    if args.api_server_count not in (None, 1):
-        problems.append("--api-server-count must be 1: one API server owns the engines' sockets")
-    if args.data_parallel_rank is not None or args.data_parallel_start_rank is not None:
-        problems.append("--data-parallel-rank/--data-parallel-start-rank are for engines")
-    if args.data_parallel_external_lb or args.data_parallel_hybrid_lb:
-        problems.append("external and hybrid load balancing are not corefleet's topology")
-    if problems:
-        vparser.error("; ".join(problems))
-    args.api_server_count = None
-
-    options = FleetOptions(
-        coordinator_address=opts.coordinator_address,
-        coordinator_front_publish_port=opts.coordinator_front_publish_port,
-        coordinator_back_output_port=opts.coordinator_back_output_port,
-        coordinator_back_publish_port=opts.coordinator_back_publish_port,
-        engine0_address=opts.engine0_address,
-        coord_store_port=opts.coord_store_port,
-        liveness_interval_s=opts.liveness_interval,
-        liveness_timeout_s=opts.liveness_timeout,
-    )
-    served = args.served_model_name[0] if args.served_model_name else args.model
-    fleet = Fleet(model=served, data_parallel_size=args.data_parallel_size, vllm_version=vllm.__version__)
-    KubeDPLBClient.options = options
-    KubeDPLBClient.fleet = fleet
-    prometheus_client.REGISTRY.register(FleetCollector(fleet))  # beside vLLM's series on /metrics
-    vllm_compat.use_client_class(KubeDPLBClient)
-    vllm_compat.install_fleet_health_check()
-    vllm_compat.install_async_llm_hook()
-    vllm_compat.install_public_route_filter()
-    vllm_compat.install_frontend_eplb_config()
-
-    try:
-        admin = AdminServer(opts.admin_host, opts.admin_port, token, fleet)
-    except OSError as e:
-        where = f"{opts.admin_host}:{opts.admin_port}"
-        sys.stderr.write(f"corefleet frontend: cannot serve the admin API on {where}: {e}\n")
-        return 1
-    admin.start()
-    try:
-        uvloop.run(run_server(args))
-    except KeyboardInterrupt:
-        logger.info("Interrupted before the server started; exiting")
-    finally:
-        admin.stop()
-    return 0
+    return serve.serve(opts, token, vllm_argv)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """The frontend's view of its fleet: ranks, per-rank counters and resize operations, thread-safe.
 
-Two threads use it. vLLM's event loop (corefleet's client, `frontend.client`) changes rank states,
+Two threads use it. vLLM's event loop (corefleet's client and its components) changes rank states,
 bumps counters and carries out resizes; the admin server's threads read snapshots and start or
 cancel resizes. Every state change happens under one lock; the per-request counters are plain
 ints bumped on the event loop (an int read from another thread is atomic under the GIL).
 
 A resize is an operation with an id (`admin.ResizeOperation`). `start_resize` checks the request
 against what runs (idempotent for the same id and target, 409 for anything else while one runs),
-records it as Pending and hands its id to the event loop (`ResizeRunner`); from then on only the
+records it as Pending and hands its id to the event loop (`ResizeRunner`: `frontend.operations`); from then on only the
 event loop moves it on (`update_resize`, `finish_resize`), and every transition is logged. A
 replacement (`ResizeRequest.replace`: new engines for Dead ranks, same size) is such an operation
 too; only a dense fleet's Dead ranks can be replaced (`frontend.replace`).
@@ -38,7 +38,7 @@ from corefleet_client.admin import (
     ResizeRank,
     ResizeRequest,
 )
-from corefleet_client.frontend.adminserver import ResizeRefused
+from corefleet_client.frontend.types import ResizeRefused
 
 logger = logging.getLogger("corefleet.frontend")
 

@@ -1,0 +1,104 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The frontend's process once its own flags are read: vLLM's API server over corefleet's client, and the admin API.
+
+`__main__` reads corefleet's flags and the admin token without importing vLLM, then hands over
+here (`serve`): vLLM's `vllm serve` flags are parsed and checked against corefleet's topology (one
+API server, no local engine), the fleet registry is built, corefleet's changes to vLLM are
+installed (`vllm_compat`; its client factory builds `KubeDPLBClient` with this fleet's options and
+registry as constructor arguments, so nothing is set globally on the class), and vLLM's server runs
+until SIGTERM/SIGINT, the admin API beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+import prometheus_client
+import uvloop
+import vllm
+from vllm.entrypoints.launchers.api_server.entry import run_server
+from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+from corefleet_client import vllm_compat
+from corefleet_client.frontend.adminserver import AdminServer
+from corefleet_client.frontend.client import client_factory
+from corefleet_client.frontend.fleet import Fleet
+from corefleet_client.frontend.metrics import FleetCollector
+from corefleet_client.frontend.types import FleetOptions
+
+logger = logging.getLogger("corefleet.frontend")
+
+
+def parse_vllm_args(vllm_argv: Sequence[str]) -> argparse.Namespace:
+    """vLLM's serve flags, as `vllm serve` parses them, refused (exit 2) where they are not a fleet frontend's."""
+    vparser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+    args: argparse.Namespace = vparser.parse_args(list(vllm_argv))
+    if getattr(args, "model_tag", None):
+        args.model = args.model_tag
+    validate_parsed_serve_args(args)
+    problems = []
+    if args.headless:
+        problems.append("--headless is for engines, not the frontend")
+    if args.data_parallel_size_local != 0:
+        problems.append("--data-parallel-size-local must be 0: the frontend starts no engine")
+    if args.api_server_count not in (None, 1):
+        problems.append("--api-server-count must be 1: one API server owns the engines' sockets")
+    if args.data_parallel_rank is not None or args.data_parallel_start_rank is not None:
+        problems.append("--data-parallel-rank/--data-parallel-start-rank are for engines")
+    if args.data_parallel_external_lb or args.data_parallel_hybrid_lb:
+        problems.append("external and hybrid load balancing are not corefleet's topology")
+    if problems:
+        vparser.error("; ".join(problems))
+    args.api_server_count = None
+    return args
+
+
+def fleet_options(opts: argparse.Namespace) -> FleetOptions:
+    """The client's options from corefleet's flags (`__main__.build_parser`)."""
+    return FleetOptions(
+        coordinator_address=opts.coordinator_address,
+        coordinator_front_publish_port=opts.coordinator_front_publish_port,
+        coordinator_back_output_port=opts.coordinator_back_output_port,
+        coordinator_back_publish_port=opts.coordinator_back_publish_port,
+        engine0_address=opts.engine0_address,
+        coord_store_port=opts.coord_store_port,
+        liveness_interval_s=opts.liveness_interval,
+        liveness_timeout_s=opts.liveness_timeout,
+    )
+
+
+def install_vllm_changes(options: FleetOptions, fleet: Fleet) -> None:
+    """corefleet's changes to vLLM in this process (`vllm_compat`), its client built for this fleet."""
+    vllm_compat.use_client_factory(client_factory(options, fleet))
+    vllm_compat.install_fleet_health_check()
+    vllm_compat.install_async_llm_hook()
+    vllm_compat.install_public_route_filter()
+    vllm_compat.install_frontend_eplb_config()
+
+
+def serve(opts: argparse.Namespace, token: str, vllm_argv: Sequence[str]) -> int:
+    """Run vLLM's API server and the admin API until stopped; the process's exit code."""
+    args = parse_vllm_args(vllm_argv)
+    options = fleet_options(opts)
+    served = args.served_model_name[0] if args.served_model_name else args.model
+    fleet = Fleet(model=served, data_parallel_size=args.data_parallel_size, vllm_version=vllm.__version__)
+    prometheus_client.REGISTRY.register(FleetCollector(fleet))  # beside vLLM's series on /metrics
+    install_vllm_changes(options, fleet)
+    try:
+        admin = AdminServer(opts.admin_host, opts.admin_port, token, fleet)
+    except OSError as e:
+        where = f"{opts.admin_host}:{opts.admin_port}"
+        sys.stderr.write(f"corefleet frontend: cannot serve the admin API on {where}: {e}\n")
+        return 1
+    admin.start()
+    try:
+        uvloop.run(run_server(args))
+    except KeyboardInterrupt:
+        logger.info("Interrupted before the server started; exiting")
+    finally:
+        admin.stop()
+    return 0

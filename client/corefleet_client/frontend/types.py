@@ -1,0 +1,103 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What the frontend's modules share: its options, its errors, the resize cancels and the view of vLLM's client.
+
+A leaf: it imports no other frontend module (an import-linter contract), and neither vLLM nor
+ZeroMQ, so the fleet registry (`frontend.fleet`) and the admin server (`frontend.adminserver`),
+which are tested without vLLM, can use it too. Each error says who raises it and who reads it:
+
+* `ResizeRefused`: a resize request the fleet will not carry out (`Fleet.start_resize` and
+  `Fleet.cancel_resize` raise it in the admin server's threads; the admin server answers with its
+  HTTP status).
+* `ResizeFailed`: a running resize operation that stopped (raised by the resize components on
+  vLLM's event loop; `operations.ResizeOperations` records it as the operation's error, with
+  `fleet_intact` telling the operator whether the fleet serves on or must be recreated).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any, Protocol
+
+from corefleet_client.admin import ResizeOperation
+
+# A score no live rank reaches: vLLM's router picks the lowest (waiting, running) load.
+UNROUTABLE = 1 << 60
+
+
+@dataclass(frozen=True)
+class FleetOptions:
+    """What the frontend knows about its fleet beyond vLLM's own flags (from the entrypoint's command line)."""
+
+    coordinator_address: str
+    coordinator_front_publish_port: int
+    coordinator_back_output_port: int
+    coordinator_back_publish_port: int
+    engine0_address: str | None = None  # MoE: where engine rank 0 binds its DP group port
+    coord_store_port: int | None = None  # elastic EP: the startup's coordination store, beside engine 0
+    liveness_interval_s: float = 1.0
+    liveness_timeout_s: float = 30.0
+
+
+class ResizeRefused(Exception):
+    """A resize request the fleet will not carry out: the HTTP status, why, and the operation in the way."""
+
+    def __init__(self, status: HTTPStatus, message: str, operation: ResizeOperation | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.operation = operation
+
+
+class ResizeFailed(Exception):
+    """A resize operation stopped; `fleet_intact`: the fleet serves on as before (else it must be recreated)."""
+
+    def __init__(self, message: str, *, fleet_intact: bool = True) -> None:
+        super().__init__(message)
+        self.fleet_intact = fleet_intact
+
+
+class Cancels:
+    """The cancel requests of resize operations, by id: set from the admin API (through the event loop), read
+    by the running operation at each of its checkpoints (`check`), dropped when it ends."""
+
+    def __init__(self) -> None:
+        self._reasons: dict[str, str] = {}
+
+    def request(self, resize_id: str, reason: str) -> None:
+        self._reasons.setdefault(resize_id, reason)
+
+    def check(self, op: ResizeOperation) -> None:
+        """Raise ResizeFailed if `op` was asked to stop."""
+        reason = self._reasons.get(op.id)
+        if reason is not None:
+            raise ResizeFailed(f"cancelled: {reason}")
+
+    def forget(self, resize_id: str) -> None:
+        self._reasons.pop(resize_id, None)
+
+
+class EngineClient(Protocol):
+    """What the frontend's components read and change of vLLM's DPLB client: corefleet's subclass of it
+    (`frontend.client.KubeDPLBClient`), as vLLM 0.32.0 defines these attributes (pinned by
+    tests/e2e/test_vllm_pins.py). The routing tables are changed only through `membership.Membership`."""
+
+    vllm_config: Any
+    core_engines: list[bytes]  # the identities the router picks from (the fleet's ranks)
+    lb_engines: list[list[int | float]]  # the coordinator's (waiting, running, kv) per rank, as the router reads it
+    engine_ranks_managed: list[int]  # the ranks vLLM's stats task takes counts for
+    engine_inflight: Any  # Counter: this client's unfinished requests per identity
+    reqs_in_flight: dict[str, bytes]  # request id -> the identity it was sent to
+    utility_results: dict[int, Any]  # call id -> the future vLLM's output task resolves with the answer
+    outputs_queue: asyncio.Queue[Any]
+    input_socket: Any  # the requests ROUTER
+    first_req_send_socket: Any  # to vLLM's stats task
+    encoder: Any
+    client_index: int
+
+    def _ensure_stats_update_task(self) -> None: ...
+
+    def _ensure_output_queue_task(self) -> None: ...
+
+    def _apply_ready_response(self, payload: bytes) -> None: ...
