@@ -26,6 +26,7 @@ from corefleet_client import vllm_compat
 from corefleet_client.admin import FleetState, RankState
 from corefleet_client.frontend.client import FleetOptions, KubeDPLBClient
 from corefleet_client.frontend.fleet import Fleet, identity
+from corefleet_harness.support import wait_until_async
 
 
 class AlwaysReady:
@@ -182,11 +183,8 @@ def make_client(ranks: int, engines: Engines, interval: float = 0.01, timeout: f
 
 
 async def until(check: Callable[[], Any], what: str, within: float = 5.0) -> None:
-    deadline = time.monotonic() + within
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {within}s waiting for {what}")
-        await asyncio.sleep(0.005)
+    """This module's wait: 5 s, checked every 5 ms (a rank's state may last a moment)."""
+    await wait_until_async(check, within, what, interval=0.005)
 
 
 def stop_watching(client: KubeDPLBClient) -> None:
