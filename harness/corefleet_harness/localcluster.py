@@ -198,12 +198,21 @@ class LocalControlPlane:
             raise
 
     def _start(self) -> None:
+        """The keys and certificates, then etcd, the API server, the controller manager and the scheduler,
+        each waited for before what needs it starts."""
         d = self.state_dir
         self._run(["openssl", "genrsa", "-out", str(self.sa_key), "2048"])
         self._run(["openssl", "rsa", "-in", str(self.sa_key), "-pubout", "-out", str(d / "sa.pub")])
         (d / "tokens.csv").write_text(f"{ADMIN_TOKEN},admin,admin,system:masters\n")
         self._make_front_proxy_certs()
+        etcd_url = self._start_etcd()
+        self._start_apiserver(etcd_url)
+        self._start_controllers()
+        logger.info("control plane ready at %s (state %s)", self.server, d)
 
+    def _start_etcd(self) -> str:
+        """etcd on a free port, healthy; returns its client URL."""
+        d = self.state_dir
         etcd_url = f"http://127.0.0.1:{free_port()}"
         peer_url = f"http://127.0.0.1:{free_port()}"
         etcd = self._spawn(
@@ -218,7 +227,11 @@ class LocalControlPlane:
             "--unsafe-no-fsync",  # test data only; keeps the 2-core machine's disk out of the way
         )
         self._wait(etcd, lambda: _etcd_healthy(etcd_url), "etcd /health")
+        return etcd_url
 
+    def _start_apiserver(self, etcd_url: str) -> None:
+        """kube-apiserver on a free port (`server`), ready, and the admin kubeconfig for it."""
+        d = self.state_dir
         port = free_port()
         self.server = f"https://127.0.0.1:{port}"
         if self.node_ip:
@@ -248,6 +261,8 @@ class LocalControlPlane:
         self._wait(api, lambda: self.request("GET", "/readyz", raw=True) == b"ok", "kube-apiserver /readyz")
         self._write_kubeconfig(self.kubeconfig, ADMIN_TOKEN, "admin")
 
+    def _start_controllers(self) -> None:
+        """kube-controller-manager and kube-scheduler, both working."""
         kcm = self._spawn(
             "kube-controller-manager",
             f"--kubeconfig={self.kubeconfig}",
@@ -278,7 +293,6 @@ class LocalControlPlane:
         self._wait(kcm, lambda: self.exists("/api/v1/namespaces/default/serviceaccounts/default"),
                    "kube-controller-manager (default service account)")
         self._wait(sched, sched.check_alive, "kube-scheduler")
-        logger.info("control plane ready at %s (state %s)", self.server, d)
 
     def stop(self) -> None:
         """Stop every component by PID, in reverse order, each with a timeout and then a kill."""
