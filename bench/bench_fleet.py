@@ -110,10 +110,11 @@ from typing import Any
 
 import psutil  # type: ignore[import-untyped]  # a vLLM dependency
 
-from bench_frontend import BenchError, _cpu_model, _vllm_version, http_get, log, machine_busy_seconds, run_in_state_dir
+from bench_frontend import BenchError, _cpu_model, _vllm_version, log, machine_busy_seconds, run_in_state_dir
 from corefleet_client.admin import AdminError
 from corefleet_harness import local
 from corefleet_harness.local import LOCALHOST
+from corefleet_harness.support import WaitTimeout, free_ports, http_get, tail, wait_until
 from corefleet_harness.tinymodel import VLLM_CPU_FLAGS, VOCAB_SIZE, write_tiny_model
 
 SERVED_NAME = local.TINY_MODEL_NAME
@@ -271,28 +272,31 @@ def _start_ticks(pid: int) -> int:
 
 
 def _tails(paths: list[Path], lines: int = 25) -> str:
-    return "\n".join(f"--- last lines of {p}:\n{local.tail(p, lines)}" for p in paths)
+    return "\n".join(f"--- last lines of {p}:\n{tail(p, lines)}" for p in paths)
 
 
-def wait_until(check: Callable[[], str | None], timeout: float, what: str,
-               failed: Callable[[], str | None] = lambda: None, logs: tuple[Path, ...] = ()) -> None:
-    """Poll `check` (None: done, else what is missing) until the deadline; `failed` says why to give up
-    at once. A timeout names what was missing last and shows the tails of `logs`."""
-    deadline = time.monotonic() + timeout
-    while True:
+def wait_serving(check: Callable[[], str | None], timeout: float, what: str,
+                 failed: Callable[[], str | None] = lambda: None, logs: tuple[Path, ...] = ()) -> None:
+    """`wait_until` for a check that says what is missing (None: done); `failed` says why to give up
+    at once. A timeout names what was missing last and shows the tails of `logs` (a BenchError either way)."""
+    missing: str | None = "nothing checked yet"
+
+    def done() -> bool:
+        nonlocal missing
         why = failed()
         if why is not None:
             raise BenchError(why)
         missing = check()
-        if missing is None:
-            return
-        if time.monotonic() >= deadline:
-            raise BenchError(f"{what}: not done within {timeout:.0f} s ({missing})\n{_tails(list(logs))}")
-        time.sleep(local.POLL_SECONDS)
+        return missing is None
+
+    try:
+        wait_until(done, timeout, what, interval=local.POLL_SECONDS)
+    except WaitTimeout:
+        raise BenchError(f"{what}: not done within {timeout:.0f} s ({missing})\n{_tails(list(logs))}") from None
 
 
 def models_answer(base: str) -> str | None:
-    status, body = http_get(f"{base}/v1/models", timeout=5)
+    status, body = http_get(f"{base}/v1/models", 5, unanswered_ok=True)
     if status != 200:
         return f"GET {base}/v1/models: {status or 'no answer'}"
     if SERVED_NAME.encode() not in body:
@@ -347,7 +351,7 @@ def stock_fleet(args: argparse.Namespace, work: Path, model: str, flags: tuple[s
     """`vllm serve` (with the emulators for `--engine emulator`) in one new session; stopped on the way out."""
     work.mkdir(parents=True, exist_ok=True)
     n = args.ranks
-    http, rpc, *health = local.free_ports(2 + n)
+    http, rpc, *health = free_ports(2 + n)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     serve = [str(BIN / "vllm"), "serve", model, "--data-parallel-size", str(n), "--api-server-count", "1",
              "--host", LOCALHOST, "--port", str(http)]
@@ -390,11 +394,11 @@ def stock_fleet(args: argparse.Namespace, work: Path, model: str, flags: tuple[s
 
         def ready() -> str | None:
             not_ready = [r for r, port in enumerate(side.health_ports)
-                         if http_get(f"http://{LOCALHOST}:{port}/readyz")[0] != 200]
+                         if http_get(f"http://{LOCALHOST}:{port}/readyz", 2, unanswered_ok=True)[0] != 200]
             return f"emulators not ready: {not_ready}" if not_ready else models_answer(side.base)
 
         timeout = args.ready_timeout or local.DEFAULT_READY_TIMEOUT[args.engine]
-        wait_until(ready, timeout, "stock fleet serving", failed, tuple(logs))
+        wait_serving(ready, timeout, "stock fleet serving", failed, tuple(logs))
         side.started_in = time.monotonic() - t0
         yield side
     finally:
@@ -404,7 +408,7 @@ def stock_fleet(args: argparse.Namespace, work: Path, model: str, flags: tuple[s
 @contextlib.contextmanager
 def corefleet_fleet(args: argparse.Namespace, state: Path, model: str, round_no: int) -> Iterator[Side]:
     """`corefleet up --detach` in a new session; `corefleet down` on the way out."""
-    port = local.free_ports(1)[0]
+    port = free_ports(1)[0]
     argv = [str(BIN / "corefleet"), "up", "--detach", "--replicas", str(args.ranks), "--engine", args.engine,
             "--port", str(port), "--state-dir", str(state)]
     if args.engine == local.ENGINE_EMULATOR:
@@ -433,7 +437,7 @@ def corefleet_fleet(args: argparse.Namespace, state: Path, model: str, round_no:
             raise BenchError(f"corefleet up serves {record.model}, not the shared model directory {model}")
         side.health_ports = record.ports.health
         side.logs = [up_log, *(Path(p.log) for p in record.processes)]
-        wait_until(lambda: models_answer(side.base), 60, "corefleet /v1/models", logs=tuple(side.logs))
+        wait_serving(lambda: models_answer(side.base), 60, "corefleet /v1/models", logs=tuple(side.logs))
         side.started_in = time.monotonic() - t0
         yield side
     except BaseException:
@@ -554,7 +558,7 @@ def run_loadgen(side: Side, args: argparse.Namespace, model: str, concurrency: i
                 lg.wait()
     if rc != 0 or not result_file.exists() or set(samples) != {"start", "end"}:
         raise BenchError(f"{side.name}: vllm bench serve ({tag}) failed (exit {rc}); last lines of {log_path}:\n"
-                         f"{local.tail(log_path)}")
+                         f"{tail(log_path)}")
     result = json.loads(result_file.read_text())
     if result.get("failed") or result.get("completed") != prompts:
         errors = sorted({e for e in result.get("errors", []) if e})[:3]
@@ -572,7 +576,7 @@ def run_loadgen(side: Side, args: argparse.Namespace, model: str, concurrency: i
 
 # ---- routing balance (emulator mode) -------------------------------------------------------------
 def prometheus_per_engine(base: str, metric: str, ranks: int) -> list[int]:
-    status, body = http_get(f"{base}/metrics", timeout=10)
+    status, body = http_get(f"{base}/metrics", 10, unanswered_ok=True)
     if status != 200:
         raise BenchError(f"GET {base}/metrics: {status or 'no answer'}")
     counts = [0.0] * ranks
@@ -602,7 +606,7 @@ def rank_counters(side: Side) -> dict[str, list[int]]:
             side.base, "vllm:request_success_total", side.ranks)
     added = []
     for port in side.health_ports:
-        status, body = http_get(f"http://{LOCALHOST}:{port}/stats", timeout=10)
+        status, body = http_get(f"http://{LOCALHOST}:{port}/stats", 10, unanswered_ok=True)
         added.append(int(json.loads(body)["requests_added"]) if status == 200 else -1)
     out["added on the engine (emulator /stats requests_added)"] = added
     return out

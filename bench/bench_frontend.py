@@ -65,6 +65,7 @@ from typing import Any
 
 from corefleet_harness import local
 from corefleet_harness.local import LOCALHOST, FleetOptions, LocalFleet, LocalFleetError, Ports
+from corefleet_harness.support import WaitTimeout, free_ports, http_get, tail, wait_until
 from corefleet_harness.tinymodel import VLLM_CPU_FLAGS, write_tiny_model
 
 REPLICAS = 2
@@ -202,16 +203,6 @@ def machine_busy_seconds() -> float:
     return (sum(values) - values[3] - values[4]) / CLK_TCK
 
 
-def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, b""
-    except OSError:
-        return 0, b""
-
-
 def post_completion(base: str, max_tokens: int) -> dict[str, Any]:
     body = json.dumps({"model": SERVED_NAME, "prompt": PROMPT, "max_tokens": max_tokens,
                        "ignore_eos": True}).encode()
@@ -251,7 +242,7 @@ class StockFleet:
     def __init__(self, work: Path, model: str, flags: tuple[str, ...], token_delay_ms: int) -> None:
         self.work = work
         self.procs: list[Proc] = []
-        http, rpc, h0, h1 = local.free_ports(4)
+        http, rpc, h0, h1 = free_ports(4)
         self.ports = Ports(http=http, admin=0, rpc=rpc, coord_front_publish=0, coord_back_output=0,
                            coord_back_publish=0, health=(h0, h1))
         py = sys.executable
@@ -275,23 +266,29 @@ class StockFleet:
     def wait_ready(self, timeout: float) -> None:
         """The frontend's /health is 200 (vLLM serves HTTP only after every engine's handshake) and
         each engine's /readyz is 200; fail at once with the log tail of a process that exits."""
-        deadline = time.monotonic() + timeout
         last = "nothing checked yet"
-        while True:
+        not_ready: list[int] = []
+
+        def ready() -> bool:
+            nonlocal last, not_ready
             for p in self.procs:
                 if p.popen.poll() is not None:
                     raise BenchError(f"stock {p.name} exited with {p.popen.returncode} before the fleet was ready; "
-                                     f"last lines of {p.log}:\n{local.tail(p.log)}")
+                                     f"last lines of {p.log}:\n{tail(p.log)}")
             not_ready = [r for r, port in enumerate(self.ports.health)
-                         if http_get(f"http://{LOCALHOST}:{port}/readyz")[0] != 200]
-            if http_get(f"http://{LOCALHOST}:{self.ports.http}/health")[0] == 200 and not not_ready:
-                return
+                         if http_get(f"http://{LOCALHOST}:{port}/readyz", 2, unanswered_ok=True)[0] != 200]
+            if http_get(f"http://{LOCALHOST}:{self.ports.http}/health", 2, unanswered_ok=True)[0] == 200 \
+                    and not not_ready:
+                return True
             last = f"engines not ready: {not_ready}" if not_ready else "the frontend's /health is not 200 yet"
-            if time.monotonic() >= deadline:
-                slow = self.procs[1 + not_ready[0]] if not_ready else self.procs[0]
-                raise BenchError(f"the stock fleet was not ready within {timeout:.0f} s ({last}); last lines of "
-                                 f"{slow.log}:\n{local.tail(slow.log)}")
-            time.sleep(local.POLL_SECONDS)
+            return False
+
+        try:
+            wait_until(ready, timeout, "the stock fleet ready", interval=local.POLL_SECONDS)
+        except WaitTimeout:
+            slow = self.procs[1 + not_ready[0]] if not_ready else self.procs[0]
+            raise BenchError(f"the stock fleet was not ready within {timeout:.0f} s ({last}); last lines of "
+                             f"{slow.log}:\n{tail(slow.log)}") from None
 
     def fleet(self) -> Fleet:
         fe = self.procs[0].popen.pid
@@ -353,7 +350,7 @@ def running(side: str, work: Path, model: str, flags: tuple[str, ...], token_del
             stock.stop()
         return
     opts = FleetOptions(replicas=REPLICAS, engine=local.ENGINE_EMULATOR, model=model, vllm_flags=flags,
-                        port=local.free_ports(1)[0], state_dir=work, token_delay_ms=token_delay_ms)
+                        port=free_ports(1)[0], state_dir=work, token_delay_ms=token_delay_ms)
     cf: LocalFleet | None = None
     try:
         try:
@@ -373,7 +370,7 @@ def _checked(fleet: Fleet, t0: float) -> Fleet:
         result = post_completion(fleet.base, 4)
     except (OSError, ValueError) as e:
         raise BenchError(f"{fleet.side}: the first completion failed ({e}); frontend log tail:\n"
-                         f"{local.tail(fleet.logs['frontend'])}") from None
+                         f"{tail(fleet.logs['frontend'])}") from None
     if result.get("usage", {}).get("completion_tokens") != 4:
         raise BenchError(f"{fleet.side}: unexpected first completion: {result}")
     log(f"{fleet.side}: fleet serving in {time.monotonic() - t0:.1f} s (frontend pid {fleet.frontend_pid}, "
@@ -385,7 +382,7 @@ def engine_requests(fleet: Fleet) -> list[int]:
     """requests_added per rank, from each emulator's /stats."""
     out = []
     for port in fleet.health_ports:
-        status, body = http_get(f"http://{LOCALHOST}:{port}/stats", timeout=10)
+        status, body = http_get(f"http://{LOCALHOST}:{port}/stats", 10, unanswered_ok=True)
         out.append(int(json.loads(body)["requests_added"]) if status == 200 else -1)
     return out
 
@@ -447,7 +444,7 @@ def run_load(fleet: Fleet, args: argparse.Namespace, rnd: int, logs: Path) -> Ro
                 os.killpg(lg.pid, signal.SIGKILL)
                 lg.wait()
     if rc != 0 or result is None or set(samples) != {"start", "end"}:
-        raise BenchError(f"load generator failed (exit {rc}); its stderr:\n{local.tail(err_path)}")
+        raise BenchError(f"load generator failed (exit {rc}); its stderr:\n{tail(err_path)}")
     after_ranks = engine_requests(fleet)
     start, end = samples["start"], samples["end"]
     cpu = {role: end[role] - start[role] for role in roles}

@@ -54,11 +54,9 @@ from corefleet_harness.localcluster import (  # noqa: E402
     KubeletStandIn,
     LocalControlPlane,
     add_gpu_node,
-    free_port,
     resolve_bin_dir,
-    tail,
-    wait_until,
 )
+from corefleet_harness.support import free_port, http_get, tail, wait_until  # noqa: E402
 from corefleet_operator import builders, constants, crd  # noqa: E402
 from factories import make_ecs  # noqa: E402
 
@@ -77,11 +75,6 @@ class BenchError(RuntimeError):
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def wait_for(check: Callable[[], bool], timeout: float, what: str, interval: float = POLL) -> None:
-    """Poll `check` until True; TimeoutError after `timeout` s. Exceptions propagate (they are errors here)."""
-    wait_until(check, timeout, what, interval=interval, fatal=(Exception,))
 
 
 # ---- a keep-alive client for the benchmark's own writes -------------------------------------------
@@ -165,7 +158,7 @@ def create_namespaces(cp: LocalControlPlane, names: Iterable[str]) -> None:
 
     def service_accounts() -> bool:  # pods are admitted only once the namespace's default SA exists
         return all(cp.exists(f"/api/v1/namespaces/{ns}/serviceaccounts/default") for ns in names)
-    wait_for(service_accounts, 60, "default service accounts")
+    wait_until(service_accounts, 60, "default service accounts", interval=POLL)
 
 
 def delete_namespaces(cp: LocalControlPlane, names: Iterable[str]) -> None:
@@ -174,8 +167,8 @@ def delete_namespaces(cp: LocalControlPlane, names: Iterable[str]) -> None:
     for ns in names:
         cp.request("DELETE", f"/api/v1/namespaces/{ns}/pods", {"gracePeriodSeconds": 0})
         cp.request("DELETE", f"/api/v1/namespaces/{ns}")
-    wait_for(lambda: not any(cp.exists(f"/api/v1/namespaces/{ns}") for ns in names), 300,
-             "baseline namespaces deleted")
+    wait_until(lambda: not any(cp.exists(f"/api/v1/namespaces/{ns}") for ns in names), 300,
+               "baseline namespaces deleted", interval=POLL)
 
 
 def _ts(value: str) -> float:
@@ -288,7 +281,7 @@ def run_baseline(cp: LocalControlPlane, api: Api, namespaces: list[str], fleets:
             posts_done = posts_done or time.monotonic() - t0
             return no_pending_pods(cp, namespaces) and all_pods_ready(cp, namespaces, expected)
 
-        wait_for(converged, timeout, "baseline pods Running/Ready")
+        wait_until(converged, timeout, "baseline pods Running/Ready", interval=POLL)
         t_base = seen - t0
     check_kubelets(kubelets)
     span, lat = pod_latencies(cp, namespaces)
@@ -320,12 +313,9 @@ class Operator:
     def wait_healthy(self, timeout: float = 120) -> None:
         def healthy() -> bool:
             self.check_alive()
-            try:
-                with urllib.request.urlopen(self.health, timeout=2) as r:
-                    return bool(r.status == 200)
-            except OSError:
-                return False
-        wait_for(healthy, timeout, "operator liveness", interval=0.2)
+            return http_get(self.health, 2, unanswered_ok=True)[0] == 200
+
+        wait_until(healthy, timeout, "operator liveness", interval=0.2)
 
     def metrics(self) -> dict[tuple[str, ...], float]:
         """The operator's counters: ("reconciles", result) and ("api", verb, resource, code)."""
@@ -431,7 +421,7 @@ def run_operator(cp: LocalControlPlane, api: Api, op: Operator, namespaces: list
                     f"{api.pod_states(namespaces)}")
             return phases["Running"] == fleets
 
-        wait_for(converged, timeout, f"{fleets} EngineCoreSets Running with {ranks} ready ranks")
+        wait_until(converged, timeout, f"{fleets} EngineCoreSets Running with {ranks} ready ranks", interval=POLL)
         t_op = seen - t0
     check_kubelets(kubelets)
     span, lat = pod_latencies(cp, namespaces)
@@ -448,10 +438,10 @@ def idle_window(cp: LocalControlPlane, op: Operator, fleets: int, resync: float)
 
     settle_start = op.metrics()
     settle_api = apiserver_writes(cp)
-    wait_for(after(fleets, settle_start), deadline, f"{fleets} reconciles (settling)")
+    wait_until(after(fleets, settle_start), deadline, f"{fleets} reconciles (settling)", interval=POLL)
     m0, w0, t0 = op.metrics(), apiserver_writes(cp), time.monotonic()
     settle_writes = sum(delta(w0, settle_api).values())
-    wait_for(after(2 * fleets, m0), deadline, f"{2 * fleets} idle reconciles")
+    wait_until(after(2 * fleets, m0), deadline, f"{2 * fleets} idle reconciles", interval=POLL)
     m1, w1, t1 = op.metrics(), apiserver_writes(cp), time.monotonic()
     return {"ops": delta(m1, m0), "server": delta(w1, w0), "seconds": t1 - t0, "settle_writes": settle_writes}
 

@@ -61,10 +61,11 @@ sys.path.insert(0, str(TESTS))
 
 from corefleet_harness.emulator import EMULATOR_MODULE  # noqa: E402
 from corefleet_harness.localcluster import LocalControlPlane, add_gpu_node, resolve_bin_dir  # noqa: E402
+from corefleet_harness.support import wait_until  # noqa: E402
 from corefleet_harness.tinymodel import VLLM_CPU_FLAGS, write_tiny_model  # noqa: E402
 from corefleet_operator import constants, crd  # noqa: E402
 from factories import make_ecs  # noqa: E402
-from fleettest import FleetView, OperatorProcess, wait_for  # noqa: E402
+from fleettest import FleetView, OperatorProcess  # noqa: E402
 from podrunner import PodRunner  # noqa: E402
 
 NAME = "bench"
@@ -142,8 +143,8 @@ class Bench:
         return status.data_parallel_size == n and all(r.state == "Serving" for r in status.ranks)
 
     def settle(self, n: int) -> float:
-        wait_for(lambda: self.serving(n), self.args.settle_timeout, f"the fleet serving at {n}", interval=0.05,
-                 on_timeout=self.fleet.describe)
+        wait_until(lambda: self.serving(n), self.args.settle_timeout, f"the fleet serving at {n}", interval=0.05,
+                   diagnose=self.fleet.describe)
         return time.time()
 
     def change(self, name: str, frm: int, to: int, restart: bool) -> Step:
@@ -163,7 +164,7 @@ class Bench:
             def completed() -> float | None:
                 op = self.fleet.status().get("operation") or {}
                 return time.time() if op.get("phase") == "Completed" and op.get("toReplicas") == to else None
-            completed_at = wait_for(completed, self.args.settle_timeout, "the resize to complete", interval=0.02)
+            completed_at = wait_until(completed, self.args.settle_timeout, "the resize to complete", interval=0.02)
         serving_at = self.settle(to)
         step = Step(name, frm, to, changed_at, serving_at, completed_at)
         if not restart and to > frm:

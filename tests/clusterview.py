@@ -8,7 +8,8 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from corefleet_harness.localcluster import LocalControlPlane, wait_until
+from corefleet_harness.localcluster import LocalControlPlane
+from corefleet_harness.support import wait_until
 from factories import EcsFactory, make_ecs
 
 
@@ -30,7 +31,7 @@ class ClusterView:
         self.k8s.kubectl("apply", "-n", self.ns, "-f", "-", input=json.dumps(obj))
 
     def wait(self, what: str, check: Callable[[], bool], timeout: float = 90) -> None:
-        wait_until(check, timeout, what, interval=0.2)
+        wait_until(check, timeout, what, interval=0.2, retry_on=(Exception,))
 
     def running(self, name: str, replicas: int) -> bool:
         st = self.ecs(name).get("status", {})

@@ -25,13 +25,13 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from corefleet_client.admin import AdminClient, AdminError, ResizeOperation
-from corefleet_harness.localcluster import LocalControlPlane, tail
+from corefleet_harness.localcluster import LocalControlPlane
+from corefleet_harness.support import tail, wait_until
 from corefleet_harness.tinymodel import VLLM_CPU_FLAGS
 from corefleet_operator import constants
 from podrunner import PodRunner
@@ -48,20 +48,6 @@ def ecs_engine_args(served: str, context: int | None = None) -> list[str]:
     if context is not None:
         flags[flags.index("--max-model-len") + 1] = str(context)
     return [*flags, "--served-model-name", served]
-
-
-def wait_for(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.2,
-             on_timeout: Callable[[], str] | None = None) -> Any:
-    """Poll `check` until it returns something truthy (returned); AssertionError at the deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            extra = f"\n{on_timeout()}" if on_timeout is not None else ""
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}{extra}")
-        time.sleep(interval)
 
 
 class OperatorProcess:
@@ -191,8 +177,8 @@ class FleetView:
             for p in pods.values())
 
     def wait_settled(self, replicas: int, timeout: float, interval: float = 0.2) -> None:
-        wait_for(lambda: self.settled(replicas), timeout, f"{self.name} Running at {replicas} ranks", interval=interval,
-                 on_timeout=self.describe)
+        wait_until(lambda: self.settled(replicas), timeout, f"{self.name} Running at {replicas} ranks",
+                   interval=interval, diagnose=self.describe)
 
     def operation(self) -> dict[str, Any]:
         """`status.operation` ({} if none)."""
@@ -201,8 +187,8 @@ class FleetView:
 
     def wait_operation(self, *phases: str, timeout: float) -> dict[str, Any]:
         """Polls (every 50 ms: a phase may last a moment) until `status.operation` is in one of `phases`."""
-        op: dict[str, Any] = wait_for(lambda: (o := self.operation()).get("phase") in phases and o, timeout,
-                                      f"status.operation in {phases}", interval=0.05, on_timeout=self.describe)
+        op: dict[str, Any] = wait_until(lambda: (o := self.operation()).get("phase") in phases and o, timeout,
+                                        f"status.operation in {phases}", interval=0.05, diagnose=self.describe)
         return op
 
     def uids(self) -> dict[str, str]:

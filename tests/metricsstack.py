@@ -35,7 +35,8 @@ from typing import Any
 
 import yaml
 
-from corefleet_harness.localcluster import Component, LocalControlPlane, free_port, tail, wait_until
+from corefleet_harness.localcluster import Component, LocalControlPlane
+from corefleet_harness.support import free_port, tail, wait_until
 
 PROMETHEUS_BIN_ENV = "COREFLEET_PROMETHEUS_BIN"
 ADAPTER_BIN_ENV = "COREFLEET_ADAPTER_BIN"
@@ -168,7 +169,8 @@ class Prometheus:
             return predicate(last)
 
         try:
-            wait_until(check, timeout, what or expr, interval=0.2, fatal=(MetricsStackError,))
+            wait_until(check, timeout, what or expr, interval=0.2, retry_on=(Exception,),
+                       fatal=(MetricsStackError,))
         except TimeoutError as e:
             raise MetricsStackError(f"prometheus: {e}; last result of {expr!r}: {last}\n"
                                     f"log (tail):\n{self.log_tail()}") from None

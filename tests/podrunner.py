@@ -70,6 +70,7 @@ from typing import IO, Any
 from corefleet_client import commands
 from corefleet_harness.emulator import EMULATOR_MODULE
 from corefleet_harness.localcluster import LocalControlPlane
+from corefleet_harness.support import tail
 
 logger = logging.getLogger(__name__)
 
@@ -235,8 +236,7 @@ class PodRunner:
         out = []
         for p in self.pods.values():
             if p.log is not None:
-                text = p.log.read_text(errors="replace").splitlines()[-lines:]
-                out.append(f"---- {p.name} ({p.ip}, {p.log})\n" + "\n".join(text))
+                out.append(f"---- {p.name} ({p.ip}, {p.log})\n" + tail(p.log, lines))
         return "\n".join(out)
 
     # ---- the loop -----------------------------------------------------------------------------

@@ -27,29 +27,15 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
 from corefleet_harness import local
-from corefleet_harness.localcluster import (
-    ControlPlaneError,
-    LocalControlPlane,
-    add_gpu_node,
-    free_port,
-    resolve_bin_dir,
-    tail,
-    wait_until,
-)
+from corefleet_harness.localcluster import ControlPlaneError, LocalControlPlane, add_gpu_node, resolve_bin_dir
+from corefleet_harness.support import free_port, http_get, tail, wait_until
 from corefleet_harness.tinymodel import VLLM_CPU_FLAGS
 from corefleet_operator import __version__, constants, crd
-
-
-def _healthy(url: str) -> bool:
-    with urllib.request.urlopen(url, timeout=2) as r:
-        status: int = r.status
-        return status == 200
 
 
 def cmd_cluster_up(args: argparse.Namespace) -> int:
@@ -87,9 +73,10 @@ def cmd_cluster_up(args: argparse.Namespace) -> int:
                     def operator_healthy() -> bool:
                         if op.poll() is not None:
                             raise ControlPlaneError(f"operator exited with {op.returncode}:\n{tail(log)}")
-                        return _healthy(health)
+                        return http_get(health, 2)[0] == 200
 
-                    wait_until(operator_healthy, 60, "operator liveness", fatal=(ControlPlaneError,))
+                    wait_until(operator_healthy, 60, "operator liveness", interval=0.1, retry_on=(Exception,),
+                               fatal=(ControlPlaneError,))
                     print(f"corefleet cluster up: control plane {cp.server} and operator (pid {op.pid}) healthy "
                           f"in {time.monotonic() - t0:.1f} s", flush=True)
                     print(f"  export KUBECONFIG={cp.kubeconfig}", flush=True)

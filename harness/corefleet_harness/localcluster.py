@@ -41,8 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from corefleet_harness.local import free_ports
-from corefleet_harness.local import tail as tail  # one log-tail helper; re-exported for the harness users
+from corefleet_harness.support import free_port, http_get, tail, wait_until
 from corefleet_operator.constants import GPU_RESOURCE
 
 logger = logging.getLogger(__name__)
@@ -71,32 +70,6 @@ KUBERNETES_SERVICE_IP = "10.96.0.1"  # the first address of SERVICE_CIDR: the `k
 
 class ControlPlaneError(RuntimeError):
     """A control-plane binary is missing, exited, or did not become ready in time."""
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1, below the ephemeral range (see `corefleet_harness.local.free_ports`)."""
-    return free_ports(1)[0]
-
-
-def wait_until(check: Callable[[], bool], timeout: float, what: str, interval: float = 0.1,
-               fatal: tuple[type[BaseException], ...] = ()) -> None:
-    """Poll `check` until it returns True, for at most `timeout` seconds; raises TimeoutError.
-
-    Exceptions count as "not yet", except those of the `fatal` types, which propagate at once.
-    """
-    deadline = time.monotonic() + timeout
-    last: BaseException | None = None
-    while True:
-        try:
-            if check():
-                return
-        except fatal:
-            raise
-        except Exception as e:  # not ready yet; keep the last reason for the error message
-            last = e
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"{what}: not done after {timeout:.0f} s (last error: {last!r})")
-        time.sleep(interval)
 
 
 def resolve_bin_dir(bin_dir: Path | str | None = None) -> Path:
@@ -148,7 +121,7 @@ class Component:
             return self.check_alive() and check()
 
         try:
-            wait_until(ready, timeout, what, interval=interval, fatal=(self.error,))
+            wait_until(ready, timeout, what, interval=interval, retry_on=(Exception,), fatal=(self.error,))
         except TimeoutError as e:
             raise self.error(self.describe(str(e))) from None
 
@@ -225,12 +198,21 @@ class LocalControlPlane:
             raise
 
     def _start(self) -> None:
+        """The keys and certificates, then etcd, the API server, the controller manager and the scheduler,
+        each waited for before what needs it starts."""
         d = self.state_dir
         self._run(["openssl", "genrsa", "-out", str(self.sa_key), "2048"])
         self._run(["openssl", "rsa", "-in", str(self.sa_key), "-pubout", "-out", str(d / "sa.pub")])
         (d / "tokens.csv").write_text(f"{ADMIN_TOKEN},admin,admin,system:masters\n")
         self._make_front_proxy_certs()
+        etcd_url = self._start_etcd()
+        self._start_apiserver(etcd_url)
+        self._start_controllers()
+        logger.info("control plane ready at %s (state %s)", self.server, d)
 
+    def _start_etcd(self) -> str:
+        """etcd on a free port, healthy; returns its client URL."""
+        d = self.state_dir
         etcd_url = f"http://127.0.0.1:{free_port()}"
         peer_url = f"http://127.0.0.1:{free_port()}"
         etcd = self._spawn(
@@ -244,8 +226,12 @@ class LocalControlPlane:
             f"--initial-cluster=cp={peer_url}",
             "--unsafe-no-fsync",  # test data only; keeps the 2-core machine's disk out of the way
         )
-        self._wait(etcd, lambda: b"true" in http_get(f"{etcd_url}/health"), "etcd /health")
+        self._wait(etcd, lambda: _etcd_healthy(etcd_url), "etcd /health")
+        return etcd_url
 
+    def _start_apiserver(self, etcd_url: str) -> None:
+        """kube-apiserver on a free port (`server`), ready, and the admin kubeconfig for it."""
+        d = self.state_dir
         port = free_port()
         self.server = f"https://127.0.0.1:{port}"
         if self.node_ip:
@@ -275,6 +261,8 @@ class LocalControlPlane:
         self._wait(api, lambda: self.request("GET", "/readyz", raw=True) == b"ok", "kube-apiserver /readyz")
         self._write_kubeconfig(self.kubeconfig, ADMIN_TOKEN, "admin")
 
+    def _start_controllers(self) -> None:
+        """kube-controller-manager and kube-scheduler, both working."""
         kcm = self._spawn(
             "kube-controller-manager",
             f"--kubeconfig={self.kubeconfig}",
@@ -305,7 +293,6 @@ class LocalControlPlane:
         self._wait(kcm, lambda: self.exists("/api/v1/namespaces/default/serviceaccounts/default"),
                    "kube-controller-manager (default service account)")
         self._wait(sched, sched.check_alive, "kube-scheduler")
-        logger.info("control plane ready at %s (state %s)", self.server, d)
 
     def stop(self) -> None:
         """Stop every component by PID, in reverse order, each with a timeout and then a kill."""
@@ -426,11 +413,10 @@ class LocalControlPlane:
                 "PATH": f"{self.bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
 
 
-def http_get(url: str) -> bytes:
-    """The body of a GET on a local component's plain-HTTP endpoint (2 s); errors raised (HTTPError on >= 400)."""
-    with urllib.request.urlopen(url, timeout=2) as r:
-        body: bytes = r.read()
-        return body
+def _etcd_healthy(url: str) -> bool:
+    """etcd's /health says so (its JSON has `"health":"true"`); raises OSError while nothing answers."""
+    status, body = http_get(f"{url}/health", 2)
+    return status == 200 and b"true" in body
 
 
 # ---- fake nodes and the kubelet stand-in ----------------------------------------------------

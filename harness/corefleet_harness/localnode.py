@@ -52,7 +52,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from corefleet_harness.localcluster import Component, LocalControlPlane, free_port, http_get, wait_until
+from corefleet_harness.localcluster import Component, LocalControlPlane
+from corefleet_harness.support import free_port, http_get, wait_until
 from corefleet_operator.constants import GPU_RESOURCE
 
 logger = logging.getLogger(__name__)
@@ -350,7 +351,7 @@ class LocalNode:
             "--oom-score-adj=0",  # as the kubelet's
             "--v=2",
         ))
-        proc.wait_ready(lambda: http_get(f"http://127.0.0.1:{healthz}/healthz") is not None, self.ready_timeout,
+        proc.wait_ready(lambda: http_get(f"http://127.0.0.1:{healthz}/healthz", 2)[0] == 200, self.ready_timeout,
                         "kube-proxy /healthz")
 
     # ---- cluster DNS -------------------------------------------------------------------------
@@ -390,7 +391,7 @@ class LocalNode:
             "endpoints": [{"addresses": [self.node_ip], "conditions": {"ready": True}}],
             "ports": ports,
         })
-        proc.wait_ready(lambda: http_get(f"http://127.0.0.1:{ready}/ready") is not None, self.ready_timeout,
+        proc.wait_ready(lambda: http_get(f"http://127.0.0.1:{ready}/ready", 2)[0] == 200, self.ready_timeout,
                         "coredns /ready")
 
     # ---- stopping ----------------------------------------------------------------------------
@@ -430,7 +431,7 @@ class LocalNode:
                     if e.code != 404:
                         raise
             wait_until(lambda: not self.running_tasks(), 60, "the kubelet stopping the node's containers",
-                       interval=0.5)
+                       interval=0.5, retry_on=(Exception,))
         except Exception as e:  # keep stopping; the sweep below removes what is left
             self.leftovers.append(f"drain: {e}")
 

@@ -31,6 +31,8 @@ import msgspec
 import pytest
 import zmq
 
+from corefleet_harness.support import free_ports
+
 pytestmark = pytest.mark.e2e
 
 STARTUP_TIMEOUT = 180.0  # importing vLLM on a busy 2-core CI machine
@@ -58,17 +60,6 @@ def ctx() -> Iterator[zmq.Context]:
     context: zmq.Context = zmq.Context()
     yield context
     context.destroy(linger=0)
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 class Coordinator:

@@ -38,7 +38,7 @@ import pytest
 import zmq
 
 from corefleet_harness.emulator.scheduler import expected_tokens
-from corefleet_harness.localcluster import free_port, wait_until
+from corefleet_harness.support import free_port, http_get, tail, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -77,8 +77,7 @@ class Proc:
         )
 
     def tail(self, lines: int = 40) -> str:
-        text = self.log.read_text(errors="replace").splitlines()
-        return f"--- {self.name} (rc={self.proc.poll()}) ---\n" + "\n".join(text[-lines:])
+        return f"--- {self.name} (rc={self.proc.poll()}) ---\n" + tail(self.log, lines)
 
     def check_alive(self) -> None:
         if self.proc.poll() is not None:
@@ -125,16 +124,8 @@ def emulator_cmd(model: Path, rank: int, dp_size: int, rpc_port: int, health_por
     ]
 
 
-def http_get(port: int, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-
-
 def stats(port: int) -> dict[str, Any]:
-    code, body = http_get(port, "/stats")
+    code, body = http_get(f"http://127.0.0.1:{port}/stats")
     assert code == 200, body
     result: dict[str, Any] = json.loads(body)
     return result
@@ -193,16 +184,16 @@ def test_stock_frontend_serves_two_emulated_engines(tmp_path: Path) -> None:
 
         def healthy() -> bool:
             all_alive()
-            return http_get(http_port, "/health")[0] == 200
+            return http_get(f"http://127.0.0.1:{http_port}/health")[0] == 200
 
         try:
             wait_until(healthy, STARTUP_TIMEOUT, "stock frontend /health with two emulated engines",
-                       interval=1.0, fatal=(ProcessExited,))
+                       interval=1.0, retry_on=(Exception,), fatal=(ProcessExited,))
         except TimeoutError as e:
             pytest.fail(f"{e}\n" + "\n".join(p.tail() for p in procs))
         for rank in (0, 1):
-            assert http_get(health[rank], "/livez")[0] == 200
-            assert http_get(health[rank], "/readyz")[0] == 200
+            assert http_get(f"http://127.0.0.1:{health[rank]}/livez")[0] == 200
+            assert http_get(f"http://127.0.0.1:{health[rank]}/readyz")[0] == 200
             assert stats(health[rank])["ready_after_s"] is not None
             # The frontend's startup utility calls reached every engine (DPLB fans them out).
             assert {"get_supported_tasks", "reset_mm_cache"} <= set(stats(health[rank])["utility_calls"])
@@ -258,7 +249,8 @@ def test_stock_frontend_serves_two_emulated_engines(tmp_path: Path) -> None:
             now = [stats(health[rank]) for rank in (0, 1)]
             return sum(s["requests_aborted"] for s in now) > sum(s["requests_aborted"] for s in before)
 
-        wait_until(aborted, STEP_TIMEOUT, "an ABORT at the emulated engine that ran the cancelled stream")
+        wait_until(aborted, STEP_TIMEOUT, "an ABORT at the emulated engine that ran the cancelled stream",
+                   interval=0.1, retry_on=(Exception,))
         after = [stats(health[rank]) for rank in (0, 1)]
         rank = next(r for r in (0, 1) if after[r]["requests_aborted"] > before[r]["requests_aborted"])
         (aborted_id,) = set(after[rank]["aborted_ids"]) - set(before[rank]["aborted_ids"])
@@ -464,7 +456,7 @@ def test_elastic_ep_engine_side_scale_up_then_down(tmp_path: Path) -> None:
             for rank in (0, 1):
                 reg = front.registrations[rank]
                 assert (reg["data_parallel_rank"], reg["data_parallel_size"]) == (rank, 2), reg
-                assert http_get(health[rank], "/readyz")[0] == 200
+                assert http_get(f"http://127.0.0.1:{health[rank]}/readyz")[0] == 200
 
             # 2. Scale up 2 -> 3 (_prepare_scale_up_elastic_ep): a new store, KEEP to the existing ranks ...
             store = new_coord_store()

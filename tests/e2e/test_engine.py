@@ -34,7 +34,7 @@ from typing import Any
 import psutil
 import pytest
 
-from corefleet_harness.localcluster import free_port, tail, wait_until
+from corefleet_harness.support import free_port, http_get, tail, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -104,11 +104,7 @@ class Proc:
 
 def get(port: int, path: str) -> tuple[int, Any]:
     """(status, JSON body); raises OSError while nothing listens."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
-            status, body = resp.status, resp.read()
-    except urllib.error.HTTPError as e:
-        status, body = e.code, e.read()
+    status, body = http_get(f"http://127.0.0.1:{port}{path}")
     return status, json.loads(body) if body else None
 
 
@@ -193,7 +189,8 @@ def test_launched_engines_join_a_stock_frontend(tmp_path: Path, procs: list[Proc
     # 1. No frontend yet: each engine has said HELLO into its relay, and its launcher is not ready.
     for rank, eng in enumerate(engines):
         wait_until(lambda eng=eng: eng.alive() and "Handshake: HELLO from rank" in eng.log.read_text(),
-                   STARTUP_TIMEOUT, f"rank {rank}'s engine to say HELLO", interval=0.5, fatal=(AssertionError,))
+                   STARTUP_TIMEOUT, f"rank {rank}'s engine to say HELLO", interval=0.5,
+                   retry_on=(Exception,), fatal=(AssertionError,))
         starting = {"rank": rank, "state": "starting", "exitcode": None}
         assert get(health_ports[rank], "/readyz") == (503, starting)
         assert get(health_ports[rank], "/livez") == (200, starting)
@@ -208,10 +205,11 @@ def test_launched_engines_join_a_stock_frontend(tmp_path: Path, procs: list[Proc
     procs.append(frontend)
     for rank in (0, 1):
         wait_until(lambda rank=rank: all_alive() and get(health_ports[rank], "/readyz")[0] == 200,
-                   STARTUP_TIMEOUT, f"rank {rank} ready", interval=0.5, fatal=(AssertionError,))
+                   STARTUP_TIMEOUT, f"rank {rank} ready", interval=0.5, retry_on=(Exception,),
+                   fatal=(AssertionError,))
         assert get(health_ports[rank], "/readyz") == (200, {"rank": rank, "state": "ready", "exitcode": None})
     wait_until(lambda: all_alive() and get(http_port, "/health")[0] == 200,
-               STARTUP_TIMEOUT, "frontend healthy", interval=0.5, fatal=(AssertionError,))
+               STARTUP_TIMEOUT, "frontend healthy", interval=0.5, retry_on=(Exception,), fatal=(AssertionError,))
 
     # 2b. The launcher relays and probes; vLLM and torch live in its child, the engine core.
     for eng in engines:
@@ -244,7 +242,7 @@ def test_launched_engines_join_a_stock_frontend(tmp_path: Path, procs: list[Proc
     assert workers, f"no executor worker under the engine core:\n{engines[1].output()}"
     watcher = LivezWatcher(health_ports[1])
     watcher.start()
-    wait_until(lambda: bool(watcher.seen), STEP_TIMEOUT, "the /livez watcher's first answer")
+    wait_until(lambda: bool(watcher.seen), STEP_TIMEOUT, "the /livez watcher's first answer", interval=0.1)
     for worker in workers:
         worker.suspend()
     victim.kill()
@@ -256,7 +254,8 @@ def test_launched_engines_join_a_stock_frontend(tmp_path: Path, procs: list[Proc
     assert "Engine core EngineCore_DP1 exited with code -9 without a stop signal" in log, engines[1].output()
     assert "the engine left behind" in log, engines[1].output()
     wait_until(lambda: all(gone_or_zombie(p) for p in [victim, *workers]),
-               STEP_TIMEOUT, f"rank 1's processes {[p.pid for p in [victim, *workers]]} gone")
+               STEP_TIMEOUT, f"rank 1's processes {[p.pid for p in [victim, *workers]]} gone",
+               interval=0.1, retry_on=(Exception,))
 
     # 5. SIGTERM to rank 0's launcher: the engine is shut down, exit 0, nothing left behind.
     rank0_tree = engines[0].descendants()
@@ -265,7 +264,8 @@ def test_launched_engines_join_a_stock_frontend(tmp_path: Path, procs: list[Proc
     os.kill(engines[0].pid, signal.SIGTERM)
     assert engines[0].wait(EXIT_TIMEOUT) == 0, engines[0].output()
     wait_until(lambda: all(gone_or_zombie(p) for p in rank0_tree),
-               STEP_TIMEOUT, f"rank 0's processes {[p.pid for p in rank0_tree]} gone")
+               STEP_TIMEOUT, f"rank 0's processes {[p.pid for p in rank0_tree]} gone",
+               interval=0.1, retry_on=(Exception,))
     log = engines[0].log.read_text()
     assert "Engine stopped" in log, engines[0].output()
     assert "Traceback" not in log, engines[0].output()

@@ -40,14 +40,15 @@ import pytest
 from corefleet_client.admin import AdminClient, AdminError, FleetState, FleetStatus, RankState
 from corefleet_client.frontend.__main__ import ENV_LIVENESS_TIMEOUT
 from corefleet_harness import local
+from corefleet_harness.support import free_ports, http_get, wait_until
 from corefleet_harness.tinymodel import VLLM_CPU_FLAGS, write_tiny_model
-from fleettest import wait_for
 
 pytestmark = pytest.mark.e2e
 
 LONG_CONTEXT = 8192  # a long request stays in flight for 20+ s even on a fast CPU (AMX: ~3 ms a token)
 MODEL_NAME = "tiny"
 RANK_HEADER = "X-data-parallel-rank"  # vLLM's way to pin a request to a rank
+POLL = 0.05  # seconds between checks of a rank's state: some states last a moment
 
 
 @dataclass
@@ -67,11 +68,7 @@ class Fleet:
         return self.admin.fleet()
 
     def health(self) -> int:
-        try:
-            with urllib.request.urlopen(f"http://{self.host}:{self.port}/health", timeout=5) as r:
-                return int(r.status)
-        except urllib.error.HTTPError as e:
-            return e.code
+        return http_get(f"http://{self.host}:{self.port}/health")[0]
 
     def complete(self, prompt: str, max_tokens: int = 8, rank: int | None = None) -> tuple[int, dict[str, Any]]:
         body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens}
@@ -147,13 +144,9 @@ class Stream:
         return lambda: last[0] if last else None
 
 
-def wait_until(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    return wait_for(check, timeout, what, interval=interval)
-
-
 def _start(tmp: Path, engine: str, replicas: int, model: str, flags: tuple[str, ...], max_tokens_long: int,
            token_delay_ms: int | None, ready_timeout: float, liveness_timeout: float = 30.0) -> Iterator[Fleet]:
-    port = local.free_ports(1)[0]
+    port = free_ports(1)[0]
     opts = local.FleetOptions(replicas=replicas, engine=engine, model=model, port=port, state_dir=tmp / "state",
                               vllm_flags=flags, token_delay_ms=token_delay_ms)
     with pytest.MonkeyPatch.context() as env:  # the frontend's --liveness-timeout (local mode passes none)
@@ -195,7 +188,7 @@ def _in_flight_rank(fleet: Fleet) -> int:
     def find() -> list[int] | None:
         busy = [r.rank for r in fleet.status().ranks if r.in_flight]
         return busy if len(busy) == 1 else None
-    busy: list[int] = wait_until(find, 10, "one rank with an in-flight request")
+    busy: list[int] = wait_until(find, 10, "one rank with an in-flight request", interval=POLL)
     return busy[0]
 
 
@@ -247,11 +240,11 @@ def test_cancelled_stream_is_aborted_on_its_rank(fleet: Fleet) -> None:
         stream.close()  # the client goes away: vLLM's server aborts the request
     assert still_running, f"rank {rank} had finished the request before it could be cancelled"
     assert last["choices"][0]["finish_reason"] is None, f"the request finished before it was cancelled: {last}"
-    wait_for(lambda: fleet.status().rank(rank).aborts_total == before[rank] + 1, 15,
-             f"an abort routed to rank {rank}", interval=0.05,
-             on_timeout=lambda: f"aborts before: {before}; now: {fleet.status().ranks}")
+    wait_until(lambda: fleet.status().rank(rank).aborts_total == before[rank] + 1, 15,
+               f"an abort routed to rank {rank}", interval=POLL,
+               diagnose=lambda: f"aborts before: {before}; now: {fleet.status().ranks}")
     status = wait_until(lambda: (s := fleet.status()).rank(rank).in_flight == 0 and s, 15,
-                        f"rank {rank} to finish the aborted request")
+                        f"rank {rank} to finish the aborted request", interval=POLL)
     others = {r.rank: r.aborts_total - before[r.rank] for r in status.ranks if r.rank != rank}
     assert not any(others.values()), f"aborts went to other ranks: {others}"
 
@@ -308,7 +301,7 @@ def test_a_stopped_engine_is_unresponsive_and_serves_again_once_continued(fleet:
         try:
             with Load(fleet, other) as load:
                 status = wait_until(lambda: (s := fleet.status()).rank(slow).state != RankState.SERVING and s,
-                                    fleet.liveness_timeout + 30, f"rank {slow} to leave Serving")
+                                    fleet.liveness_timeout + 30, f"rank {slow} to leave Serving", interval=POLL)
                 assert status.rank(slow).state == RankState.UNRESPONSIVE, status.rank(slow)
                 assert status.rank(slow).since is not None
                 assert status.rank(slow).in_flight == 1
@@ -322,13 +315,14 @@ def test_a_stopped_engine_is_unresponsive_and_serves_again_once_continued(fleet:
                 assert f"rank {slow} is Unresponsive" in json.dumps(body), body
                 # The other rank serves on while it stays stopped.
                 served = load.ok
-                wait_until(lambda: load.ok >= served + 5, 60, f"rank {other} to serve more requests")
+                wait_until(lambda: load.ok >= served + 5, 60, f"rank {other} to serve more requests", interval=POLL)
         finally:
             os.killpg(fleet.engine_pid(slow), signal.SIGCONT)
         assert load.ok > 0
         assert load.failures == []
         assert set(load.health) == {200}
-        wait_until(lambda: fleet.status().rank(slow).state == RankState.SERVING, 30, f"rank {slow} Serving again")
+        wait_until(lambda: fleet.status().rank(slow).state == RankState.SERVING, 30, f"rank {slow} Serving again",
+                   interval=POLL)
         # The held request finishes normally; the frontend survived the late answers.
         events = held.rest()
         assert not [e for e in events if "error" in e], events[-3:]
@@ -348,7 +342,8 @@ def test_a_stopped_engine_is_unresponsive_and_serves_again_once_continued(fleet:
     finally:
         for s in burst:
             s.close()
-    wait_until(lambda: all(r.in_flight == 0 for r in fleet.status().ranks), 30, "the burst's streams to end")
+    wait_until(lambda: all(r.in_flight == 0 for r in fleet.status().ranks), 30, "the burst's streams to end",
+               interval=POLL)
     code, body = fleet.complete("after the stop", rank=slow)
     assert code == 200, body
 
@@ -368,7 +363,8 @@ def test_killed_engine_is_reported_and_its_requests_fail(fleet: Fleet) -> None:
 
         os.killpg(fleet.engine_pid(victim), signal.SIGKILL)  # the launcher and its EngineCore process
         killed_at = time.monotonic()
-        wait_until(lambda: fleet.status().rank(victim).state == RankState.DEAD, 10, f"rank {victim} reported Dead")
+        wait_until(lambda: fleet.status().rank(victim).state == RankState.DEAD, 10, f"rank {victim} reported Dead",
+                   interval=POLL)
         detected_s = time.monotonic() - killed_at
         assert fleet.health() == 200  # the other ranks serve: one lost rank never takes the endpoint down
         status = fleet.status()
@@ -416,15 +412,16 @@ def test_single_rank_fleet_serves_aborts_and_reports_its_dead_engine(single_rank
         assert _in_flight_rank(fleet) == 0
     finally:
         cancelled.close()
-    wait_until(lambda: (r := fleet.status().rank(0)).aborts_total == 1 and r.in_flight == 0, 15, "the abort")
+    wait_until(lambda: (r := fleet.status().rank(0)).aborts_total == 1 and r.in_flight == 0, 15, "the abort",
+               interval=POLL)
 
     stream = fleet.stream(fleet.max_tokens_long)
     try:
         assert stream.next_event() is not None
         assert _in_flight_rank(fleet) == 0
         os.killpg(fleet.engine_pid(0), signal.SIGKILL)
-        wait_until(lambda: fleet.status().rank(0).state == RankState.DEAD, 10, "rank 0 reported Dead")
-        wait_until(lambda: fleet.health() == 503, 5, "/health 503")
+        wait_until(lambda: fleet.status().rank(0).state == RankState.DEAD, 10, "rank 0 reported Dead", interval=POLL)
+        wait_until(lambda: fleet.health() == 503, 5, "/health 503", interval=POLL)
         events = stream.rest()
         assert any("error" in e for e in events), events[-3:]
     finally:

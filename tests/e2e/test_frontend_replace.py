@@ -38,8 +38,9 @@ import pytest
 
 from corefleet_client.admin import AdminClient, AdminError, FleetState, RankState, ResizePhase, ResizeRequest
 from corefleet_harness import local
+from corefleet_harness.support import free_ports, http_get, wait_until
 from corefleet_harness.tinymodel import VLLM_CPU_FLAGS, write_tiny_model
-from fleettest import Load, PinnedStream, wait_for
+from fleettest import Load, PinnedStream
 
 pytestmark = pytest.mark.e2e
 
@@ -74,10 +75,7 @@ class HealthWatch:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                with urllib.request.urlopen(self.url, timeout=10) as r:
-                    code = int(r.status)
-            except urllib.error.HTTPError as e:
-                code = e.code
+                code = http_get(self.url, 10)[0]
             except OSError as e:
                 self.bad.append(f"{type(e).__name__}: {e}")
                 code = 200
@@ -124,7 +122,7 @@ class Setup:
                 return True
             return False
 
-        wait_for(group_gone, 30, f"rank {rank}'s process group to exit", interval=0.05)
+        wait_until(group_gone, 30, f"rank {rank}'s process group to exit", interval=0.05)
 
     def restart_engine(self, rank: int) -> int:
         """A new process for the rank, with the same command line and environment as the one it replaces."""
@@ -132,7 +130,7 @@ class Setup:
         old = next(p for p in rec.processes if p.role == local.ROLE_ENGINE and p.rank == rank)
         rec = dataclasses.replace(rec, processes=tuple(p for p in rec.processes if p is not old))
         self.fleet.record, popen = local.spawn(rec, local.ROLE_ENGINE, rank, list(old.argv),
-                                               local._engine_env(rec.engine, rank))
+                                               local.engine_env(rec.engine, rank))
         self.fleet.popens[popen.pid] = popen
         return popen.pid
 
@@ -143,7 +141,7 @@ def setup(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Setup]:
     model = write_tiny_model(tmp_path / "tiny", context=CONTEXT)
     flags = list(VLLM_CPU_FLAGS)
     flags[flags.index("--max-model-len") + 1] = str(CONTEXT)
-    port = local.free_ports(1)[0]
+    port = free_ports(1)[0]
     opts = local.FleetOptions(replicas=2, engine=engine, model=str(model), port=port, state_dir=tmp_path / "state",
                               vllm_flags=(*flags, "--served-model-name", MODEL_NAME),
                               token_delay_ms=10 if engine == local.ENGINE_EMULATOR else None)
@@ -164,15 +162,15 @@ def test_a_killed_rank_is_replaced_in_place_while_the_other_serves(setup: Setup)
     with HealthWatch(f"{s.url}/health") as health:
         load.start()
         try:
-            wait_for(lambda: len([o for o in load.outcomes if o.ok]) >= 4, 60, "rank 0's load to get going")
+            wait_until(lambda: len([o for o in load.outcomes if o.ok]) >= 4, 60, "rank 0's load to get going")
             # Long requests on the victim: their load is in the coordinator's counts when it dies.
             doomed = [PinnedStream(s.url, MODEL_NAME, rank=VICTIM, max_tokens=CONTEXT - 64) for _ in range(DOOMED)]
             assert all(d.first_token.wait(60) for d in doomed)
-            wait_for(lambda: s.admin.fleet().rank(VICTIM).running == DOOMED, 15, f"rank {VICTIM}'s load in the stats")
+            wait_until(lambda: s.admin.fleet().rank(VICTIM).running == DOOMED, 15, f"rank {VICTIM}'s load in the stats")
 
             s.kill_engine(VICTIM)
             # Dead at the liveness watcher's next send, or after an unanswered probe's timeout (local mode: 30 s).
-            wait_for(lambda: s.admin.fleet().rank(VICTIM).state == RankState.DEAD, 45, f"rank {VICTIM} Dead")
+            wait_until(lambda: s.admin.fleet().rank(VICTIM).state == RankState.DEAD, 45, f"rank {VICTIM} Dead")
             for d in doomed:
                 ok, detail = d.result(30)
                 assert not ok, detail
@@ -187,8 +185,8 @@ def test_a_killed_rank_is_replaced_in_place_while_the_other_serves(setup: Setup)
             started, _ = s.admin.start_resize(ResizeRequest(id="replace-0", replicas=2, replace=(VICTIM,),
                                                             join_timeout_s=3))
             assert started
-            failed = wait_for(lambda: (o := s.admin.resize("replace-0")) is not None and o.phase.terminal and o,
-                              60, "the replacement without an engine to fail", interval=0.2)
+            failed = wait_until(lambda: (o := s.admin.resize("replace-0")) is not None and o.phase.terminal and o,
+                                60, "the replacement without an engine to fail", interval=0.2)
             assert failed.phase == ResizePhase.FAILED, failed
             assert failed.fleet_intact
             assert "did not join within the join timeout of 3s" in failed.error, failed
@@ -201,8 +199,8 @@ def test_a_killed_rank_is_replaced_in_place_while_the_other_serves(setup: Setup)
                                                              join_timeout_s=JOIN_TIMEOUT[s.engine]))
             assert started
             assert (op.from_replicas, op.to_replicas, op.replace) == (2, 2, (VICTIM,))
-            done = wait_for(lambda: (o := s.admin.resize("replace-1")) is not None and o.phase.terminal and o,
-                            JOIN_TIMEOUT[s.engine] + 30, "the replacement to end", interval=0.2)
+            done = wait_until(lambda: (o := s.admin.resize("replace-1")) is not None and o.phase.terminal and o,
+                              JOIN_TIMEOUT[s.engine] + 30, "the replacement to end", interval=0.2)
             assert (done.phase, done.error) == (ResizePhase.COMPLETED, ""), done
             status = s.admin.fleet()
             assert status.state == FleetState.SERVING, status
@@ -218,8 +216,8 @@ def test_a_killed_rank_is_replaced_in_place_while_the_other_serves(setup: Setup)
 
         # The coordinator still publishes the lost engine's last load for the rank (the new engine publishes
         # only once its own counts change): the router must not take it for the new engine's.
-        wait_for(lambda: (r := s.admin.fleet().rank(0)).running == r.waiting == r.in_flight == 0, 30, "rank 0 idle")
-        wait_for(lambda: s.admin.fleet().rank(VICTIM).running == DOOMED, 15, "the stale count for the rank")
+        wait_until(lambda: (r := s.admin.fleet().rank(0)).running == r.waiting == r.in_flight == 0, 30, "rank 0 idle")
+        wait_until(lambda: s.admin.fleet().rank(VICTIM).running == DOOMED, 15, "the stale count for the rank")
         before = {r.rank: r.requests_total for r in s.admin.fleet().ranks}
         for i in range(4):
             code, body = s.complete(f"unpinned {i}")
@@ -241,7 +239,7 @@ def test_a_killed_rank_is_replaced_in_place_while_the_other_serves(setup: Setup)
 @pytest.fixture
 def moe_fleet(tmp_path: Path) -> Iterator[local.LocalFleet]:
     """2 emulator ranks of the tiny MoE model (wave coordination on)."""
-    opts = local.FleetOptions(replicas=2, engine=local.ENGINE_EMULATOR, moe=True, port=local.free_ports(1)[0],
+    opts = local.FleetOptions(replicas=2, engine=local.ENGINE_EMULATOR, moe=True, port=free_ports(1)[0],
                               state_dir=tmp_path / "state", token_delay_ms=10)
     fleet = local.start(opts)
     try:

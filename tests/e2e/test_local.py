@@ -23,7 +23,8 @@ from typing import Any
 import pytest
 
 from corefleet_harness import local
-from fleettest import Load, wait_for
+from corefleet_harness.support import free_ports, wait_until
+from fleettest import Load
 from procs import read_lines_until
 
 pytestmark = pytest.mark.e2e
@@ -80,8 +81,8 @@ def scale(state: Path, port: int, sizes: list[int], timeout: float, model: str =
             fleet = admin.fleet()
             assert [(r.rank, r.state) for r in fleet.ranks] == [(r, "Serving") for r in range(n)], fleet
             if n > len(before):  # the new ranks serve
-                wait_for(lambda: all(r.requests_total > 0 for r in admin.fleet().ranks), 60,  # noqa: B023
-                         "the new ranks to serve requests")
+                wait_until(lambda: all(r.requests_total > 0 for r in admin.fleet().ranks), 60,  # noqa: B023
+                           "the new ranks to serve requests")
             gone = [pid for r, pid in before.items() if r >= n and local.is_running(local.proc_stat(pid))]
             assert not gone, f"retired engines still run: {gone}"
     finally:
@@ -91,7 +92,7 @@ def scale(state: Path, port: int, sizes: list[int], timeout: float, model: str =
 
 
 def run_fleet(state: Path, engine: str, replicas: int, up_timeout: float, sizes: list[int]) -> None:
-    port = local.free_ports(1)[0]
+    port = free_ports(1)[0]
     up = corefleet("up", "--detach", "--engine", engine, "--replicas", str(replicas), "--port", str(port),
                    "--state-dir", str(state), timeout=up_timeout)
     assert up.returncode == 0, f"stdout:\n{up.stdout}\nstderr:\n{up.stderr}"
@@ -155,7 +156,7 @@ def test_emulator_fleet_in_the_foreground_resized_and_stopped_with_ctrl_c(tmp_pa
     """`corefleet up` in the foreground supervises what `corefleet scale` adds and removes, and Ctrl-C
     stops all of it."""
     state = tmp_path / "state"
-    port = local.free_ports(1)[0]
+    port = free_ports(1)[0]
     up = subprocess.Popen([*CLI, "up", "--engine", "emulator", "--replicas", "4", "--port", str(port),
                            "--state-dir", str(state)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -185,7 +186,7 @@ def test_emulator_moe_fleet_with_elastic_ep_resized_2_4_2(tmp_path: Path) -> Non
     coordination stores; new engines start as vLLM's scale-up launches them, with R' from the frontend), here
     with emulated engines (vLLM runs EPLB on GPUs only). hack/gpu-moe-resize.sh runs this with real vLLM."""
     state = tmp_path / "state"
-    port = local.free_ports(1)[0]
+    port = free_ports(1)[0]
     try:
         up = corefleet("up", "--detach", "--engine", "emulator", "--moe", "--replicas", "2", "--elastic-ep-max", "4",
                        "--port", str(port), "--state-dir", str(state), timeout=300)

@@ -28,10 +28,11 @@ import pytest
 from corefleet_client.admin import RankState
 from corefleet_harness.emulator import EMULATOR_MODULE
 from corefleet_harness.localcluster import LocalControlPlane
+from corefleet_harness.support import wait_until
 from corefleet_harness.tinymodel import VLLM_CPU_FLAGS, write_tiny_model
 from corefleet_operator import constants
 from factories import make_ecs
-from fleettest import FleetView, Load, OperatorProcess, PinnedStream, ResizeWatch, wait_for
+from fleettest import FleetView, Load, OperatorProcess, PinnedStream, ResizeWatch
 from podrunner import PodRunner
 
 pytestmark = pytest.mark.e2e
@@ -126,7 +127,7 @@ def test_2_4_2_in_place_under_load_and_1_refused(setup: Setup) -> None:
             status = s.fleet.admin().fleet()
             return status.data_parallel_size == 4 and all(r.requests_total > 0 for r in status.ranks)
 
-        wait_for(every_rank_served, 30, "every rank, the new ones too, to serve requests")
+        wait_until(every_rank_served, 30, "every rank, the new ones too, to serve requests")
         # A long request on a leaving rank: the drain lets it finish before the ranks reconfigure.
         long = PinnedStream(f"http://{s.fleet.frontend_ip()}:8000", SERVED, rank=3, max_tokens=300)
         assert long.first_token.wait(30)
@@ -206,8 +207,8 @@ def test_a_leaving_rank_killed_before_shutdown_complete_fails_the_resize_and_the
     ok, detail = long.result()
     assert not ok, detail
     assert "rank 2" in detail, detail
-    wait_for(lambda: s.fleet.status().get("fleetGeneration") == before["fleetGeneration"] + 1, 120,
-             "a recovery (the MoE fleet lost a member of its collectives)", on_timeout=s.fleet.describe)
+    wait_until(lambda: s.fleet.status().get("fleetGeneration") == before["fleetGeneration"] + 1, 120,
+               "a recovery (the MoE fleet lost a member of its collectives)", diagnose=s.fleet.describe)
     op = s.fleet.status()["operation"]
     assert op["phase"] == "Failed", op
     assert "rank 2" in op["message"], op
@@ -230,8 +231,8 @@ def test_a_new_rank_that_never_gets_ready_fails_the_resize_after_the_join_timeou
         failed = s.fleet.wait_operation("Failed", timeout=JOIN_TIMEOUT + 60)
         assert "did not join within the join timeout" in str(failed["message"]), failed
         s.fleet.scale(2)  # give up on 3 (else the recovered fleet resizes to it again)
-        wait_for(lambda: s.fleet.status().get("fleetGeneration") == before["fleetGeneration"] + 1, 120,
-                 "a recovery (the old ranks were told to reconfigure: no way back)", on_timeout=s.fleet.describe)
+        wait_until(lambda: s.fleet.status().get("fleetGeneration") == before["fleetGeneration"] + 1, 120,
+                   "a recovery (the old ranks were told to reconfigure: no way back)", diagnose=s.fleet.describe)
     finally:
         s.runner.hold.clear()
     s.settle(2)
@@ -244,8 +245,8 @@ def test_a_killed_engine_0_takes_its_store_and_the_fleet_recovers_with_a_new_one
     s = setup
     before = s.fleet.status()
     os.killpg(s.fleet.engine_pid(0), signal.SIGKILL)
-    wait_for(lambda: s.fleet.status().get("fleetGeneration") == before["fleetGeneration"] + 1, 120,
-             "a recovery (MoE ranks share collectives: the whole fleet is recreated)", on_timeout=s.fleet.describe)
+    wait_until(lambda: s.fleet.status().get("fleetGeneration") == before["fleetGeneration"] + 1, 120,
+               "a recovery (MoE ranks share collectives: the whole fleet is recreated)", diagnose=s.fleet.describe)
     s.settle(2)
     engine0_ip = s.fleet.pods()[constants.engine_name(NAME, 0)]["status"]["podIP"]
     for rank in (0, 1):

@@ -45,9 +45,10 @@ import yaml
 from corefleet_client.admin import RankState
 from corefleet_harness.localcluster import LocalControlPlane
 from corefleet_harness.localnode import LocalNode
+from corefleet_harness.support import wait_until
 from corefleet_operator import constants
 from corefleet_operator.generate import OPERATOR_IMAGE
-from fleettest import FleetView, Load, PinnedStream, ResizeWatch, ecs_engine_args, wait_for
+from fleettest import FleetView, Load, PinnedStream, ResizeWatch, ecs_engine_args
 from nodetest import image_archives, node_cluster
 
 pytestmark = pytest.mark.e2e
@@ -150,8 +151,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
             pod = cp.request("GET", f"/api/v1/namespaces/{SYSTEM}/pods/{operator_pod}")
             return any(c["ready"] for c in pod["status"].get("containerStatuses", []))
 
-        wait_for(operator_ready, 120, "the operator's container Ready", interval=0.5,
-                 on_timeout=lambda: cp.kubectl("logs", "-n", SYSTEM, operator_pod, "--tail=40", check=False).stdout)
+        wait_until(operator_ready, 120, "the operator's container Ready", interval=0.5,
+                   diagnose=lambda: cp.kubectl("logs", "-n", SYSTEM, operator_pod, "--tail=40", check=False).stdout)
         cp.kubectl("create", "namespace", NS)
         ecs = sample(image)
         cp.kubectl("apply", "-n", NS, "-f", "-", input=json.dumps(ecs))  # schema and CEL accept it
@@ -213,7 +214,7 @@ def test_sample_fleet_runs_as_containers_and_serves_through_its_cluster_ip(setup
         assert phase != "Failed", s.cp.kubectl("logs", "-n", NS, "client", check=False).stdout
         return phase == "Succeeded"
 
-    wait_for(done, 120, "the client pod's completion", interval=0.5)
+    wait_until(done, 120, "the client pod's completion", interval=0.5)
     assert int(s.cp.kubectl("logs", "-n", NS, "client").stdout.strip()) > 0
     s.cp.kubectl("delete", "pod", "-n", NS, "client", "--wait=false")
 
@@ -234,12 +235,12 @@ def test_real_vllm_fleet_resizes_2_3_2_in_place_under_load(setup: Setup) -> None
         with ResizeWatch(s.fleet) as up:
             t0 = time.monotonic()
             s.fleet.scale(3)
-            wait_for(lambda: s.fleet.status().get("phase") == "Scaling", 30, "phase Scaling")
+            wait_until(lambda: s.fleet.status().get("phase") == "Scaling", 30, "phase Scaling")
             columns.append(s.fleet.get_ecs().split("\n")[1].split()[:4])
             s.settle(3)
             up_took = time.monotonic() - t0
         columns.append(s.fleet.get_ecs().split("\n")[1].split()[:4])
-        served = wait_for(lambda: s.fleet.admin().fleet().rank(2).requests_total, 60, "rank 2 to serve requests")
+        served = wait_until(lambda: s.fleet.admin().fleet().rank(2).requests_total, 60, "rank 2 to serve requests")
         with ResizeWatch(s.fleet) as down:
             # A long request on the leaving rank, the scale-down sent at its first token: the drain lets it finish.
             # (Sent later, it could end before the drain began: a tiny model on a fast core makes ~300 tokens/s.)
@@ -278,7 +279,7 @@ def test_real_vllm_fleet_resizes_2_3_2_in_place_under_load(setup: Setup) -> None
         story = s.fleet.events()[events_before:]
         return story if [reason for reason, _ in story].count("ResizeCompleted") >= 2 else None
 
-    story = wait_for(story_told, 30, "the second ResizeCompleted event", on_timeout=s.fleet.describe)
+    story = wait_until(story_told, 30, "the second ResizeCompleted event", diagnose=s.fleet.describe)
     main = [reason for reason, _ in story if reason in ("ResizeStarted", "RankRetired", "ResizeCompleted", "RankLost")]
     assert main == ["ResizeStarted", "ResizeCompleted", "ResizeStarted", "RankRetired", "ResizeCompleted"], story
 
@@ -291,8 +292,8 @@ def test_a_killed_engine_container_is_replaced_in_place(setup: Setup) -> None:
     victim = constants.engine_name(s.fleet.name, 1)
     before, old_uids = s.fleet.status(), s.fleet.uids()
     s.node.ctr("tasks", "kill", "--signal", "SIGKILL", s.container_id(victim))
-    wait_for(lambda: (s.fleet.status().get("operation") or {}).get("replace") == [1], 120,
-             "a replacement of rank 1", interval=0.5, on_timeout=s.fleet.describe)
+    wait_until(lambda: (s.fleet.status().get("operation") or {}).get("replace") == [1], 120,
+               "a replacement of rank 1", interval=0.5, diagnose=s.fleet.describe)
     s.settle(2)
     st = s.fleet.status()
     assert (st["recoveries"], st["fleetGeneration"]) == (before["recoveries"] + 1, before["fleetGeneration"]), st
@@ -339,14 +340,14 @@ def test_a_hung_engine_is_marked_not_ready_then_killed_by_the_kubelets_liveness_
 
     pinned = Load(s.url(), SERVED, workers=1, max_tokens=8, pause_s=0.5, headers={"X-data-parallel-rank": "0"}).start()
     try:
-        wait_for(lambda: len(pinned.outcomes) >= 2, 120, "the pinned client's first answers")
+        wait_until(lambda: len(pinned.outcomes) >= 2, 120, "the pinned client's first answers")
         pids = s.container_pids(victim)
         stopped_at = time.monotonic()
         for pid in pids:
             os.kill(pid, signal.SIGSTOP)
-        wait_for(lambda: ready(victim) is False, 120, "rank 1 NotReady", interval=0.5, on_timeout=s.fleet.describe)
+        wait_until(lambda: ready(victim) is False, 120, "rank 1 NotReady", interval=0.5, diagnose=s.fleet.describe)
         not_ready_at = time.monotonic()
-        how = wait_for(rank1_ended, 240, "rank 1's end", interval=0.5, on_timeout=s.fleet.describe)
+        how = wait_until(rank1_ended, 240, "rank 1's end", interval=0.5, diagnose=s.fleet.describe)
         ended_at = time.monotonic()
         s.settle(2)
         recovered_at = time.monotonic()
@@ -403,8 +404,8 @@ def test_the_sample_with_emulator_engines_serves_and_recovers_a_killed_engine(se
         assert out["usage"]["completion_tokens"] == 16, out
         old_uids = fleet.uids()
         s.node.ctr("tasks", "kill", "--signal", "SIGKILL", s.container_id(victim, fleet))
-        wait_for(lambda: (fleet.status().get("operation") or {}).get("replace") == [1], 120,
-                 "a replacement of rank 1", interval=0.5, on_timeout=fleet.describe)
+        wait_until(lambda: (fleet.status().get("operation") or {}).get("replace") == [1], 120,
+                   "a replacement of rank 1", interval=0.5, diagnose=fleet.describe)
         fleet.wait_settled(2, 300, interval=0.5)
         uids = fleet.uids()
         assert uids[victim] != old_uids[victim]

@@ -41,10 +41,11 @@ import pytest
 import yaml
 
 from corefleet_harness.emulator import EMULATOR_MODULE
-from corefleet_harness.localcluster import LocalControlPlane, free_port
+from corefleet_harness.localcluster import LocalControlPlane
+from corefleet_harness.support import free_port, wait_until
 from corefleet_harness.tinymodel import write_tiny_model
 from factories import make_ecs
-from fleettest import FleetView, Load, OperatorProcess, ResizeWatch, ecs_engine_args, wait_for
+from fleettest import FleetView, Load, OperatorProcess, ResizeWatch, ecs_engine_args
 from metricsstack import Prometheus, PrometheusAdapter, current_average, hpa_events
 from podrunner import PodRunner
 from promqueries import dashboard_expressions, rule_expressions
@@ -155,7 +156,7 @@ def setup(k8s: LocalControlPlane, crd_installed: None, module_namespace: str,
 def test_targets_are_up_with_the_labels_rules_group_by(setup: Setup) -> None:
     s = setup
     for job in ("corefleet-operator", "corefleet-frontend"):
-        wait_for(lambda job=job: s.value(f'up{{job="{job}"}}') == 1, QUERY_WAIT, f"Prometheus to scrape {job}")
+        wait_until(lambda job=job: s.value(f'up{{job="{job}"}}') == 1, QUERY_WAIT, f"Prometheus to scrape {job}")
     # The frontend's series: vLLM's per rank, with the fleet, namespace and pod from the PodMonitor.
     [running] = s.series('vllm:num_requests_running{job="corefleet-frontend"}')
     assert {k: running[k] for k in ("namespace", "fleet", "pod", "engine")} == \
@@ -163,8 +164,8 @@ def test_targets_are_up_with_the_labels_rules_group_by(setup: Setup) -> None:
     assert s.value(f'corefleet_frontend_rank_state{{fleet="{NAME}", engine="0", state="Serving"}}') == 1
     # The operator's: honor_labels keeps the fleet's namespace and name.
     fleet = f'namespace="{s.ns}", fleet="{NAME}"'
-    wait_for(lambda: s.value(f'corefleet_fleet_phase{{{fleet}, phase="Running"}}') == 1, QUERY_WAIT,
-             "the operator's phase of the fleet: Running")
+    wait_until(lambda: s.value(f'corefleet_fleet_phase{{{fleet}, phase="Running"}}') == 1, QUERY_WAIT,
+               "the operator's phase of the fleet: Running")
     assert s.value(f"sum(corefleet_fleet_phase{{{fleet}}})") == 1  # one phase at a time
     for size in ("desired", "committed", "ready", "max"):
         assert s.value(f"corefleet_fleet_ranks_{size}{{{fleet}}}") == (3 if size == "max" else 1), size
@@ -177,10 +178,10 @@ def test_a_resize_is_counted_and_a_retired_rank_leaves_no_series(setup: Setup) -
         with ResizeWatch(s.fleet):
             s.fleet.scale(2)
             s.fleet.wait_settled(2, SETTLE)
-        wait_for(lambda: s.value(f'sum(corefleet_frontend_rank_requests_routed_total{{fleet="{NAME}", engine="1"}})')
-                 or 0 > 0, QUERY_WAIT, "Prometheus to see requests routed to rank 1")
-        wait_for(lambda: s.value(f'corefleet:rank_in_flight_requests{{fleet="{NAME}", engine="1"}}') is not None,
-                 QUERY_WAIT, "the per-rank recording rule for rank 1")
+        wait_until(lambda: s.value(f'sum(corefleet_frontend_rank_requests_routed_total{{fleet="{NAME}", engine="1"}})')
+                   or 0 > 0, QUERY_WAIT, "Prometheus to see requests routed to rank 1")
+        wait_until(lambda: s.value(f'corefleet:rank_in_flight_requests{{fleet="{NAME}", engine="1"}}') is not None,
+                   QUERY_WAIT, "the per-rank recording rule for rank 1")
         with ResizeWatch(s.fleet):
             s.fleet.scale(1)
             s.fleet.wait_settled(1, SETTLE)
@@ -191,14 +192,14 @@ def test_a_resize_is_counted_and_a_retired_rank_leaves_no_series(setup: Setup) -
     fleet = f'namespace="{s.ns}", fleet="{NAME}"'
     for direction in ("up", "down"):
         labels = f'{fleet}, direction="{direction}", result="completed"'
-        wait_for(lambda labels=labels: s.value(f"corefleet_resize_operations_total{{{labels}}}") == 1, QUERY_WAIT,
-                 f"one completed {direction} resize counted")
+        wait_until(lambda labels=labels: s.value(f"corefleet_resize_operations_total{{{labels}}}") == 1, QUERY_WAIT,
+                   f"one completed {direction} resize counted")
         assert s.value(f"corefleet_resize_duration_seconds_count{{{labels}}}") == 1
     assert s.value(f"corefleet_fleet_resize_in_progress{{{fleet}}}") == 0
     # Rank 1 left: its series go stale with the next scrape (and the rules' with the next evaluation).
     retired = f'{{fleet="{NAME}", engine="1"}}'
-    wait_for(lambda: not s.series(retired), QUERY_WAIT, "no series of retired rank 1",
-             on_timeout=lambda: f"left: {sorted({m['__name__'] for m in s.series(retired)})}")
+    wait_until(lambda: not s.series(retired), QUERY_WAIT, "no series of retired rank 1",
+               diagnose=lambda: f"left: {sorted({m['__name__'] for m in s.series(retired)})}")
     assert s.series(f'{{fleet="{NAME}", engine="0"}}'), "rank 0's series went too"
 
 
@@ -269,7 +270,7 @@ def test_every_dashboard_and_rule_query_returns_data(setup: Setup) -> None:
         empty: list[str] = []
         for what, expr in queries:
             try:
-                wait_for(lambda expr=expr: bool(s.prom.query(expr)), QUERY_WAIT, f"{what}: {expr}")
+                wait_until(lambda expr=expr: bool(s.prom.query(expr)), QUERY_WAIT, f"{what}: {expr}")
             except AssertionError:
                 empty.append(f"{what}: {expr}")
     finally:
@@ -338,29 +339,29 @@ def test_hpa_scales_the_fleet_up_under_load_and_back_down(setup: Setup, tmp_path
         s.k8s.kubectl("apply", "-n", s.ns, "-f", "-", input=json.dumps(hpa_manifest()))
         tl.mark("HPA applied (target 2 in flight per rank, maxReplicas 3, scale-down window 20 s)")
         # Idle, the HPA reads the metric (0 per rank) and keeps the fleet at 1.
-        wait_for(lambda: current_average(hpa()) is not None, 120, "the HPA to read the fleet's metric",
-                 on_timeout=explain)
+        wait_until(lambda: current_average(hpa()) is not None, 120, "the HPA to read the fleet's metric",
+                   diagnose=explain)
         tl.mark(f"HPA reads the metric: {current_average(hpa()):g} per rank; "
                 f"spec.replicas {s.fleet.ecs()['spec']['replicas']}")
         load = s.load(workers=6)
         try:
-            wait_for(lambda: s.fleet.ecs()["spec"]["replicas"] > 1, 120, "the HPA to scale the fleet up",
-                     on_timeout=explain)
+            wait_until(lambda: s.fleet.ecs()["spec"]["replicas"] > 1, 120, "the HPA to scale the fleet up",
+                       diagnose=explain)
             tl.mark(f"spec.replicas {s.fleet.ecs()['spec']['replicas']} through /scale; HPA events {rescales()}")
-            wait_for(lambda: s.fleet.ecs()["spec"]["replicas"] == 3, 120, "the HPA to reach maxReplicas 3",
-                     on_timeout=explain)
+            wait_until(lambda: s.fleet.ecs()["spec"]["replicas"] == 3, 120, "the HPA to reach maxReplicas 3",
+                       diagnose=explain)
             s.fleet.wait_settled(3, SETTLE)
             tl.mark("the fleet serves at 3 ranks (in place)")
             served = s.fleet.admin().fleet()
-            wait_for(lambda: all(r.requests_total > 0 for r in s.fleet.admin().fleet().ranks), 60,
-                     "every rank, the new ones too, to serve requests")
+            wait_until(lambda: all(r.requests_total > 0 for r in s.fleet.admin().fleet().ranks), 60,
+                       "every rank, the new ones too, to serve requests")
             tl.mark(f"every rank served requests ({[r.requests_total for r in served.ranks]} when settled)")
         finally:
             load.stop()
         tl.mark(f"load stopped: {len(load.outcomes)} requests, {len(load.failures())} failed")
         assert not load.failures(), load.summary()
-        wait_for(lambda: s.fleet.ecs()["spec"]["replicas"] == 1, HPA_WINDOW + 120,
-                 "the HPA to scale the fleet back down after the stabilization window", on_timeout=explain)
+        wait_until(lambda: s.fleet.ecs()["spec"]["replicas"] == 1, HPA_WINDOW + 120,
+                   "the HPA to scale the fleet back down after the stabilization window", diagnose=explain)
         tl.mark(f"spec.replicas 1 through /scale; HPA events {rescales()}")
         s.fleet.wait_settled(1, SETTLE)
         tl.mark("the fleet serves at 1 rank")

@@ -25,10 +25,11 @@ import pytest
 from corefleet_client.admin import RankState
 from corefleet_harness.emulator import EMULATOR_MODULE
 from corefleet_harness.localcluster import LocalControlPlane
+from corefleet_harness.support import wait_until
 from corefleet_harness.tinymodel import write_tiny_model
 from corefleet_operator import constants
 from factories import make_ecs
-from fleettest import FleetView, Load, OperatorProcess, PinnedStream, ResizeWatch, ecs_engine_args, wait_for
+from fleettest import FleetView, Load, OperatorProcess, PinnedStream, ResizeWatch, ecs_engine_args
 from podrunner import PodRunner
 
 pytestmark = pytest.mark.e2e
@@ -91,7 +92,7 @@ def test_2_4_1_in_place_under_load(setup: Setup) -> None:
             status = s.fleet.admin().fleet()
             return status.data_parallel_size == 4 and all(r.requests_total > 0 for r in status.ranks)
 
-        wait_for(every_rank_served, 30, "every rank, the new ones too, to serve requests")
+        wait_until(every_rank_served, 30, "every rank, the new ones too, to serve requests")
         assert pids(s, range(2)) == before_pids
         # A long request on a leaving rank: the drain lets it finish (~4 s at the token delay).
         long = PinnedStream(f"http://{s.fleet.frontend_ip()}:8000", SERVED, rank=3, max_tokens=400)
@@ -160,7 +161,7 @@ def test_a_change_during_a_resize_is_queued(setup: Setup) -> None:
     s.fleet.scale(2)
     first = s.fleet.wait_operation("Pending", "Preparing", timeout=SETTLE)
     s.fleet.scale(3)
-    wait_for(lambda: any(r == "ResizeQueued" for r, _ in s.fleet.events()), 30, "a ResizeQueued event")
+    wait_until(lambda: any(r == "ResizeQueued" for r, _ in s.fleet.events()), 30, "a ResizeQueued event")
     assert s.fleet.operation()["id"] == first["id"]  # never two at once
     s.settle(3)
     ops = s.fleet.admin().resizes()
@@ -202,8 +203,8 @@ def test_a_leaving_rank_killed_while_draining_fails_its_requests_and_the_resize_
     try:
         for stream in doomed:
             assert stream.first_token.wait(60), "a pinned stream on rank 2 got no first token"
-        wait_for(lambda: s.fleet.admin().fleet().rank(2).in_flight >= 2, 30, "both streams in flight on rank 2",
-                 on_timeout=lambda: json.dumps(s.fleet.admin().fleet_json(), indent=1))
+        wait_until(lambda: s.fleet.admin().fleet().rank(2).in_flight >= 2, 30, "both streams in flight on rank 2",
+                   diagnose=lambda: json.dumps(s.fleet.admin().fleet_json(), indent=1))
         s.fleet.scale(2)
         s.fleet.wait_operation("Draining", timeout=SETTLE)
         os.killpg(s.fleet.engine_pid(2), signal.SIGKILL)
@@ -278,13 +279,13 @@ def test_a_killed_dense_rank_is_replaced_in_place_while_rank_0_serves(setup: Set
     with EndpointWatch(s) as endpoint, ResizeWatch(s.fleet) as watch:
         pinned.start()
         try:
-            wait_for(lambda: len([o for o in pinned.outcomes if o.ok]) >= 4, 60, "rank 0's load to get going")
+            wait_until(lambda: len([o for o in pinned.outcomes if o.ok]) >= 4, 60, "rank 0's load to get going")
             os.killpg(s.fleet.engine_pid(1), signal.SIGKILL)
-            wait_for(lambda: (s.fleet.status().get("operation") or {}).get("replace") == [1], 60,
-                     "a replacement of rank 1 in status.operation", on_timeout=s.fleet.describe)
+            wait_until(lambda: (s.fleet.status().get("operation") or {}).get("replace") == [1], 60,
+                       "a replacement of rank 1 in status.operation", diagnose=s.fleet.describe)
             s.settle(2)
             served = len([o for o in pinned.outcomes if o.ok])
-            wait_for(lambda: len([o for o in pinned.outcomes if o.ok]) > served, 30, "rank 0 to serve on")
+            wait_until(lambda: len([o for o in pinned.outcomes if o.ok]) > served, 30, "rank 0 to serve on")
         finally:
             pinned.stop()
     # Rank 1 has a new pod (same name, same incarnation); the frontend, coordinator and rank 0 are the same
@@ -325,14 +326,14 @@ def test_a_frontend_killed_mid_resize_recovers_the_fleet_at_the_committed_size(s
     s.fleet.scale(3)
     s.fleet.wait_operation("Preparing", timeout=SETTLE)
     os.killpg(s.runner.pod(constants.frontend_name(NAME)).popen.pid, signal.SIGKILL)  # type: ignore[union-attr]
-    wait_for(lambda: s.fleet.status().get("phase") == "Recovering", 60, "Recovering", on_timeout=s.fleet.describe)
+    wait_until(lambda: s.fleet.status().get("phase") == "Recovering", 60, "Recovering", diagnose=s.fleet.describe)
     st = s.fleet.status()
     assert st["recoveries"] == before["recoveries"] + 1
     assert st["replicas"] == 2  # the committed size
     assert st["operation"]["phase"] == "Failed"
     # The operator posts a plan's events after it wrote the status and acted (issue 9, defect 6).
-    wait_for(lambda: {"RankLost", "ResizeFailed"} <= {r for r, _ in s.fleet.events()}, 60,
-             "the RankLost and ResizeFailed events", on_timeout=s.fleet.describe)
+    wait_until(lambda: {"RankLost", "ResizeFailed"} <= {r for r, _ in s.fleet.events()}, 60,
+               "the RankLost and ResizeFailed events", diagnose=s.fleet.describe)
     s.settle(3, timeout=2 * SETTLE)  # recovered at 2, then resized to the 3 asked for
     st = s.fleet.status()
     assert (st["fleetGeneration"], st["recoveries"]) == (before["fleetGeneration"] + 1, before["recoveries"] + 1), st

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from corefleet_harness.localcluster import ADMIN_TOKEN, wait_until
+from corefleet_harness.localcluster import ADMIN_TOKEN
+from corefleet_harness.support import wait_until
 from procs import read_lines_until
 
 
@@ -68,8 +69,9 @@ def _check_up(proc: subprocess.Popen[str], state: Path) -> None:
         pods = get("/api/v1/namespaces/default/pods?labelSelector=corefleet.io/fleet=qwen3-dense")
         return len(pods["items"]) == 4  # type: ignore[arg-type]
 
-    wait_until(status_written, 60, "the operator's first status of the sample")
-    wait_until(pods_created, 60, "the sample's coordinator, frontend and 2 engine pods")
+    wait_until(status_written, 60, "the operator's first status of the sample", interval=0.1, retry_on=(Exception,))
+    wait_until(pods_created, 60, "the sample's coordinator, frontend and 2 engine pods", interval=0.1,
+               retry_on=(Exception,))
 
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)

@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from corefleet_harness.localcluster import KubeletStandIn, LocalControlPlane, wait_until
+from corefleet_harness.localcluster import KubeletStandIn, LocalControlPlane
+from corefleet_harness.support import wait_until
 
 GROUP = "harness.corefleet.io"
 WIDGET_CRD: dict[str, Any] = {
@@ -111,7 +112,8 @@ def test_scheduler_binds_what_fits_and_leaves_too_large_gpu_pod_pending(
         return obj
 
     # The scheduler binds the 4-GPU pod to a fake node; the kubelet stand-in makes it Running/Ready.
-    wait_until(lambda: get("fits")["status"].get("phase") == "Running", 60, "4-GPU pod Running")
+    wait_until(lambda: get("fits")["status"].get("phase") == "Running", 60, "4-GPU pod Running",
+               interval=0.1, retry_on=(Exception,))
     fits = get("fits")
     assert fits["spec"]["nodeName"].startswith("gpu-node-")
     assert fits["status"]["podIP"]
@@ -122,7 +124,8 @@ def test_scheduler_binds_what_fits_and_leaves_too_large_gpu_pod_pending(
         return any(e["involvedObject"]["name"] == "too-big" and e["reason"] == "FailedScheduling"
                    and "Insufficient nvidia.com/gpu" in e["message"] for e in events)
 
-    wait_until(unschedulable_reported, 60, "FailedScheduling event for the 16-GPU pod")
+    wait_until(unschedulable_reported, 60, "FailedScheduling event for the 16-GPU pod",
+               interval=0.1, retry_on=(Exception,))
     too_big = get("too-big")
     assert too_big["status"]["phase"] == "Pending"
     assert not too_big["spec"].get("nodeName")
@@ -148,7 +151,7 @@ def test_deleting_owner_garbage_collects_owned_object(k8s: LocalControlPlane, na
             return e.code == 404
         return False
 
-    wait_until(owned_gone, 60, "garbage collection of the owned ConfigMap")
+    wait_until(owned_gone, 60, "garbage collection of the owned ConfigMap", interval=0.1, retry_on=(Exception,))
 
 
 def test_rbac_is_enforced_for_service_accounts(k8s: LocalControlPlane, namespace: str) -> None:
@@ -165,4 +168,5 @@ def test_rbac_is_enforced_for_service_accounts(k8s: LocalControlPlane, namespace
     k8s.kubectl("create", "rolebinding", "nobody-reads", "--role=pod-reader",
                 f"--serviceaccount={namespace}:nobody", "-n", namespace)
     wait_until(lambda: k8s.kubectl("get", "pods", "-n", namespace, kubeconfig=kubeconfig,
-                                   check=False).returncode == 0, 30, "role binding takes effect")
+                                   check=False).returncode == 0, 30, "role binding takes effect",
+               interval=0.1, retry_on=(Exception,))

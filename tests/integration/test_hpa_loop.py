@@ -33,8 +33,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from corefleet_harness.localcluster import LocalControlPlane, resolve_bin_dir
+from corefleet_harness.support import wait_until
 from corefleet_operator import constants
-from fleettest import wait_for
 from metricsstack import (
     FLEET_METRIC,
     MetricsStackError,
@@ -221,8 +221,8 @@ def test_hpa_scales_the_fleet_with_its_in_flight_requests(
     gauges.set(ns, {0: (6, 0)})
     # The adapter serves the recording rule as the EngineCoreSet's metric, by the shipped rules.
     path = f"namespaces/{ns}/{constants.PLURAL}.{constants.GROUP}/{FLEET}/{METRIC}"
-    [served] = wait_for(lambda: served_metric(adapter, path), 60, f"{METRIC} on the custom-metrics API",
-                        on_timeout=adapter.log_tail)["items"]
+    [served] = wait_until(lambda: served_metric(adapter, path), 60, f"{METRIC} on the custom-metrics API",
+                          diagnose=adapter.log_tail)["items"]
     assert served["describedObject"] == {"kind": constants.KIND, "namespace": ns, "name": FLEET,
                                          "apiVersion": constants.API_VERSION}
     assert quantity(served["value"]) == 6
@@ -235,22 +235,22 @@ def test_hpa_scales_the_fleet_with_its_in_flight_requests(
     target = quantity(sample["spec"]["metrics"][0]["object"]["target"]["averageValue"])
     # The HPA reads the metric. Up to 30 s: the controller manager's discovery cache, filled before the
     # CRD was installed, learns about EngineCoreSets only at its next periodic reset.
-    wait_for(lambda: current_average(hpa(cp, ns)) == 6, 90, "the HPA to read 6 in-flight requests",
-             on_timeout=lambda: describe(cp, ns))
+    wait_until(lambda: current_average(hpa(cp, ns)) == 6, 90, "the HPA to read 6 in-flight requests",
+               diagnose=lambda: describe(cp, ns))
     assert spec_replicas(cp, ns) == 1  # 6 per rank is under the target: nothing to do
 
     # Load rises to 80 in flight: ceil(80 / 32) = 3 ranks.
     total = gauges.set(ns, {0: (40, 10), 1: (20, 10)})
-    wait_for(lambda: spec_replicas(cp, ns) == 3, 60, "spec.replicas 3 through /scale",
-             on_timeout=lambda: describe(cp, ns))
+    wait_until(lambda: spec_replicas(cp, ns) == 3, 60, "spec.replicas 3 through /scale",
+               diagnose=lambda: describe(cp, ns))
     assert -(-total // target) == 3
     assert any("New size: 3" in m and METRIC in m for m in hpa_events(cp, ns, "SuccessfulRescale"))
     status = hpa(cp, ns)["status"]
     assert status["desiredReplicas"] == 3
     assert current_average(hpa(cp, ns)) == total  # per committed rank: status.replicas is still 1
     commit(cp, ns, 3)  # the operator finished the resize
-    wait_for(lambda: current_average(hpa(cp, ns)) == pytest.approx(total / 3, abs=1e-3), 30,
-             "the HPA to divide the fleet's load by its 3 ranks", on_timeout=lambda: describe(cp, ns))
+    wait_until(lambda: current_average(hpa(cp, ns)) == pytest.approx(total / 3, abs=1e-3), 30,
+               "the HPA to divide the fleet's load by its 3 ranks", diagnose=lambda: describe(cp, ns))
     assert spec_replicas(cp, ns) == 3  # 26.7 per rank: within the target, stays
 
     # Load drops to 5: the HPA wants 1 rank but holds 3 for the stabilization window, then scales down.
@@ -260,11 +260,11 @@ def test_hpa_scales_the_fleet_with_its_in_flight_requests(
         held = conditions(h).get("AbleToScale", {}).get("reason") == "ScaleDownStabilized"
         return h if held and spec_replicas(cp, ns) == 3 else None
 
-    stabilized = wait_for(held_at_3, 30, "AbleToScale=ScaleDownStabilized while at 3 ranks", interval=0.1,
-                          on_timeout=lambda: describe(cp, ns))
+    stabilized = wait_until(held_at_3, 30, "AbleToScale=ScaleDownStabilized while at 3 ranks", interval=0.1,
+                            diagnose=lambda: describe(cp, ns))
     assert current_average(stabilized) == pytest.approx(5 / 3, abs=1e-3)
-    wait_for(lambda: spec_replicas(cp, ns) == 1, 30, "spec.replicas 1 after the window",
-             on_timeout=lambda: describe(cp, ns))
+    wait_until(lambda: spec_replicas(cp, ns) == 1, 30, "spec.replicas 1 after the window",
+               diagnose=lambda: describe(cp, ns))
     assert any("New size: 1" in m and "below target" in m for m in hpa_events(cp, ns, "SuccessfulRescale"))
 
 
@@ -279,7 +279,7 @@ def test_hpa_above_the_fleets_max_replicas_is_refused_on_scale(
     def refused() -> list[str]:
         return hpa_events(cp, ns, "FailedRescale")
 
-    [message, *_] = wait_for(refused, 90, "a FailedRescale event", on_timeout=lambda: describe(cp, ns))
+    [message, *_] = wait_until(refused, 90, "a FailedRescale event", diagnose=lambda: describe(cp, ns))
     assert "New size: 6" in message
     assert "replicas must not exceed maxReplicas" in message  # the CRD's CEL rule, applied to /scale
     able = conditions(hpa(cp, ns))["AbleToScale"]

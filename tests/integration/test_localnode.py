@@ -20,8 +20,9 @@ from typing import Any
 
 import pytest
 
-from corefleet_harness.localcluster import LocalControlPlane, wait_until
+from corefleet_harness.localcluster import LocalControlPlane
 from corefleet_harness.localnode import PAUSE_IMAGE, LocalNode, host_ip
+from corefleet_harness.support import wait_until
 from corefleet_operator.constants import GPU_RESOURCE
 from nodetest import image_archives, node_cluster
 
@@ -67,7 +68,7 @@ def wait_ready(cp: LocalControlPlane, ns: str, name: str, timeout: float = 120) 
         conds = {c["type"]: c["status"] for c in get_pod(cp, ns, name).get("status", {}).get("conditions", [])}
         return conds.get("Ready") == "True"
 
-    wait_until(ready, timeout, f"pod {ns}/{name} Ready", interval=0.5)
+    wait_until(ready, timeout, f"pod {ns}/{name} Ready", interval=0.5, retry_on=(Exception,))
     return get_pod(cp, ns, name)
 
 
@@ -80,7 +81,8 @@ def wait_succeeded(cp: LocalControlPlane, ns: str, name: str, timeout: float = 1
             raise AssertionError(f"pod {ns}/{name} failed:\n{log.stdout}{log.stderr}")
         return phase == "Succeeded"
 
-    wait_until(done, timeout, f"pod {ns}/{name} Succeeded", interval=0.5, fatal=(AssertionError,))
+    wait_until(done, timeout, f"pod {ns}/{name} Succeeded", interval=0.5, retry_on=(Exception,),
+               fatal=(AssertionError,))
     return cp.kubectl("logs", "-n", ns, name).stdout
 
 
@@ -157,7 +159,8 @@ def test_service_cluster_ip_and_dns_route_to_the_pod(cluster: tuple[LocalControl
     pod_ip = wait_ready(cp, ns, "web")["status"]["podIP"]
     cluster_ip = cp.request("GET", f"/api/v1/namespaces/{ns}/services/web")["spec"]["clusterIP"]
     # From the host, through kube-proxy's rules (the test process is a client like any other).
-    wait_until(lambda: fetch(f"http://{cluster_ip}/") == "hello from web-0", 30, "ClusterIP from the host")
+    wait_until(lambda: fetch(f"http://{cluster_ip}/") == "hello from web-0", 30, "ClusterIP from the host",
+               interval=0.1, retry_on=(Exception,))
     # From a pod: the Service's DNS name, its ClusterIP, and the pod's own name under the headless Service.
     script = ("import socket, urllib.request\n"
               f"print('svc', urllib.request.urlopen('http://web.{ns}.svc.cluster.local/', timeout=5).read().decode())\n"
@@ -197,7 +200,7 @@ def test_a_killed_container_is_restarted_by_the_kubelet(cluster: tuple[LocalCont
         s = get_pod(cp, ns, "web")["status"]["containerStatuses"][0]
         return bool(s["restartCount"] == 1 and s["ready"])
 
-    wait_until(restarted, 60, "the container restarted and ready again", interval=0.5)
+    wait_until(restarted, 60, "the container restarted and ready again", interval=0.5, retry_on=(Exception,))
     s = get_pod(cp, ns, "web")["status"]["containerStatuses"][0]
     assert s["lastState"]["terminated"]["exitCode"] == 137
     assert s["containerID"].removeprefix("containerd://") != first

@@ -22,10 +22,11 @@ import pytest
 
 from corefleet_harness.emulator import EMULATOR_MODULE
 from corefleet_harness.localcluster import LocalControlPlane
+from corefleet_harness.support import wait_until
 from corefleet_operator import constants, crd, planner
 from corefleet_operator.handlers.lifecycle import BACKOFF_SCALE_ENV
 from factories import make_ecs
-from fleettest import FleetView, OperatorProcess, wait_for
+from fleettest import FleetView, OperatorProcess
 from podrunner import PodRunner
 
 NAME = "crash"
@@ -71,8 +72,8 @@ def setup(k8s: LocalControlPlane, tmp_path_factory: pytest.TempPathFactory) -> I
 
 def test_a_crash_looping_fleet_backs_off_then_fails_and_creates_nothing_more(setup: Setup) -> None:
     s = setup
-    st = wait_for(lambda: (st := s.fleet.status()).get("phase") == "Failed" and st, PHASE_TIMEOUT,
-                  "the fleet to be given up (phase Failed)", on_timeout=s.fleet.describe)
+    st = wait_until(lambda: (st := s.fleet.status()).get("phase") == "Failed" and st, PHASE_TIMEOUT,
+                    "the fleet to be given up (phase Failed)", diagnose=s.fleet.describe)
 
     # Every lost incarnation counted: the first two were recovered, the third spent the budget.
     assert st["recoveries"] == MAX_RECOVERIES
@@ -84,8 +85,8 @@ def test_a_crash_looping_fleet_backs_off_then_fails_and_creates_nothing_more(set
     assert f"gave up after {MAX_RECOVERIES} recoveries in a row" in degraded["message"]
     assert "exited with 2" in degraded["message"]
     # The backoff, in the events: none before the first recovery, 10 s x the scale before the second.
-    events = wait_for(lambda: (ev := s.fleet.events()) and any(r == "RecoveriesExhausted" for r, _ in ev) and ev,
-                      30, "the RecoveriesExhausted event", on_timeout=s.fleet.describe)
+    events = wait_until(lambda: (ev := s.fleet.events()) and any(r == "RecoveriesExhausted" for r, _ in ev) and ev,
+                        30, "the RecoveriesExhausted event", diagnose=s.fleet.describe)
     lost = [m for r, m in events if r == "RankLost"]
     assert len(lost) == MAX_RECOVERIES + 1, lost
     assert f"recovery 1 of {MAX_RECOVERIES} now" in lost[0]
@@ -95,8 +96,8 @@ def test_a_crash_looping_fleet_backs_off_then_fails_and_creates_nothing_more(set
     assert [m for r, m in events if r == "Recovering"]  # the backoff's end: incarnation 3 created
     # Only the engine pods that ended are left (for their logs); the held frontend and coordinator went, and so
     # did an engine that had not exited yet when the fleet was given up.
-    pods = wait_for(lambda: (p := s.fleet.pods()) and all(q["status"].get("phase") == "Failed" for q in p.values())
-                    and p, 30, "only the ended pods left", on_timeout=s.fleet.describe)
+    pods = wait_until(lambda: (p := s.fleet.pods()) and all(q["status"].get("phase") == "Failed" for q in p.values())
+                      and p, 30, "only the ended pods left", diagnose=s.fleet.describe)
     assert set(pods) <= {constants.engine_name(NAME, 0), constants.engine_name(NAME, 1)}
     assert {q["metadata"]["annotations"][constants.ANNOTATION_GENERATION] for q in pods.values()} == {"3"}
     # The last incarnation was created only once the second recovery's backoff was over.
@@ -114,13 +115,13 @@ def test_a_crash_looping_fleet_backs_off_then_fails_and_creates_nothing_more(set
         assert s.fleet.status()["phase"] == "Failed"
         return bool(time.monotonic() > deadline)
 
-    wait_for(unchanged_until_the_deadline, 6 * s.operator.resync_seconds, "three resyncs with nothing created",
-             interval=0.5)
+    wait_until(unchanged_until_the_deadline, 6 * s.operator.resync_seconds, "three resyncs with nothing created",
+               interval=0.5)
 
     # A spec change starts over (a new streak).
     s.k8s.kubectl("patch", "-n", s.ns, f"ecs/{NAME}", "--type=merge", "-p",
                   json.dumps({"spec": {"scaling": {"maxRecoveries": MAX_RECOVERIES + 1}}}))
-    wait_for(lambda: any(q["metadata"]["annotations"][constants.ANNOTATION_GENERATION] == "4"
-                         for q in s.fleet.pods().values()), PHASE_TIMEOUT,
-             "incarnation 4's pods after the spec change", on_timeout=s.fleet.describe)
+    wait_until(lambda: any(q["metadata"]["annotations"][constants.ANNOTATION_GENERATION] == "4"
+                           for q in s.fleet.pods().values()), PHASE_TIMEOUT,
+               "incarnation 4's pods after the spec change", diagnose=s.fleet.describe)
     assert s.fleet.status()["phase"] != "Failed" or s.fleet.status()["fleetGeneration"] >= 4

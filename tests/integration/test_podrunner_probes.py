@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from corefleet_harness.localcluster import LocalControlPlane
-from fleettest import wait_for
+from corefleet_harness.support import wait_until
 from podrunner import LIVENESS, READINESS, STARTUP, PodRunner, ProbeAttempt
 
 PORT = 8080
@@ -92,24 +92,24 @@ class Pods:
         return conditions["Ready"]
 
     def wait_ready(self, name: str, want: bool) -> None:
-        wait_for(lambda: self.ready(name) is want, DEADLINE, f"pod {name} Ready={want}", interval=0.05,
-                 on_timeout=lambda: f"{self.status(name)}\n{self.attempts(name)}\n{self.runner.log_tails()}")
+        wait_until(lambda: self.ready(name) is want, DEADLINE, f"pod {name} Ready={want}", interval=0.05,
+                   diagnose=lambda: f"{self.status(name)}\n{self.attempts(name)}\n{self.runner.log_tails()}")
 
     def wait_terminated(self, name: str) -> dict[str, Any]:
         def terminated() -> dict[str, Any] | None:
             st = self.status(name)
             return st if st.get("phase") in ("Failed", "Succeeded") else None
 
-        st: dict[str, Any] = wait_for(terminated, DEADLINE, f"pod {name} to end", interval=0.05,
-                                      on_timeout=lambda: f"{self.status(name)}\n{self.attempts(name)}")
+        st: dict[str, Any] = wait_until(terminated, DEADLINE, f"pod {name} to end", interval=0.05,
+                                        diagnose=lambda: f"{self.status(name)}\n{self.attempts(name)}")
         return st
 
     def attempts(self, name: str, kind: str | None = None) -> list[ProbeAttempt]:
         return [a for a in list(self.runner.probe_log) if a.pod == name and kind in (None, a.kind)]
 
     def wait_attempts(self, name: str, kind: str, count: int) -> list[ProbeAttempt]:
-        got: list[ProbeAttempt] = wait_for(lambda: len(a := self.attempts(name, kind)) >= count and a, DEADLINE,
-                                           f"{count} {kind} probe attempts on {name}", interval=0.05)
+        got: list[ProbeAttempt] = wait_until(lambda: len(a := self.attempts(name, kind)) >= count and a, DEADLINE,
+                                             f"{count} {kind} probe attempts on {name}", interval=0.05)
         return got
 
     def pid(self, name: str) -> int:
@@ -165,8 +165,8 @@ def test_readiness_changes_only_after_its_thresholds(pods: Pods) -> None:
     assert (down.ok, run_before(attempts, down)) == (False, 3), attempts
     assert "statuscode: 500" in down.detail, down
     assert pods.status("ready")["phase"] == "Running"  # a failing readiness probe kills nothing
-    wait_for(lambda: ("Unhealthy", f"Readiness probe failed: {down.detail}") in pods.events("ready"), DEADLINE,
-             "the Unhealthy event")
+    wait_until(lambda: ("Unhealthy", f"Readiness probe failed: {down.detail}") in pods.events("ready"), DEADLINE,
+               "the Unhealthy event")
 
     (state / "ready").write_text("302")  # 200..399 is success
     pods.wait_ready("ready", True)

@@ -32,6 +32,7 @@ from corefleet_client.admin import FLEET_PATH, FleetState, FleetStatus, RankStat
 from corefleet_harness import local
 from corefleet_harness.cli import build_parser, main
 from corefleet_harness.emulator import EMULATOR_MODULE
+from corefleet_harness.support import free_ports, wait_until
 from corefleet_harness.tinymodel import VLLM_CPU_FLAGS
 from corefleet_operator import __version__, builders, constants
 from factories import make_ecs
@@ -286,7 +287,7 @@ def _spawn(spawned: list[subprocess.Popen[bytes]], argv: list[str], role: str, r
     spawned.append(p)
     st = local.proc_stat(p.pid)
     assert st is not None
-    local.wait_for(lambda: local.proc_cmdline(p.pid) == argv, 10, f"{argv} to exec")
+    wait_until(lambda: local.proc_cmdline(p.pid) == argv, 10, f"{argv} to exec", interval=0.05)
     return local.ProcessRecord(role=role, rank=rank, pid=p.pid, start_time=st.start_time, argv=tuple(argv),
                                log="/dev/null")
 
@@ -375,7 +376,8 @@ def test_down_stops_what_is_left_of_a_group_whose_leader_died(
     """vLLM's EngineCore children outlive a killed launcher: they are stopped through the process group."""
     pid_file = tmp_path / "child.pid"
     leader = _spawn(spawned, ["sh", "-c", f"sleep 1005 & echo $! > {pid_file}; wait"], "engine", 0)
-    local.wait_for(lambda: pid_file.exists() and pid_file.read_text().strip().isdigit(), 10, "the child's pid")
+    wait_until(lambda: pid_file.exists() and pid_file.read_text().strip().isdigit(), 10, "the child's pid",
+               interval=0.05)
     child = int(pid_file.read_text())
     os.kill(leader.pid, signal.SIGKILL)
     spawned[-1].wait()
@@ -481,7 +483,7 @@ def test_status_reports_processes_and_ranks(tmp_path: Path, spawned: list[subpro
 def test_status_without_an_admin_api(tmp_path: Path, spawned: list[subprocess.Popen[bytes]],
                                      capsys: pytest.CaptureFixture[str]) -> None:
     _record(tmp_path, [_spawn(spawned, ["sleep", "1011"], "coordinator", None)],
-            admin_url=f"http://127.0.0.1:{local.free_ports(1)[0]}")
+            admin_url=f"http://127.0.0.1:{free_ports(1)[0]}")
 
     assert main(["status", "--state-dir", str(tmp_path)]) == 1
     assert "fleet: unknown (admin API:" in capsys.readouterr().out
@@ -493,7 +495,7 @@ def test_rss_includes_child_processes(spawned: list[subprocess.Popen[bytes]], tm
     parent = _spawn(spawned, [sys.executable, "-c",
                               f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}])"],
                     "engine", 0)
-    local.wait_for(lambda: (tmp_path / "ready").exists(), 20, "the child to allocate")
+    wait_until(lambda: (tmp_path / "ready").exists(), 20, "the child to allocate", interval=0.05)
 
     own = local.proc_stat(parent.pid)
     assert own is not None
@@ -566,7 +568,7 @@ def fake_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str
 
 
 def _options(tmp_path: Path, fake_python: str, **kw: object) -> local.FleetOptions:
-    defaults: dict[str, object] = dict(replicas=2, engine="emulator", port=local.free_ports(1)[0],
+    defaults: dict[str, object] = dict(replicas=2, engine="emulator", port=free_ports(1)[0],
                                        state_dir=tmp_path / "state", python=fake_python, ready_timeout=20.0)
     defaults.update(kw)
     return local.FleetOptions(**defaults)  # type: ignore[arg-type]
@@ -593,7 +595,7 @@ def test_up_detach_status_down(tmp_path: Path, fake_python: str) -> None:
         assert (opts.state_dir / "logs" / "engine-2.log").read_text().strip() == "emulator starting"
         # A second fleet in the same state dir is refused while this one runs.
         again = io.StringIO()
-        assert local.up(dataclasses.replace(opts, port=local.free_ports(1)[0]), detach=True, out=io.StringIO(),
+        assert local.up(dataclasses.replace(opts, port=free_ports(1)[0]), detach=True, out=io.StringIO(),
                         err=again) == 1
         assert "is still running" in again.getvalue()
         status_out = io.StringIO()
@@ -607,7 +609,7 @@ def test_up_detach_status_down(tmp_path: Path, fake_python: str) -> None:
 def test_up_in_the_foreground_stops_its_processes_on_sigterm(tmp_path: Path, fake_python: str) -> None:
     """`corefleet up` as a command: prints the endpoint, runs until SIGTERM, then nothing it started is left."""
     state = tmp_path / "state"
-    port = local.free_ports(1)[0]
+    port = free_ports(1)[0]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     code = ("import functools, sys; from corefleet_harness import local; from corefleet_harness.cli import main; "
             f"local.FleetOptions = functools.partial(local.FleetOptions, python={fake_python!r}); "
@@ -699,14 +701,6 @@ def test_up_with_a_model_directory_and_own_vllm_flags(tmp_path: Path, fake_pytho
         local.down(opts.state_dir, out=io.StringIO())
 
 
-def test_free_ports_lie_below_the_ephemeral_range() -> None:
-    """A connect to an ephemeral port on the same host can connect to itself and steal the port."""
-    lo, _ = local._ephemeral_port_range()
-    ports = local.free_ports(40, exclude=[local.free_ports(1)[0]])
-    assert len(set(ports)) == 40
-    assert all(1024 < p < lo for p in ports), ports
-
-
 def test_local_elastic_ep_command_lines_and_gpus() -> None:
     """Elastic EP in local mode: engine 0 serves the coordination stores on loopback, the frontend is told their
     port; with --gpus-per-rank each rank sees its own GPUs."""
@@ -718,20 +712,13 @@ def test_local_elastic_ep_command_lines_and_gpus() -> None:
     rank0 = local.engine_argv(py, "vllm", "/m", 2, 0, ports, [])
     assert rank0[rank0.index("--coord-store-port") + 1] == "1020"
     assert "--coord-store-port" not in local.engine_argv(py, "vllm", "/m", 2, 1, ports, [])
-    assert local._engine_env("vllm", 1, gpus_per_rank=2)["CUDA_VISIBLE_DEVICES"] == "2,3"
-    assert "CUDA_VISIBLE_DEVICES" not in local._engine_env("emulator", 1)
+    assert local.engine_env("vllm", 1, gpus_per_rank=2)["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert "CUDA_VISIBLE_DEVICES" not in local.engine_env("emulator", 1)
 
 
 def test_local_elastic_ep_needs_a_moe_model(tmp_path: Path) -> None:
     opts = local.FleetOptions(replicas=2, engine="emulator", state_dir=tmp_path, elastic_ep_max=4,
-                              port=local.free_ports(1)[0])
+                              port=free_ports(1)[0])
     with pytest.raises(local.LocalFleetError, match="--elastic-ep-max needs a MoE model"):
         local.start(opts)
     assert local.load_record(tmp_path) is None  # nothing started
-
-
-def test_a_free_port_pair_is_two_free_ports() -> None:
-    port = local.free_port_pair()
-    with socket.socket() as a, socket.socket() as b:
-        a.bind(("127.0.0.1", port))
-        b.bind(("127.0.0.1", port + 1))

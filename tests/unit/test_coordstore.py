@@ -26,29 +26,12 @@ from corefleet_client.coordstore import (
     StoreService,
     request_resize_store,
 )
+from corefleet_harness.support import free_port_pair
 
 HOST = "127.0.0.1"
 CLIENT_TIMEOUT = datetime.timedelta(seconds=5)
 DEAD_TIMEOUT = datetime.timedelta(milliseconds=300)  # a client of a closed store gives up after this
-PORT_PAIR_TRIES = 20
 SERVICE_TRIES = 5
-
-
-def free_port_pair() -> int:
-    """A port p such that p and p + CONTROL_PORT_OFFSET are both free now."""
-    for _ in range(PORT_PAIR_TRIES):
-        with socket.socket() as first:
-            first.bind((HOST, 0))
-            port = first.getsockname()[1]
-            if port + CONTROL_PORT_OFFSET > 65535:
-                continue
-            with socket.socket() as second:
-                try:
-                    second.bind((HOST, port + CONTROL_PORT_OFFSET))
-                except OSError:
-                    continue
-        return port
-    raise AssertionError(f"no free port pair in {PORT_PAIR_TRIES} tries")
 
 
 def start_service() -> StoreService:
@@ -56,7 +39,7 @@ def start_service() -> StoreService:
     error: OSError | None = None
     for _ in range(SERVICE_TRIES):
         try:
-            return StoreService(HOST, free_port_pair())
+            return StoreService(HOST, free_port_pair(offset=CONTROL_PORT_OFFSET))
         except OSError as e:  # the pair was taken between the probe and the bind
             error = e
     raise AssertionError(f"cannot start a StoreService: {error}")

@@ -21,8 +21,6 @@ import signal
 import subprocess
 import sys
 import threading
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,7 +33,7 @@ import zmq
 
 from corefleet_client import engine as launcher
 from corefleet_client.enginehealth import ChildProcess, EngineState, HandshakeRelay, HealthServer, engine_identity
-from corefleet_harness.local import free_ports
+from corefleet_harness.support import free_ports, http_get
 from corefleet_operator import builders
 from corefleet_operator.constants import ENGINE_HEALTH_PORT
 from factories import make_ecs
@@ -177,11 +175,8 @@ class FakeProcess:
 
 
 def get(port: int, path: str) -> tuple[int, dict[str, Any]]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    status, body = http_get(f"http://127.0.0.1:{port}{path}")
+    return status, json.loads(body)
 
 
 @pytest.fixture

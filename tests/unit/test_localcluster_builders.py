@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-import pytest
-
-from corefleet_harness.localcluster import fake_pod_ip, gpu_node, running_status, wait_until
+from corefleet_harness.localcluster import fake_pod_ip, gpu_node, running_status
 
 
 def test_gpu_node_has_gpu_capacity_and_is_ready() -> None:
@@ -43,22 +41,3 @@ def test_fake_pod_ip_is_stable_and_distinct() -> None:
     assert a != b
     assert a.startswith("10.244.")
     assert 1 <= int(a.rsplit(".", 1)[1]) <= 254
-
-
-def test_wait_until_returns_once_true_and_times_out_with_last_error() -> None:
-    calls = iter([False, False, True])
-    wait_until(lambda: next(calls), 5, "three tries", interval=0.001)
-
-    def boom() -> bool:
-        raise ValueError("not yet")
-
-    with pytest.raises(TimeoutError, match=r"never: not done after 0 s \(last error: ValueError\('not yet'\)\)"):
-        wait_until(boom, 0.05, "never", interval=0.01)
-
-
-def test_wait_until_propagates_fatal_errors_at_once() -> None:
-    def fatal() -> bool:
-        raise KeyError("dead")
-
-    with pytest.raises(KeyError):
-        wait_until(fatal, 60, "fatal", fatal=(KeyError,))

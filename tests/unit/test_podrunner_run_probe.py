@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from corefleet_harness.support import free_port
 from podrunner import LIVENESS, READINESS, Probe, run_probe
 
 
@@ -45,12 +46,6 @@ def hung() -> Iterator[int]:
         s.bind(("127.0.0.1", 0))
         s.listen(8)
         yield int(s.getsockname()[1])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.parametrize(("code", "ok"), [(200, True), (204, True), (302, True), (399, True), (400, False),

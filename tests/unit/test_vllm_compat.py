@@ -28,6 +28,7 @@ from corefleet_client.frontend.client import KubeDPLBClient
 from corefleet_client.frontend.fleet import Fleet, identity
 from corefleet_client.frontend.handshake import Handshake
 from corefleet_client.frontend.types import FleetOptions
+from corefleet_harness.support import wait_until_async
 
 
 class AlwaysReady:
@@ -184,11 +185,8 @@ def make_client(ranks: int, engines: Engines, interval: float = 0.01, timeout: f
 
 
 async def until(check: Callable[[], Any], what: str, within: float = 5.0) -> None:
-    deadline = time.monotonic() + within
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {within}s waiting for {what}")
-        await asyncio.sleep(0.005)
+    """This module's wait: 5 s, checked every 5 ms (a rank's state may last a moment)."""
+    await wait_until_async(check, within, what, interval=0.005)
 
 
 def stop_watching(client: KubeDPLBClient) -> None:

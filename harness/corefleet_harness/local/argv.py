@@ -1,0 +1,107 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The command lines and environments of a local fleet's processes (pure but for `engine_env`'s CPU list).
+
+The same command lines the operator's pods run (`corefleet_client.commands`), with every address
+127.0.0.1 and the ports of `Ports`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from corefleet_client import commands
+from corefleet_harness.local.config import ENGINE_EMULATOR, ENGINE_MODULES, ENGINE_VLLM, LOCALHOST
+from corefleet_harness.local.ports import Ports
+
+
+def coordinator_argv(python: str, replicas: int, ports: Ports, *, moe: bool) -> list[str]:
+    """The coordinator's command line (`commands.coordinator_args` on 127.0.0.1); wave
+    coordination only for a MoE model."""
+    return [
+        *commands.command(commands.COORDINATOR_MODULE, python),
+        *commands.coordinator_args(
+            engine_count=replicas,
+            host=LOCALHOST,
+            front_publish_port=ports.coord_front_publish,
+            back_output_port=ports.coord_back_output,
+            back_publish_port=ports.coord_back_publish,
+            wave_coordination=moe,
+        ),
+    ]
+
+
+def frontend_argv(python: str, model: str, replicas: int, ports: Ports, token_file: Path,
+                  vllm_flags: Sequence[str], *, moe: bool = False) -> list[str]:
+    """The frontend's command line (`commands.frontend_args`), every listener on 127.0.0.1.
+
+    MoE: engine rank 0 binds the DP master address the frontend advertises; here it is loopback too
+    (and so is its coordination store, with elastic EP).
+    """
+    return [
+        *commands.command(commands.FRONTEND_MODULE, python),
+        *commands.frontend_args(
+            model=model,
+            dp_size=replicas,
+            host=LOCALHOST,
+            port=ports.http,
+            dp_address=LOCALHOST,
+            rpc_port=ports.rpc,
+            admin_host=LOCALHOST,
+            admin_port=ports.admin,
+            admin_token_file=str(token_file),
+            coordinator_address=LOCALHOST,
+            coordinator_front_publish_port=ports.coord_front_publish,
+            coordinator_back_output_port=ports.coord_back_output,
+            coordinator_back_publish_port=ports.coord_back_publish,
+            engine0_address=LOCALHOST if moe else None,
+            coord_store_port=ports.coord_store if moe else None,
+            vllm_flags=vllm_flags,
+        ),
+    ]
+
+
+def engine_argv(python: str, engine: str, model: str, replicas: int, rank: int, ports: Ports,
+                vllm_flags: Sequence[str], *, token_delay_ms: int | None = None) -> list[str]:
+    """Rank `rank`'s command line (`commands.engine_args` on 127.0.0.1): the vLLM engine launcher
+    or the emulator (`engine`); `token_delay_ms` applies to the emulator only."""
+    return [
+        *commands.command(ENGINE_MODULES[engine], python),
+        *commands.engine_args(
+            model=model,
+            dp_size=replicas,
+            rank=rank,
+            dp_address=LOCALHOST,
+            rpc_port=ports.rpc,
+            health_host=LOCALHOST,
+            health_port=ports.health[rank],
+            token_delay_ms=token_delay_ms if engine == ENGINE_EMULATOR else None,
+            coord_store_port=ports.coord_store if rank == 0 else None,
+            vllm_flags=vllm_flags,
+        ),
+    ]
+
+
+def engine_env(engine: str, rank: int, gpus_per_rank: int = 0) -> dict[str, str]:
+    """The environment an engine rank adds to `corefleet up`'s: its GPUs, or a CPU of its own."""
+    env = {"PYTHONUNBUFFERED": "1"}
+    if gpus_per_rank:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(rank * gpus_per_rank + i) for i in range(gpus_per_rank))
+    elif engine == ENGINE_VLLM and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        # vLLM binds each CPU engine's OpenMP threads to core 0 by default ("auto" picks per local
+        # rank, and every engine here is local rank 0): spread the ranks over the usable cores.
+        cpus = sorted(os.sched_getaffinity(0))
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpus[rank % len(cpus)])
+    return env
+
+
+def is_moe_model(model: str) -> bool:
+    """Whether a local model directory's config.json describes a MoE model (experts per layer)."""
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    keys = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+    return isinstance(config, dict) and any(config.get(k) for k in keys)
