@@ -48,6 +48,8 @@ from vllm.version import __version__ as vllm_version
 from corefleet_client.vllm_compat import set_eplb_as_on_a_gpu
 from corefleet_harness.emulator import parallel_hash, serial, sockets, structs, wire
 from corefleet_harness.emulator.config import EmulatorConfig
+from corefleet_harness.emulator.engine import EmulatedEngineCore
+from emulated import drain, roundtrip_outputs
 
 MIRRORS = sorted(structs.VLLM_MIRRORS.items(), key=lambda item: item[1])
 
@@ -327,6 +329,15 @@ def test_tensors_and_pickles_are_refused_loudly(monkeypatch: pytest.MonkeyPatch)
     with pytest.raises(wire.UnsupportedRequest, match="mm_features") as unsupported:
         wire.InputDecoder().decode(add)
     assert unsupported.value.request.request_id == "mm"
+    engine = EmulatedEngineCore(EmulatorConfig())
+    assert engine._decode_input(wire.InputDecoder(), add) is None
+    ((client, out),) = drain(engine)
+    failed = roundtrip_outputs(out)
+    assert client == 0
+    assert [(o.request_id, o.finish_reason) for o in failed.outputs] == [("mm", vllm_engine.FinishReason.ERROR)]
+    assert engine._decode_input(wire.InputDecoder(), [add[0], *small]) is None  # a tensor: logged, not queued
+    assert drain(engine) == []
+    assert engine.input_queue.empty()
 
 
 # ---- 3. Sockets ------------------------------------------------------------------------------------

@@ -307,20 +307,24 @@ class EmulatedEngineCore:
 
             while not self._threads_stop.is_set():
                 for sock, _ in poller.poll(timeout=int(POLL_S * 1000)):
-                    frames = sock.recv_multipart(copy=False)
-                    try:
-                        decoded = decoder.decode(frames)
-                    except wire.UnsupportedRequest as e:  # EngineCoreProc._handle_request_preproc_error
-                        logger.error("Unsupported request %s: %s", e.request.request_id, e)
-                        self.output_queue.put_nowait((e.request.client_index, wire.make_finish_outputs(
-                            [e.request.request_id], FinishReason.ERROR)))
-                        continue
-                    except Exception:
-                        logger.exception("Undecodable input message (%d frames)", len(frames))
-                        continue
-                    if decoded is None:  # READY re-sent by the coordinator for a new engine
-                        continue
-                    self.input_queue.put_nowait(decoded)
+                    decoded = self._decode_input(decoder, sock.recv_multipart(copy=False))
+                    if decoded is not None:
+                        self.input_queue.put_nowait(decoded)
+
+    def _decode_input(self, decoder: wire.InputDecoder,
+                      frames: list[Any]) -> tuple[EngineCoreRequestType, Any] | None:
+        """One input message, decoded; None for the coordinator's READY (re-sent when a new engine subscribes),
+        for an undecodable message (logged: a tensor, which the emulator does not decode) and for an ADD it
+        cannot serve, which is answered with FinishReason.ERROR (`_handle_request_preproc_error`)."""
+        try:
+            return decoder.decode(frames)
+        except wire.UnsupportedRequest as e:
+            logger.error("Unsupported request %s: %s", e.request.request_id, e)
+            self.output_queue.put_nowait((e.request.client_index, wire.make_finish_outputs(
+                [e.request.request_id], FinishReason.ERROR)))
+        except Exception:
+            logger.exception("Undecodable input message (%d frames)", len(frames))
+        return None
 
     def _output_thread(self) -> None:
         assert self.addresses is not None
