@@ -10,8 +10,8 @@
     the handshake ROUTER, the input ROUTER, the output PULL, plays the coordinator's engine side,
     and owns the coord stores (`torch.distributed.TCPStore` masters).
 
-Every emulator and vLLM start imports vLLM (20-30 s each on the 2-core CI machines), so each test
-starts its processes together and checks as much as it can with them. Run under the heavy lock:
+Every vLLM start imports vLLM (20-30 s each on the 2-core CI machines; an emulator starts in under a
+second), so each test starts its processes together and checks as much as it can with them. Run under the heavy lock:
 `flock /tmp/corefleet-heavy.lock .venv/bin/python -m pytest tests/e2e/test_emulator.py -x -q`.
 """
 

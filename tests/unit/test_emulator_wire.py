@@ -117,7 +117,7 @@ def test_init_from_wait_for_engine_startup_decodes() -> None:
                        "data_parallel_size": 4}
     payload = msgspec.msgpack.encode(EngineHandshakeMetadata(addresses=addresses, parallel_config=parallel_config))
     init = wire.decode_init(payload)
-    assert init.addresses == addresses
+    assert dataclasses.asdict(init.addresses) == dataclasses.asdict(addresses)  # the emulator's mirrored dataclass
     assert init.parallel_config == parallel_config
     # A dense fleet's INIT carries no parallel config.
     assert wire.decode_init(msgspec.msgpack.encode(EngineHandshakeMetadata(addresses, {}))).parallel_config == {}
@@ -144,7 +144,7 @@ def test_ready_response_decodes_as_the_frontend_decodes_it(moe: bool, want_dp_si
     cfg = EmulatorConfig(rank=3, data_parallel_size=4, is_moe=moe, max_model_len=256, max_num_seqs=8)
     response = wire.make_ready_response(cfg, "tcp://10.0.0.2:29551")
     decoded = msgspec.msgpack.decode(wire.encode_ready_response(response), type=EngineCoreReadyResponse)
-    assert decoded == response
+    assert dataclasses.asdict(decoded) == dataclasses.asdict(response)  # vLLM's type vs the emulator's mirror
     assert (decoded.data_parallel_rank, decoded.data_parallel_size) == (3, want_dp_size)
     assert (decoded.max_model_len, decoded.max_num_seqs, decoded.block_size) == (256, 8, 16)
     assert decoded.num_gpu_blocks > 0
@@ -158,8 +158,8 @@ def test_add_request_built_like_the_input_processor_decodes() -> None:
     request = make_request(prompt=[9, 8, 7], max_tokens=12, stop_token_ids=[77])
     request.client_index, request.current_wave = 0, 5
     request_type, decoded = wire.InputDecoder().decode(client_frames(EngineCoreRequestType.ADD, request))
-    assert request_type == EngineCoreRequestType.ADD
-    assert isinstance(decoded, EngineCoreRequest)
+    assert request_type == wire.EngineCoreRequestType.ADD  # the emulator's own enum (same bytes, test_emulator_mirror)
+    assert isinstance(decoded, wire.EngineCoreRequest)  # the emulator's mirror of vLLM's
     for name in ("request_id", "prompt_token_ids", "arrival_time", "client_index", "current_wave",
                  "data_parallel_rank", "external_req_id"):
         assert getattr(decoded, name) == getattr(request, name), name
@@ -172,23 +172,25 @@ def test_add_request_built_like_the_input_processor_decodes() -> None:
 def test_abort_utility_start_wave_and_coordinator_ready_decode() -> None:
     decoder = wire.InputDecoder()
     assert decoder.decode(client_frames(EngineCoreRequestType.ABORT, ["a", "b"])) == (
-        EngineCoreRequestType.ABORT, ["a", "b"])
+        wire.EngineCoreRequestType.ABORT, ["a", "b"])
 
     reconfig = ReconfigureDistributedRequest(3, ReconfigureRankType.KEEP_CURRENT_RANK,
                                              ReconfigureRankType.KEEP_CURRENT_RANK, "10.0.0.1", 5000, [1, 2], 6000)
     call_id = 2**63 + 5  # uuid1().int >> 64 is unsigned 64-bit
     request_type, body = decoder.decode(
         client_frames(EngineCoreRequestType.UTILITY, (0, call_id, "reinitialize_distributed", (reconfig,))))
-    assert request_type == EngineCoreRequestType.UTILITY
+    assert request_type == wire.EngineCoreRequestType.UTILITY
     client_index, got_call_id, method, args = body
     assert (client_index, got_call_id, method) == (0, call_id, "reinitialize_distributed")
     engine = EmulatedEngineCore(EmulatorConfig(rank=0, data_parallel_size=2, is_moe=True))
     (converted,) = _convert_msgspec_args(engine.reinitialize_distributed, tuple(args))
-    assert converted == reconfig  # EngineCoreProc._convert_msgspec_args: map -> Struct
+    # EngineCoreProc._convert_msgspec_args: map -> Struct (the emulator's mirror of vLLM's)
+    assert isinstance(converted, wire.ReconfigureDistributedRequest)
+    assert msgspec.structs.asdict(converted) == msgspec.structs.asdict(reconfig)
 
     # DPCoordinatorProc._send_start_wave and the READY it re-sends when a new engine subscribes.
     frames = [EngineCoreRequestType.START_DP_WAVE.value, msgspec.msgpack.encode((7, 1))]
-    assert decoder.decode(frames) == (EngineCoreRequestType.START_DP_WAVE, [7, 1])
+    assert decoder.decode(frames) == (wire.EngineCoreRequestType.START_DP_WAVE, [7, 1])
     assert decoder.decode([b"READY"]) is None
 
 
@@ -366,9 +368,9 @@ def test_moe_engine_elastic_calls_and_waves_without_sockets() -> None:
     assert "already active" in utility(engine, "reinitialize_distributed", request).failure_message
 
     # START_DP_WAVE from the coordinator: taken unless this engine is the excluded one or the wave is old.
-    engine._handle_client_request(EngineCoreRequestType.START_DP_WAVE, [3, 1])
+    engine._handle_client_request(wire.EngineCoreRequestType.START_DP_WAVE, [3, 1])
     assert (engine.current_wave, engine.engines_running) == (0, False)
-    engine._handle_client_request(EngineCoreRequestType.START_DP_WAVE, [3, 0])
+    engine._handle_client_request(wire.EngineCoreRequestType.START_DP_WAVE, [3, 0])
     assert (engine.current_wave, engine.engines_running) == (3, True)
     # A request for an older wave on an idle engine asks the coordinator to start the current one.
     engine.engines_running = False

@@ -2,11 +2,30 @@
 """A wire-level vLLM 0.32.0 engine core for tests: `python -m corefleet_harness.emulator`.
 
 It takes a headless engine's place where real vLLM cannot run on CPU (MoE elastic EP) and in
-frontend benchmarks. It speaks vLLM's protocol with vLLM's own msgspec structs and serializers
-(`vllm.v1.engine`, `vllm.v1.serial_utils`, `vllm.v1.engine.utils`, `vllm.v1.metrics.stats`), so a
-change of those in vLLM breaks the emulator and its conformance test rather than drifting silently.
-It loads no model and no torch module of its own (torch comes in with vLLM's structs; the elastic
-path uses `torch.distributed.TCPStore` as a client).
+frontend benchmarks. It speaks vLLM's protocol byte for byte, and starts in a fraction of a second:
+it imports neither vLLM nor torch (an import-linter contract in pyproject.toml holds it to that).
+
+What it copies from vLLM, and how drift is caught (`tests/unit/test_emulator_mirror.py`, which
+imports vLLM and compares):
+
+* `structs`: the wire types (`vllm/v1/engine/__init__.py`, `v1/engine/utils.py`, `v1/metrics/stats.py`,
+  `sampling_params.py`): msgspec structs and dataclasses with vLLM's struct config, field order, types
+  and defaults; the test compares each with vLLM's class field by field;
+* `serial`: `MsgpackEncoder` / `MsgpackDecoder` (`v1/serial_utils.py`) for messages without tensors
+  (tensors and pickles are refused loudly); the test encodes every kind of message with both and
+  compares the bytes, and decodes each side's bytes with the other's decoder;
+* `sockets`: `make_zmq_socket` (`utils/network_utils.py`); the test compares socket options;
+* `parallel_hash`: READY's `parallel_config_hash` (`ParallelConfig.compute_hash`) from the flags; the
+  test compares it, factor by factor, with vLLM's own `ParallelConfig` over a grid of flags, and
+  `tests/e2e/test_emulator.py` with a whole `VllmConfig`'s;
+* `store`: the one torch import, `torch.distributed.TCPStore` as the elastic-EP coordination store's
+  client, made on first use: only an elastic-EP engine (startup, scale-up, resize) reaches it. Rank 0
+  started with `--coord-store-port` also serves the store (`corefleet_client.coordstore`, torch's
+  TCPStore master). Dense engines and MoE engines without elastic EP never import torch.
+
+`tests/unit/test_emulator_wire.py` and `test_emulator_eep_order.py` then check the emulator's messages
+and elastic-EP order against vLLM's own encoders and decoders, and the e2e tests run the real vLLM
+frontend against emulated engines.
 
 What each part mirrors in vLLM 0.32.0 (`vllm/v1/engine/core.py` unless named):
 
@@ -17,7 +36,9 @@ What each part mirrors in vLLM 0.32.0 (`vllm/v1/engine/core.py` unless named):
   (with `parallel_config_hash` for MoE) once the coordinator said READY.
 * `_input_thread`: `process_input_sockets`: a DEALER per frontend input (identity = rank, 2 bytes
   little-endian), an XSUB to the coordinator (sends `\\x01`, waits for `READY`), the
-  `EngineCoreReadyResponse` first on every input, ADD decoded as `EngineCoreRequest`.
+  `EngineCoreReadyResponse` first on every input, ADD decoded as `EngineCoreRequest`; an ADD with
+  multimodal features or prompt embeddings answered with `FinishReason.ERROR`
+  (`_handle_request_preproc_error`), a message carrying tensors logged as undecodable.
 * `_output_thread`: `process_output_sockets`: a PUSH per frontend output chosen by `client_index`,
   the coordinator PUSH for index -1, `engine_index` stamped, `ENGINE_CORE_DEAD` on a fatal error.
 * `run_busy_loop`, `_process_input_queue`, `_handle_client_request`: the same names in

@@ -1,11 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """`python -m corefleet_harness.emulator [--token-delay-ms 10] [--health-port P] -- MODEL --headless ...`
 
-1. Parse the command line (no vLLM import) and start the health server, so `/livez` answers
-   while vLLM is being imported.
+1. Parse the command line and start the health server, so `/livez` answers while the engine
+   is being imported (it imports neither vLLM nor torch, so that is quick).
 2. SIGTERM/SIGINT: before the engine runs, exit 0 at once (nothing is connected yet); after, ask
    the busy loop to stop (it aborts in-flight requests, flushes its outputs and returns 0).
-3. Import the engine (vLLM's structs and serializers) and run it; its return value is the exit code.
+3. Import the engine (the emulator's mirror of vLLM's structs and serializers) and run it; its return
+   value is the exit code.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def _request_stop(signum: int, frame: FrameType | None) -> None:
         health.stopping.set()
         if not engine_started:
-            raise SystemExit(0)  # still importing vLLM: nothing to close
+            raise SystemExit(0)  # still importing the engine: nothing to close
         if not stop.is_set():
             logger.info("[shutdown] EngineCore (emulated): received %s", signal.Signals(signum).name)
         stop.set()
@@ -59,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     health.ready = engine.ready.is_set
     health.snapshot = engine.snapshot
     engine_started = True
-    logger.info("vLLM imported in %.1f s", time.monotonic() - started)
+    logger.info("Emulated engine imported in %.1f s", time.monotonic() - started)
     try:
         rc = engine.run()
     finally:

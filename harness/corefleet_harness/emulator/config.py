@@ -8,7 +8,8 @@
 The vLLM part is read with a small `parse_known_args` parser that knows only the flags that change
 what the engine says on the wire (DP layout, lengths, batch limits, expert-parallel switches); every
 other vLLM flag is accepted and ignored, so an engine pod's argument list can be handed over as is.
-No vLLM import happens here: the health server answers `/livez` while vLLM is still importing.
+No vLLM import happens here (nor anywhere in the emulator): the health server answers `/livez` while
+the engine is still importing.
 """
 
 from __future__ import annotations

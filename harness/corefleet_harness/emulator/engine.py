@@ -16,7 +16,6 @@ the process within a fraction of a second and a vanished frontend leaves it idle
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import queue
 import socket
@@ -30,18 +29,20 @@ from typing import Any
 
 import msgspec
 import zmq
-from vllm.utils.network_utils import make_zmq_socket
 
 from corefleet_client.coordstore import tcp_socket
 from corefleet_harness.emulator import wire
 from corefleet_harness.emulator.config import EmulatorConfig
 from corefleet_harness.emulator.scheduler import EmulatedScheduler, PauseState
+from corefleet_harness.emulator.sockets import make_zmq_socket
+from corefleet_harness.emulator.store import get_cached_tcp_store_client
 from corefleet_harness.emulator.wire import (
     EEPNotificationType,
     EngineCoreOutputs,
     EngineCoreRequestType,
     FinishReason,
     ReconfigureDistributedRequest,
+    ReconfigureRankType,
 )
 
 logger = logging.getLogger(__name__)
@@ -63,14 +64,6 @@ class EngineExit(Exception):
     def __init__(self, code: int) -> None:
         super().__init__(code)
         self.code = code
-
-
-@functools.lru_cache(maxsize=1)
-def get_cached_tcp_store_client(host: str, port: int) -> Any:
-    """`vllm.distributed.utils.get_cached_tcp_store_client`: a TCPStore client, cached (one at a time)."""
-    from torch.distributed import TCPStore  # type: ignore[attr-defined]
-
-    return TCPStore(host, port, is_master=False, wait_for_workers=False)
 
 
 # Worker types and states of vllm/distributed/elastic_ep/elastic_state.py, collapsed: the emulator
@@ -314,15 +307,24 @@ class EmulatedEngineCore:
 
             while not self._threads_stop.is_set():
                 for sock, _ in poller.poll(timeout=int(POLL_S * 1000)):
-                    frames = sock.recv_multipart(copy=False)
-                    try:
-                        decoded = decoder.decode(frames)
-                    except Exception:
-                        logger.exception("Undecodable input message (%d frames)", len(frames))
-                        continue
-                    if decoded is None:  # READY re-sent by the coordinator for a new engine
-                        continue
-                    self.input_queue.put_nowait(decoded)
+                    decoded = self._decode_input(decoder, sock.recv_multipart(copy=False))
+                    if decoded is not None:
+                        self.input_queue.put_nowait(decoded)
+
+    def _decode_input(self, decoder: wire.InputDecoder,
+                      frames: list[Any]) -> tuple[EngineCoreRequestType, Any] | None:
+        """One input message, decoded; None for the coordinator's READY (re-sent when a new engine subscribes),
+        for an undecodable message (logged: a tensor, which the emulator does not decode) and for an ADD it
+        cannot serve, which is answered with FinishReason.ERROR (`_handle_request_preproc_error`)."""
+        try:
+            return decoder.decode(frames)
+        except wire.UnsupportedRequest as e:
+            logger.error("Unsupported request %s: %s", e.request.request_id, e)
+            self.output_queue.put_nowait((e.request.client_index, wire.make_finish_outputs(
+                [e.request.request_id], FinishReason.ERROR)))
+        except Exception:
+            logger.exception("Undecodable input message (%d frames)", len(frames))
+        return None
 
     def _output_thread(self) -> None:
         assert self.addresses is not None
@@ -694,8 +696,6 @@ class EmulatedEngineCore:
 
     def reinitialize_distributed(self, reconfig_request: ReconfigureDistributedRequest) -> str:
         """`DPEngineCoreProc.reinitialize_distributed`: start prepare; returns the ready key."""
-        from vllm.v1.engine import ReconfigureRankType
-
         if self.eep_scaling_state is not None:
             raise RuntimeError("Elastic EP reconfiguration is already active")
         is_shutdown = reconfig_request.new_data_parallel_rank == ReconfigureRankType.SHUTDOWN_CURRENT_RANK
@@ -832,8 +832,6 @@ class EmulatedEngineCore:
                 self._eep_send_engine_core_notification(EEPNotificationType.RECONFIGURE_FINISHED)
 
     def _update_parallel_config(self, req: ReconfigureDistributedRequest) -> None:
-        from vllm.v1.engine import ReconfigureRankType
-
         self.data_parallel_size = req.new_data_parallel_size
         if req.new_data_parallel_rank != ReconfigureRankType.KEEP_CURRENT_RANK:
             self.dp_rank = req.new_data_parallel_rank

@@ -1,13 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """The emulator's probe endpoints, with the engine launcher's semantics (operator builders.py):
 
-* `GET /livez`: 200 as soon as the process runs (vLLM may still be importing);
+* `GET /livez`: 200 as soon as the process runs (the engine may still be importing);
 * `GET /readyz`: 200 once the engine sent READY on the handshake socket (joined the fleet), 503
   before that and once it is shutting down;
 * `GET /stats`: the emulator's counters as JSON (requests added/finished/aborted per rank, aborted
   ids, tokens, utility calls, elastic EP state), for tests and benchmarks.
 
-Standard library only: it starts before vLLM is imported.
+Standard library only: it starts before the engine is imported.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 class HealthState:
-    """What the probes read; the engine is attached once vLLM is imported."""
+    """What the probes read; the engine is attached once it is imported."""
 
     def __init__(self) -> None:
         self.snapshot: Callable[[], dict[str, Any]] | None = None

@@ -1,8 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Every message the emulated engine sends or receives, built from vLLM 0.32.0's own types.
+"""Every message the emulated engine sends or receives, built from vLLM 0.32.0's wire types as the emulator
+mirrors them (`structs`, `serial`: the same bytes as vLLM's own, without importing vLLM or torch).
 
 Each builder names the vLLM code that produces the same bytes; `tests/unit/test_emulator_wire.py`
-round-trips all of them through vLLM's decoders. Nothing here opens a socket.
+round-trips all of them through vLLM's decoders and `tests/unit/test_emulator_mirror.py` compares the
+mirrored types and serializers with vLLM's. Nothing here opens a socket.
 
 * HELLO / READY, engine -> handshake ROUTER: `EngineCoreProc.startup_handshake`, `_perform_handshake`;
 * INIT (`EngineHandshakeMetadata`), handshake ROUTER -> engine: `wait_for_engine_startup` (v1/engine/utils.py);
@@ -26,8 +28,13 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import msgspec
-from vllm.v1.engine import (
+
+from corefleet_harness.emulator.config import EmulatorConfig
+from corefleet_harness.emulator.parallel_hash import compute_parallel_config_hash
+from corefleet_harness.emulator.serial import MsgpackDecoder, MsgpackEncoder
+from corefleet_harness.emulator.structs import (
     EEP_NOTIFICATION_CALL_ID,
+    VLLM_VERSION,
     EEPNotificationType,
     EngineCoreEvent,
     EngineCoreEventType,
@@ -36,16 +43,15 @@ from vllm.v1.engine import (
     EngineCoreReadyResponse,
     EngineCoreRequest,
     EngineCoreRequestType,
+    EngineHandshakeMetadata,
+    EngineZmqAddresses,
     FinishReason,
     ReconfigureDistributedRequest,
+    ReconfigureRankType,
+    SchedulerStats,
     UtilityOutput,
+    UtilityResult,
 )
-from vllm.v1.engine.utils import EngineHandshakeMetadata, EngineZmqAddresses
-from vllm.v1.metrics.stats import SchedulerStats
-from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder, UtilityResult
-from vllm.version import __version__ as VLLM_VERSION
-
-from corefleet_harness.emulator.config import EmulatorConfig
 
 __all__ = [
     "EEP_NOTIFICATION_CALL_ID",
@@ -64,9 +70,12 @@ __all__ = [
     "InputDecoder",
     "MsgpackEncoder",
     "ReconfigureDistributedRequest",
+    "ReconfigureRankType",
     "SchedulerStats",
+    "UnsupportedRequest",
     "UtilityOutput",
     "UtilityResult",
+    "compute_parallel_config_hash",
 ]
 
 # vllm/v1/engine/core.py: HANDSHAKE_TIMEOUT_MINS = 5 (not imported: core.py pulls in the whole engine).
@@ -148,87 +157,25 @@ def encode_ready_response(response: EngineCoreReadyResponse) -> bytes:
     return msgspec.msgpack.encode(response)
 
 
-def compute_parallel_config_hash(cfg: EmulatorConfig) -> str | None:
-    """What `vllm_config.parallel_config.compute_hash()` gives a MoE engine started with these flags.
-
-    A real engine hashes the ParallelConfig built by `EngineArgs.create_engine_config` (after
-    `VllmConfig.__post_init__`). The emulator builds vLLM's own `ParallelConfig` from the flags it
-    parses (DP/TP/PP/DCP sizes, EP, EPLB and its config, elastic EP, dp_sync_interval, is_moe) and
-    hashes that (on a CPU machine with EPLB/elastic EP switched on after construction, since vLLM
-    validates them against the platform). It matches the frontend's hash as long as no other hashed
-    field was set on the command line or changed by the frontend's platform/VllmConfig post-init;
-    otherwise pass `--parallel-config-hash`. None for dense engines (their READY carries no hash)
-    and when vLLM refuses the config outright (e.g. elastic EP with async EPLB and no NIXL).
-    """
-    if cfg.parallel_config_hash is not None:
-        return cfg.parallel_config_hash
-    if not cfg.coordinated_dp:
-        return None
-    from vllm.config import ParallelConfig
-    from vllm.config.parallel import EPLBConfig
-
-    kwargs: dict[str, Any] = dict(
-        data_parallel_size=cfg.data_parallel_size,
-        tensor_parallel_size=cfg.tensor_parallel_size,
-        pipeline_parallel_size=cfg.pipeline_parallel_size,
-        decode_context_parallel_size=cfg.decode_context_parallel_size,
-        is_moe_model=cfg.is_moe,
-        enable_expert_parallel=cfg.enable_expert_parallel,
-        enable_eplb=cfg.enable_eplb,
-        enable_elastic_ep=cfg.enable_elastic_ep,
-        dp_sync_interval=cfg.dp_sync_interval,
-    )
-    if cfg.elastic_ep_max_dp_size is not None:
-        kwargs["elastic_ep_max_dp_size"] = cfg.elastic_ep_max_dp_size
-    if cfg.eplb_config:
-        kwargs["eplb_config"] = EPLBConfig(**cfg.eplb_config)
-    if cfg.disable_nccl_for_dp_synchronization is not None:
-        kwargs["disable_nccl_for_dp_synchronization"] = cfg.disable_nccl_for_dp_synchronization
-    try:
-        return _hash_as_vllm_config_would(ParallelConfig(**kwargs), cfg)
-    except ValueError as e:
-        refused = e
-    # vLLM refuses EPLB (hence elastic EP) on platforms other than CUDA/ROCm/XPU, which is where the
-    # emulator runs in place of a GPU engine. Build the config without them and set the fields to
-    # the values `ParallelConfig.__post_init__` gives them on a GPU: the hash only reads field values.
-    # Redundant experts need EPLB on: they are set after construction too.
-    redundant = int(cfg.eplb_config.get("num_redundant_experts", 0))
-    if redundant:
-        kwargs["eplb_config"] = EPLBConfig(**{**cfg.eplb_config, "num_redundant_experts": 0})
-    try:
-        config = ParallelConfig(**{**kwargs, "enable_eplb": False, "enable_elastic_ep": False})
-    except ValueError as e:
-        import logging
-
-        logging.getLogger(__name__).warning(
-            "Cannot build vLLM's ParallelConfig from these flags (%s; %s); READY carries no parallel_config_hash. "
-            "Pass --parallel-config-hash if the frontend checks it.", refused, e)
-        return None
-    from corefleet_client.vllm_compat import set_eplb_as_on_a_gpu
-
-    set_eplb_as_on_a_gpu(config, enable_eplb=cfg.enable_eplb, enable_elastic_ep=cfg.enable_elastic_ep,
-                         elastic_ep_max_dp_size=cfg.elastic_ep_max_dp_size, num_redundant_experts=redundant)
-    return _hash_as_vllm_config_would(config, cfg)
-
-
-def _hash_as_vllm_config_would(config: Any, cfg: EmulatorConfig) -> str:
-    """Resolve the hashed fields that `VllmConfig.__post_init__` fills in (vllm/config/vllm.py), then hash."""
-    config.set_dcp_defaults()  # unless the model's verify_and_update_config chose others
-    if not config.enable_batch_sharded_sampling:  # _validate_batch_sharded_sampling
-        config.enable_batch_sharded_sampling = False
-    if config.disable_nccl_for_dp_synchronization is None:  # True with async scheduling, vLLM's default
-        config.disable_nccl_for_dp_synchronization = cfg.async_scheduling
-    return str(config.compute_hash())
-
-
 # --- 2. Inputs (frontend and coordinator -> engine) ----------------------------------------------
+
+class UnsupportedRequest(Exception):
+    """An ADD the emulator cannot serve (multimodal or embedding inputs); the engine answers it with
+    `FinishReason.ERROR`, as vLLM answers a request its preprocessing fails (`_handle_request_preproc_error`)."""
+
+    def __init__(self, request: EngineCoreRequest, reason: str) -> None:
+        super().__init__(reason)
+        self.request = request
+
 
 class InputDecoder:
     """`EngineCoreProc.process_input_sockets`: frames -> (request type, request).
 
     ADD is decoded into `EngineCoreRequest` by `MsgpackDecoder(EngineCoreRequest)`; UTILITY, ABORT
     and START_DP_WAVE by the untyped `MsgpackDecoder()`. `b"READY"` from the coordinator (sent again
-    whenever a new engine subscribes) is returned as None and must be ignored.
+    whenever a new engine subscribes) is returned as None and must be ignored. A message with a tensor
+    raises NotImplementedError (`serial`); an ADD with multimodal features or prompt embeddings raises
+    UnsupportedRequest.
     """
 
     def __init__(self) -> None:
@@ -242,7 +189,11 @@ class InputDecoder:
             return None
         request_type = EngineCoreRequestType(type_bytes)
         if request_type == EngineCoreRequestType.ADD:
-            return request_type, self.add_request_decoder.decode(data_frames)
+            request: EngineCoreRequest = self.add_request_decoder.decode(data_frames)
+            for name in ("mm_features", "prompt_embeds"):
+                if getattr(request, name) is not None:
+                    raise UnsupportedRequest(request, f"the engine emulator does not serve requests with {name}")
+            return request_type, request
         return request_type, self.generic_decoder.decode(data_frames)
 
 
@@ -276,7 +227,8 @@ def make_finish_outputs(request_ids: Iterable[str], finish_reason: FinishReason)
     ids only appear in the next step's `finished_requests`."""
     req_ids = list(request_ids)
     outputs = [EngineCoreOutput(req_id, [], finish_reason=finish_reason) for req_id in req_ids]
-    return EngineCoreOutputs(finished_requests=req_ids, outputs=outputs)
+    # vLLM passes the list as it is (a msgpack array in this order, where a set's order could differ).
+    return EngineCoreOutputs(finished_requests=req_ids, outputs=outputs)  # type: ignore[arg-type]
 
 
 def make_utility_output(call_id: int, result: Any = None, failure_message: str | None = None) -> EngineCoreOutputs:
