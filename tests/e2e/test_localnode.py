@@ -2,8 +2,9 @@
 """A real node on a real control plane: the kubelet, containerd and runc, the CNI bridge, kube-proxy
 and CoreDNS (`corefleet_harness.localnode`), running pods from images built here (hack/images.sh).
 
-One control plane (advertising this host's address) and one node serve the whole module; the last
-test stops the node and checks that nothing it made is left on the host.
+The session's real node (tests/e2e/conftest.py `real_node`: one control plane advertising this host's
+address, one node) serves this module and test_node_fleet.py; when the session ends it is stopped with pods
+still running, and must leave nothing it made on the host (`nodetest.assert_left_nothing`).
 """
 
 from __future__ import annotations
@@ -11,11 +12,9 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
-import subprocess
 import urllib.request
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,15 +23,14 @@ from corefleet_harness.localcluster import LocalControlPlane
 from corefleet_harness.localnode import PAUSE_IMAGE, LocalNode, host_ip
 from corefleet_harness.support import wait_until
 from corefleet_operator.constants import GPU_RESOURCE
-from nodetest import image_archives, node_cluster
+from nodetest import RealNode
 
 BASE_IMAGE_PREFIX = "corefleet.local/bookworm-python:"
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalControlPlane, LocalNode]]:
-    with node_cluster(tmp_path_factory.mktemp("localnode"), image_archives("pause", "base")) as (cp, node):
-        yield cp, node
+def cluster(real_node: RealNode) -> tuple[LocalControlPlane, LocalNode]:
+    return real_node.cp, real_node.node
 
 
 @pytest.fixture(scope="module")
@@ -204,27 +202,3 @@ def test_a_killed_container_is_restarted_by_the_kubelet(cluster: tuple[LocalCont
     s = get_pod(cp, ns, "web")["status"]["containerStatuses"][0]
     assert s["lastState"]["terminated"]["exitCode"] == 137
     assert s["containerID"].removeprefix("containerd://") != first
-
-
-def test_stop_leaves_nothing_behind(cluster: tuple[LocalControlPlane, LocalNode], base_image: str, ns: str) -> None:
-    """Last in the module: stopping the node (with a pod still running) removes all it made on the host."""
-    cp, node = cluster
-    apply(cp, ns, pod("web", base_image, WEB, container={"readinessProbe": {"tcpSocket": {"port": 8080},
-                                                                         "periodSeconds": 1}}))
-    wait_ready(cp, ns, "web")
-    run_dir, state = node.run_dir, node.state_dir
-    node.stop()
-    assert node.leftovers == []  # the drain tore every sandbox down; nothing needed sweeping
-    assert subprocess.run(["ip", "link", "show", node.bridge], capture_output=True).returncode != 0
-    for cmd in ("iptables-save", "ip6tables-save"):  # kube-proxy's chains, the kubelet's, the CNI's
-        rules = subprocess.run([cmd], capture_output=True, text=True, check=True).stdout
-        assert "KUBE-" not in rules
-        assert node.network not in rules
-    mounts = Path("/proc/self/mountinfo").read_text()
-    assert str(state.resolve()) not in mounts
-    assert str(run_dir) not in mounts
-    assert not run_dir.exists()
-    assert not (state / "containerd").exists()  # images and container file systems: GBs on every run
-    assert (state / "kubelet.log").is_file()  # the logs stay
-    procs = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
-    assert str(run_dir) not in procs

@@ -11,7 +11,7 @@ gets it wrong fails against it). Resizes run in place through the frontend's ela
 (`frontend.elastic`): 2 -> 4 -> 2 under load, 1 refused (below vLLM's minimum for the experts), and
 the faults: an operator restarted mid-resize, a leaving rank killed before its SHUTDOWN_COMPLETE, a
 new rank that never gets ready.
-The recovery after engine 0 is killed runs last (it recreates the fleet).
+One fleet serves the module; each test first brings it to the size it starts from, so each also runs alone.
 """
 
 from __future__ import annotations
@@ -40,7 +40,9 @@ pytestmark = pytest.mark.e2e
 NAME = "moe"
 SERVED = "tiny-moe"
 SETTLE = 240.0
-JOIN_TIMEOUT = 90
+# readyTimeoutSeconds: the join timeout and every pod's startup budget (the frontend and coordinator are real
+# vLLM: 20-40 s to import it on 2 busy cores; an emulated engine starts in a fraction of a second).
+JOIN_TIMEOUT = 60
 CONTEXT = 4096  # long enough for requests that stay in flight for seconds at the token delay
 
 
@@ -113,8 +115,15 @@ def test_the_engines_start_through_engine_0s_coordination_store_and_serve(setup:
     assert result["usage"]["completion_tokens"] == 8, result  # type: ignore[index]
 
 
+def at(s: Setup, replicas: int) -> None:
+    """The fleet serving at `replicas` ranks, whatever the test before left (each test states where it starts)."""
+    s.fleet.scale(replicas)
+    s.settle(replicas)
+
+
 def test_2_4_2_in_place_under_load_and_1_refused(setup: Setup) -> None:
     s = setup
+    at(s, 2)
     before = s.fleet.uids()
     generation = s.fleet.status()["fleetGeneration"]
     load = s.load()
@@ -180,6 +189,7 @@ def test_2_4_2_in_place_under_load_and_1_refused(setup: Setup) -> None:
 
 def test_the_operator_restarted_mid_resize_carries_the_one_operation_on(setup: Setup) -> None:
     s = setup
+    at(s, 2)
     generation = s.fleet.status()["fleetGeneration"]
     s.fleet.scale(3)
     up = s.fleet.wait_operation("Pending", "Preparing", timeout=SETTLE)
@@ -197,7 +207,7 @@ def test_the_operator_restarted_mid_resize_carries_the_one_operation_on(setup: S
 def test_a_leaving_rank_killed_before_shutdown_complete_fails_the_resize_and_the_fleet_recovers(
         setup: Setup) -> None:
     s = setup
-    s.settle(3)
+    at(s, 3)
     before = s.fleet.status()
     long = PinnedStream(f"http://{s.fleet.frontend_ip()}:8000", SERVED, rank=2, max_tokens=3000)
     assert long.first_token.wait(30)
@@ -223,7 +233,7 @@ def test_a_leaving_rank_killed_before_shutdown_complete_fails_the_resize_and_the
 def test_a_new_rank_that_never_gets_ready_fails_the_resize_after_the_join_timeout_and_the_fleet_recovers(
         setup: Setup) -> None:
     s = setup
-    s.settle(2)
+    at(s, 2)
     before = s.fleet.status()
     s.runner.hold.add(constants.engine_name(NAME, 2))  # its pod is bound but never starts: no eep_ready/2
     try:
@@ -243,6 +253,7 @@ def test_a_new_rank_that_never_gets_ready_fails_the_resize_after_the_join_timeou
 
 def test_a_killed_engine_0_takes_its_store_and_the_fleet_recovers_with_a_new_one(setup: Setup) -> None:
     s = setup
+    at(s, 2)
     before = s.fleet.status()
     os.killpg(s.fleet.engine_pid(0), signal.SIGKILL)
     wait_until(lambda: s.fleet.status().get("fleetGeneration") == before["fleetGeneration"] + 1, 120,

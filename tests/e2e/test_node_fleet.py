@@ -1,24 +1,26 @@
 # SPDX-License-Identifier: Apache-2.0
 """Fleets on a real node: the operator installed by Helm, every pod a container, traffic through a Service.
 
-One control plane (advertising this host's address) and one real node (`corefleet_harness.localnode`:
-containerd and runc, the kubelet, kube-proxy, CoreDNS) serve the module, with images built here by
-hack/images.sh from the project's Dockerfiles: the operator image, and the runtime image on a vLLM-for-CPU
-base with the test layer on it (tests/images/runtime-test: the tiny model, since an EngineCoreSet's model
-is a path inside its image and no model hub is reachable here, and the engine emulator behind a switch).
+The session's real node (tests/e2e/conftest.py `real_node`: a control plane advertising this host's address
+and one node, `corefleet_harness.localnode`: containerd and runc, the kubelet, kube-proxy, CoreDNS; shared
+with test_localnode.py) runs the module's pods, from images built here by hack/images.sh from the project's
+Dockerfiles: the operator image, and the runtime image on a vLLM-for-CPU base with the test layer on it
+(tests/images/runtime-test: the tiny model, since an EngineCoreSet's model is a path inside its image and no
+model hub is reachable here, and the engine emulator behind a switch).
 
 * `helm install` of charts/corefleet with its defaults (CRD included): the operator runs as the chart's
   Deployment, in a container, under the chart's service account, reaching the API server through the
-  `kubernetes` Service; its log has no Forbidden, and `kubectl auth can-i` shows what it may not do;
+  `kubernetes` Service; `kubectl auth can-i` shows what it may not do, and after every test its log has no
+  Forbidden, 403 or traceback;
 * manifests/samples/enginecoreset.yaml, with the image, model, engine flags and resources this 2-core
   machine can run: real vLLM engines, frontend and coordinator as containers, probed by the kubelet;
   completions through the frontend Service's ClusterIP (kube-proxy's rules), from the host and from a pod
   by the Service's DNS name;
 * resized 2 -> 3 -> 2 in place under load through the ClusterIP: no request fails, the surviving ranks
-  keep their containers;
-* an engine container killed (SIGKILL through containerd), and one hung (SIGSTOP to its processes): the
-  kubelet's probes and the operator's recovery replace the rank in place while the rest serve on;
-* the same sample with emulator engines (the runtime-test image's switch), served and recovered the same way.
+  keep their containers; an engine container killed (SIGKILL through containerd) is replaced in place;
+* the same sample with emulator engines (the runtime-test image's switch) beside it: it serves, and an
+  engine hung (SIGSTOP to its processes) is marked NotReady and killed by the kubelet's probes and replaced
+  in place by the operator while rank 0 serves on.
 
 The process runner (tests/podrunner.py) stays for what a container cannot give a test: other e2e modules
 run many fleets, swap in the emulator per pod and hold pods unstarted, on one machine, within CI's time.
@@ -49,7 +51,7 @@ from corefleet_harness.support import wait_until
 from corefleet_operator import constants
 from corefleet_operator.generate import OPERATOR_IMAGE
 from fleettest import FleetView, Load, PinnedStream, ResizeWatch, ecs_engine_args
-from nodetest import image_archives, node_cluster
+from nodetest import RealNode
 
 pytestmark = pytest.mark.e2e
 
@@ -106,14 +108,14 @@ class Setup:
         assert cid.startswith("containerd://"), status
         return cid.removeprefix("containerd://")
 
-    def container_pids(self, pod: str) -> list[int]:
+    def container_pids(self, pod: str, fleet: FleetView | None = None) -> list[int]:
         """The host PIDs of every process in the pod's container (`ctr tasks ps`)."""
-        out = self.node.ctr("tasks", "ps", self.container_id(pod)).stdout.splitlines()[1:]
+        out = self.node.ctr("tasks", "ps", self.container_id(pod, fleet)).stdout.splitlines()[1:]
         return [int(line.split()[0]) for line in out if line.split()]
 
-    def pod_events(self, uid: str) -> list[tuple[str, str]]:
+    def pod_events(self, uid: str, fleet: FleetView | None = None) -> list[tuple[str, str]]:
         """(reason, message) of the kubelet's events on the pod with this UID."""
-        items = self.cp.request("GET", f"/api/v1/namespaces/{self.fleet.ns}/events")["items"]
+        items = self.cp.request("GET", f"/api/v1/namespaces/{(fleet or self.fleet).ns}/events")["items"]
         return [(e["reason"], e["message"]) for e in items if e["involvedObject"].get("uid") == uid]
 
 
@@ -133,32 +135,61 @@ def node_state(cp: LocalControlPlane) -> str:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+def setup(real_node: RealNode, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     tmp = tmp_path_factory.mktemp("node-fleet")
-    with node_cluster(tmp, image_archives("pause", "operator", "runtime-test")) as (cp, node):
-        [image] = [n for n in node.ctr("images", "list", "--quiet").stdout.split() if n.startswith(TEST_IMAGE_PREFIX)]
-        env = {**cp.env(), **{v: str(tmp / "helm" / v.lower()) for v in
-                              ("HELM_CACHE_HOME", "HELM_CONFIG_HOME", "HELM_DATA_HOME")}}
-        # The chart with its defaults: the CRD from crds/, the operator image the chart names.
-        r = subprocess.run([cp.binary("helm"), "install", RELEASE, str(CHART), "--namespace", SYSTEM,
-                            "--create-namespace", "--wait", "--timeout", "5m"],
-                           env=env, capture_output=True, text=True, check=False, timeout=360)
-        assert r.returncode == 0, f"helm install: {r.stdout}{r.stderr}\n{node_state(cp)}"
-        [operator_pod] = [p["metadata"]["name"] for p in
-                          cp.request("GET", f"/api/v1/namespaces/{SYSTEM}/pods")["items"]]
+    cp, node = real_node.cp, real_node.node
+    [image] = [n for n in node.ctr("images", "list", "--quiet").stdout.split() if n.startswith(TEST_IMAGE_PREFIX)]
+    env = {**cp.env(), **{v: str(tmp / "helm" / v.lower()) for v in
+                          ("HELM_CACHE_HOME", "HELM_CONFIG_HOME", "HELM_DATA_HOME")}}
+    # The chart with its defaults: the CRD from crds/, the operator image the chart names.
+    r = subprocess.run([cp.binary("helm"), "install", RELEASE, str(CHART), "--namespace", SYSTEM,
+                        "--create-namespace", "--wait", "--timeout", "5m"],
+                       env=env, capture_output=True, text=True, check=False, timeout=360)
+    assert r.returncode == 0, f"helm install: {r.stdout}{r.stderr}\n{node_state(cp)}"
+    [operator_pod] = [p["metadata"]["name"] for p in
+                      cp.request("GET", f"/api/v1/namespaces/{SYSTEM}/pods")["items"]]
 
-        def operator_ready() -> bool:
-            pod = cp.request("GET", f"/api/v1/namespaces/{SYSTEM}/pods/{operator_pod}")
-            return any(c["ready"] for c in pod["status"].get("containerStatuses", []))
+    def operator_ready() -> bool:
+        pod = cp.request("GET", f"/api/v1/namespaces/{SYSTEM}/pods/{operator_pod}")
+        return any(c["ready"] for c in pod["status"].get("containerStatuses", []))
 
-        wait_until(operator_ready, 120, "the operator's container Ready", interval=0.5,
-                   diagnose=lambda: cp.kubectl("logs", "-n", SYSTEM, operator_pod, "--tail=40", check=False).stdout)
-        cp.kubectl("create", "namespace", NS)
-        ecs = sample(image)
-        cp.kubectl("apply", "-n", NS, "-f", "-", input=json.dumps(ecs))  # schema and CEL accept it
-        s = Setup(cp, node, FleetView(cp, NS, ecs["metadata"]["name"], None, SERVED), operator_pod, image)
-        s.settle(2)
+    wait_until(operator_ready, 120, "the operator's container Ready", interval=0.5,
+               diagnose=lambda: cp.kubectl("logs", "-n", SYSTEM, operator_pod, "--tail=40", check=False).stdout)
+    cp.kubectl("create", "namespace", NS)
+    ecs = sample(image)
+    cp.kubectl("apply", "-n", NS, "-f", "-", input=json.dumps(ecs))  # schema and CEL accept it
+    s = Setup(cp, node, FleetView(cp, NS, ecs["metadata"]["name"], None, SERVED), operator_pod, image)
+    s.settle(2)
+    try:
         yield s
+    finally:  # the node is the session's: the module's fleets and operator go (pods at once, no grace)
+        for ns in (SYSTEM, NS, EMU_NS):
+            cp.kubectl("delete", "pods", "--all", "-n", ns, "--grace-period=0", "--force", "--wait=false",
+                       check=False)
+            cp.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="module")
+def emu(setup: Setup) -> FleetView:
+    """The sample with emulator engines (`COREFLEET_TEST_ENGINE=emulator`), in its own namespace, beside the
+    real vLLM fleet: made by the first test that asks for it, kept for the module."""
+    s = setup
+    ecs = sample(s.image, emulator=True)
+    s.cp.kubectl("create", "namespace", EMU_NS)
+    s.cp.kubectl("apply", "-n", EMU_NS, "-f", "-", input=json.dumps(ecs))
+    fleet = FleetView(s.cp, EMU_NS, ecs["metadata"]["name"], None, SERVED)
+    fleet.wait_settled(2, 300, interval=0.5)
+    return fleet
+
+
+@pytest.fixture(autouse=True)
+def _operator_log_clean(setup: Setup) -> Iterator[None]:
+    """After every test: the operator, running under the chart's RBAC, logged no Forbidden, 403 or traceback."""
+    yield
+    log = setup.operator_log()
+    assert "Forbidden" not in log, log[-4000:]
+    assert " 403" not in log, log[-4000:]
+    assert "Traceback" not in log, log[-4000:]
 
 
 def test_operator_runs_from_the_chart_in_a_container_under_its_service_account(setup: Setup) -> None:
@@ -310,54 +341,72 @@ def test_a_killed_engine_container_is_replaced_in_place(setup: Setup) -> None:
     completion(s.url())
 
 
-def test_a_hung_engine_is_marked_not_ready_then_killed_by_the_kubelets_liveness_probe(setup: Setup) -> None:
-    """SIGSTOP to every process of rank 1's container (launcher and engine core, as a hung node or a debugger
-    would leave them): the kubelet's readiness probe marks the pod NotReady, its liveness probe has the
-    container killed (SIGTERM stays pending on a stopped process: SIGKILL after the grace period, exit 137)
-    unless the operator deleted the hung rank's pod first (the frontend reported it Unresponsive too long);
-    then the operator replaces rank 1 in place. Rank 0 serves a client pinned to it throughout, through the
-    ClusterIP, and the frontend, coordinator and rank 0 keep their pods."""
+def test_the_sample_with_emulator_engines_runs_as_containers_and_serves(setup: Setup, emu: FleetView) -> None:
+    """The same sample, engines replaced by the emulator (the test image's switch, as another image would):
+    Running as containers on the node, a completion through its ClusterIP."""
     s = setup
-    name = s.fleet.name
-    s.settle(2)
-    before, uid = s.fleet.status(), s.fleet.uids()
+    victim = constants.engine_name(emu.name, 1)
+    logs = s.cp.kubectl("logs", "-n", EMU_NS, victim).stdout
+    assert "corefleet_harness.emulator" in logs, logs[-2000:]  # the emulator, not vLLM, serves this rank
+    ids = s.node.container_ids()
+    assert all(s.container_id(pod, emu) in ids for pod in emu.pods())
+    out = completion(s.url(emu), max_tokens=16)
+    assert out["usage"]["completion_tokens"] == 16, out
+    assert [r.state for r in emu.admin().fleet().ranks] == [RankState.SERVING] * 2
+
+
+def test_a_hung_engine_is_marked_not_ready_then_killed_by_the_kubelets_liveness_probe(setup: Setup,
+                                                                                     emu: FleetView) -> None:
+    """SIGSTOP to every process of rank 1's container (as a hung node or a debugger would leave them): the
+    kubelet's readiness probe marks the pod NotReady, its liveness probe has the container killed (SIGTERM
+    stays pending on a stopped process: SIGKILL after the grace period, exit 137) unless the operator deleted
+    the hung rank's pod first (the frontend reported it Unresponsive too long); then the operator replaces
+    rank 1 in place. Rank 0 serves a client pinned to it throughout, through the ClusterIP, and the frontend,
+    coordinator and rank 0 keep their pods. On the emulator fleet: what hangs here is the kubelet's, the
+    frontend's and the operator's business, and a new emulated engine starts in a second where a real vLLM
+    engine takes one to two minutes (a killed real vLLM engine container is replaced in place above)."""
+    s, fleet = setup, emu
+    name = fleet.name
+    fleet.wait_settled(2, 300, interval=0.5)
+    before, uid = fleet.status(), fleet.uids()
     victim = constants.engine_name(name, 1)
     rank1 = uid[victim]
 
     def ready(pod: str) -> bool | None:
-        p = s.fleet.pods().get(pod)
+        p = fleet.pods().get(pod)
         if p is None or p["metadata"]["uid"] != uid[pod]:
             return None
         return {c["type"]: c["status"] for c in p["status"].get("conditions", [])}.get("Ready") == "True"
 
     def rank1_ended() -> str | None:
         """How rank 1's container ended: its exit code as the kubelet reported it, or its pod deleted."""
-        p = s.fleet.pods().get(victim)
+        p = fleet.pods().get(victim)
         if p is None or p["metadata"]["uid"] != rank1 or p["metadata"].get("deletionTimestamp"):
             return "deleted by the operator"
         term = p["status"]["containerStatuses"][0]["state"].get("terminated")
         return f"exit {term['exitCode']}" if term else None
 
-    pinned = Load(s.url(), SERVED, workers=1, max_tokens=8, pause_s=0.5, headers={"X-data-parallel-rank": "0"}).start()
+    pinned = Load(s.url(fleet), SERVED, workers=1, max_tokens=8, pause_s=0.5,
+                  headers={"X-data-parallel-rank": "0"}).start()
     try:
         wait_until(lambda: len(pinned.outcomes) >= 2, 120, "the pinned client's first answers")
-        pids = s.container_pids(victim)
+        pids = s.container_pids(victim, fleet)
         stopped_at = time.monotonic()
         for pid in pids:
             os.kill(pid, signal.SIGSTOP)
-        wait_until(lambda: ready(victim) is False, 120, "rank 1 NotReady", interval=0.5, diagnose=s.fleet.describe)
+        wait_until(lambda: ready(victim) is False, 120, "rank 1 NotReady", interval=0.5, diagnose=fleet.describe)
         not_ready_at = time.monotonic()
-        how = wait_until(rank1_ended, 240, "rank 1's end", interval=0.5, diagnose=s.fleet.describe)
+        how = wait_until(rank1_ended, 240, "rank 1's end", interval=0.5, diagnose=fleet.describe)
         ended_at = time.monotonic()
-        s.settle(2)
+        fleet.wait_settled(2, 300, interval=0.5)
         recovered_at = time.monotonic()
     finally:
         pinned.stop()
-    after = s.fleet.uids()
+    after = fleet.uids()
     kept = {pod for pod, u in after.items() if uid.get(pod) == u}
     until_end = [o for o in pinned.outcomes if o.started + o.latency < ended_at]
     served_while_hung = [o for o in until_end if o.started >= stopped_at and o.ok]
-    kubelet = s.pod_events(rank1)
+    kubelet = s.pod_events(rank1, fleet)
     print(f"rank 1 SIGSTOPped ({len(pids)} processes): NotReady seen after {not_ready_at - stopped_at:.1f} s; "
           f"ended ({how}) seen after {ended_at - stopped_at:.1f} s; fleet Running at 2 again "
           f"{recovered_at - ended_at:.1f} s later; kept {sorted(kept)}; rank 0 served {len(served_while_hung)} "
@@ -377,48 +426,11 @@ def test_a_hung_engine_is_marked_not_ready_then_killed_by_the_kubelets_liveness_
     assert kept == {constants.frontend_name(name), constants.coordinator_name(name), constants.engine_name(name, 0)}
     assert ready(constants.frontend_name(name))
     assert ready(constants.engine_name(name, 0))
-    st = s.fleet.status()
+    st = fleet.status()
     assert (st["recoveries"], st["fleetGeneration"]) == (before["recoveries"] + 1, before["fleetGeneration"]), st
     assert (st["operation"]["phase"], st["operation"]["replace"]) == ("Completed", [1]), st
-    events = s.fleet.events()
+    events = fleet.events()
     assert any(reason == "RankLost" and f"rank 1 (pod {victim})" in m and "replacing rank 1 in place" in m
                for reason, m in events), events
     assert any(reason == "RankReplaced" and st["operation"]["id"] in m for reason, m in events), events
-    completion(s.url())
-
-
-def test_the_sample_with_emulator_engines_serves_and_recovers_a_killed_engine(setup: Setup) -> None:
-    """The same sample, engines replaced by the emulator (the test image's switch, as another image would):
-    Running as containers, a completion through its ClusterIP, a killed engine container replaced in place."""
-    s = setup
-    s.cp.kubectl("create", "namespace", EMU_NS)
-    ecs = sample(s.image, emulator=True)
-    s.cp.kubectl("apply", "-n", EMU_NS, "-f", "-", input=json.dumps(ecs))
-    fleet = FleetView(s.cp, EMU_NS, ecs["metadata"]["name"], None, SERVED)
-    try:
-        fleet.wait_settled(2, 300, interval=0.5)
-        victim = constants.engine_name(fleet.name, 1)
-        logs = s.cp.kubectl("logs", "-n", EMU_NS, victim).stdout
-        assert "corefleet_harness.emulator" in logs, logs[-2000:]  # the emulator, not vLLM, serves this rank
-        out = completion(s.url(fleet), max_tokens=16)
-        assert out["usage"]["completion_tokens"] == 16, out
-        old_uids = fleet.uids()
-        s.node.ctr("tasks", "kill", "--signal", "SIGKILL", s.container_id(victim, fleet))
-        wait_until(lambda: (fleet.status().get("operation") or {}).get("replace") == [1], 120,
-                   "a replacement of rank 1", interval=0.5, diagnose=fleet.describe)
-        fleet.wait_settled(2, 300, interval=0.5)
-        uids = fleet.uids()
-        assert uids[victim] != old_uids[victim]
-        assert {n: u for n, u in uids.items() if n != victim} == {n: u for n, u in old_uids.items() if n != victim}
-        assert fleet.status()["recoveries"] == 1
-        completion(s.url(fleet))
-    finally:
-        s.cp.kubectl("delete", "namespace", EMU_NS, "--wait=false", check=False)
-
-
-def test_operator_log_has_no_forbidden(setup: Setup) -> None:
-    """Last: everything above ran under the chart's RBAC."""
-    log = setup.operator_log()
-    assert "Forbidden" not in log, log[-4000:]
-    assert " 403" not in log, log[-4000:]
-    assert "Traceback" not in log, log[-4000:]
+    completion(s.url(fleet))

@@ -173,6 +173,14 @@ def test_targets_are_up_with_the_labels_rules_group_by(setup: Setup) -> None:
 
 def test_a_resize_is_counted_and_a_retired_rank_leaves_no_series(setup: Setup) -> None:
     s = setup
+    s.fleet.scale(1)  # where it starts (the HPA test ends at 1 too)
+    s.fleet.wait_settled(1, SETTLE)
+    fleet = f'namespace="{s.ns}", fleet="{NAME}"'
+
+    def counted(direction: str, series: str = "corefleet_resize_operations_total") -> float:
+        return s.value(f'{series}{{{fleet}, direction="{direction}", result="completed"}}') or 0.0
+
+    before = {d: (counted(d), counted(d, "corefleet_resize_duration_seconds_count")) for d in ("up", "down")}
     load = s.load()
     try:
         with ResizeWatch(s.fleet):
@@ -189,12 +197,11 @@ def test_a_resize_is_counted_and_a_retired_rank_leaves_no_series(setup: Setup) -
         load.stop()
     assert not load.failures(), load.summary()
 
-    fleet = f'namespace="{s.ns}", fleet="{NAME}"'
     for direction in ("up", "down"):
-        labels = f'{fleet}, direction="{direction}", result="completed"'
-        wait_until(lambda labels=labels: s.value(f"corefleet_resize_operations_total{{{labels}}}") == 1, QUERY_WAIT,
-                   f"one completed {direction} resize counted")
-        assert s.value(f"corefleet_resize_duration_seconds_count{{{labels}}}") == 1
+        ops, durations = before[direction]
+        wait_until(lambda d=direction, ops=ops: counted(d) == ops + 1, QUERY_WAIT,
+                   f"one more completed {direction} resize counted")
+        assert counted(direction, "corefleet_resize_duration_seconds_count") == durations + 1
     assert s.value(f"corefleet_fleet_resize_in_progress{{{fleet}}}") == 0
     # Rank 1 left: its series go stale with the next scrape (and the rules' with the next evaluation).
     retired = f'{{fleet="{NAME}", engine="1"}}'

@@ -1,0 +1,261 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A local fleet for e2e tests (import as `from localfleet import ...`): local mode's supervisor
+(`corefleet_harness.local.start`: a standalone coordinator, the frontend and one process per engine on
+127.0.0.1) with what the tests do to it.
+
+* `start`: a fleet of real vLLM or emulated engines, its frontend's liveness timeout set, ready;
+* `Fleet`: requests (plain, streamed, pinned to a rank), /health, the admin API, the processes' pids, an
+  engine killed and started again with its own command line;
+* `Stream`: an open SSE completion, read event by event; `PinnedLoad`: a client sending short completions
+  pinned to one rank, checking /health after each; `HealthWatch`: /health polled in a thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import http.client
+import json
+import os
+import signal
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from corefleet_client.admin import AdminClient
+from corefleet_client.frontend.__main__ import ENV_LIVENESS_TIMEOUT
+from corefleet_harness import local
+from corefleet_harness.support import free_ports, http_get, wait_until
+from corefleet_harness.tinymodel import VLLM_CPU_FLAGS
+
+MODEL_NAME = "tiny"
+RANK_HEADER = "X-data-parallel-rank"  # vLLM's way to pin a request to a rank
+
+
+def flags(max_model_len: int) -> tuple[str, ...]:
+    """The CPU engines' vLLM flags with this context and the served name `MODEL_NAME`."""
+    out = list(VLLM_CPU_FLAGS)
+    out[out.index("--max-model-len") + 1] = str(max_model_len)
+    return (*out, "--served-model-name", MODEL_NAME)
+
+
+@dataclass
+class Fleet:
+    fleet: local.LocalFleet
+    admin: AdminClient
+    host: str
+    port: int
+    max_tokens_long: int  # a request this long stays in flight for several seconds
+    liveness_timeout: float  # the frontend's --liveness-timeout
+
+    @property
+    def rec(self) -> local.FleetRecord:
+        return self.fleet.record
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def status(self) -> Any:
+        return self.admin.fleet()
+
+    def health(self) -> int:
+        return http_get(f"{self.url}/health")[0]
+
+    def complete(self, prompt: str, max_tokens: int = 8, rank: int | None = None,
+                 ignore_eos: bool = False) -> tuple[int, dict[str, Any]]:
+        body: dict[str, Any] = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens}
+        if ignore_eos:
+            body["ignore_eos"] = True
+        headers = {"Content-Type": "application/json"} | ({RANK_HEADER: str(rank)} if rank is not None else {})
+        req = urllib.request.Request(f"{self.url}/v1/completions", data=json.dumps(body).encode(), headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return int(r.status), json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"{}")
+
+    def stream(self, max_tokens: int, rank: int | None = None) -> Stream:
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=120)
+        body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True,
+                "stream": True}
+        headers = {"Content-Type": "application/json"} | ({RANK_HEADER: str(rank)} if rank is not None else {})
+        conn.request("POST", "/v1/completions", json.dumps(body), headers)
+        resp = conn.getresponse()
+        assert resp.status == 200, resp.read()
+        return Stream(conn, resp)
+
+    def pid(self, role: str, rank: int | None = None) -> int:
+        """The pid of the fleet's (latest) process of this role and rank."""
+        return next(p.pid for p in self.rec.processes[::-1] if p.role == role and p.rank == rank)
+
+    def engine_pid(self, rank: int) -> int:
+        return self.pid(local.ROLE_ENGINE, rank)
+
+    def frontend_pid(self) -> int:
+        return self.pid(local.ROLE_FRONTEND)
+
+    def kill_engine(self, rank: int) -> None:
+        """SIGKILL the rank's launcher and engine core (its process group); wait until the group is gone."""
+        pid = self.engine_pid(rank)
+        os.killpg(pid, signal.SIGKILL)
+        popen = self.fleet.popens.get(pid)
+        if popen is not None:
+            popen.wait(30)
+
+        def group_gone() -> bool:
+            try:
+                os.killpg(pid, 0)
+            except ProcessLookupError:
+                return True
+            return False
+
+        wait_until(group_gone, 30, f"rank {rank}'s process group to exit", interval=0.05)
+
+    def restart_engine(self, rank: int) -> int:
+        """A new process for the rank, with the same command line and environment as the one it replaces."""
+        rec = self.fleet.record
+        old = next(p for p in rec.processes if p.role == local.ROLE_ENGINE and p.rank == rank)
+        rec = dataclasses.replace(rec, processes=tuple(p for p in rec.processes if p is not old))
+        self.fleet.record, popen = local.spawn(rec, local.ROLE_ENGINE, rank, list(old.argv),
+                                               local.engine_env(rec.engine, rank))
+        self.fleet.popens[popen.pid] = popen
+        return popen.pid
+
+    def in_flight_rank(self) -> int:
+        """The single rank holding an in-flight request."""
+        def find() -> list[int] | None:
+            busy = [r.rank for r in self.status().ranks if r.in_flight]
+            return busy if len(busy) == 1 else None
+        busy: list[int] = wait_until(find, 10, "one rank with an in-flight request", interval=0.05)
+        return busy[0]
+
+
+def start(tmp: Path, engine: str, replicas: int, model: str, vllm_flags: tuple[str, ...], max_tokens_long: int,
+          token_delay_ms: int | None, ready_timeout: float, liveness_timeout: float = 30.0) -> Iterator[Fleet]:
+    """A ready fleet (a generator for a fixture: stopped when it resumes)."""
+    port = free_ports(1)[0]
+    opts = local.FleetOptions(replicas=replicas, engine=engine, model=model, port=port, state_dir=tmp / "state",
+                              vllm_flags=vllm_flags, token_delay_ms=token_delay_ms)
+    with pytest.MonkeyPatch.context() as env:  # the frontend's --liveness-timeout (local mode passes none)
+        env.setenv(ENV_LIVENESS_TIMEOUT, str(liveness_timeout))
+        fleet = local.start(opts)
+    try:
+        fleet.wait_ready(timeout=ready_timeout)
+        yield Fleet(fleet=fleet, admin=fleet.record.admin_client(timeout=15), host=local.LOCALHOST, port=port,
+                    max_tokens_long=max_tokens_long, liveness_timeout=liveness_timeout)
+    finally:
+        fleet.stop(grace=10)
+
+
+class Stream:
+    """An open SSE completion stream, read event by event."""
+
+    def __init__(self, conn: http.client.HTTPConnection, resp: http.client.HTTPResponse) -> None:
+        self.conn, self.resp = conn, resp
+
+    def next_event(self) -> dict[str, Any] | None:
+        """The next `data:` payload; None at `[DONE]` or the end of the response."""
+        while True:
+            line = self.resp.readline()
+            if not line:
+                return None
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[len(b"data:"):].strip()
+            if data == b"[DONE]":
+                return None
+            event: dict[str, Any] = json.loads(data)
+            return event
+
+    def rest(self) -> list[dict[str, Any]]:
+        events = []
+        while (e := self.next_event()) is not None:
+            events.append(e)
+        return events
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def drain_in_background(self) -> Callable[[], dict[str, Any] | None]:
+        """Keep reading the stream in a thread (as a browser does), so the server never blocks on a full
+        socket; returns a function giving the last event read so far (None before any)."""
+        last: list[dict[str, Any]] = []
+
+        def read() -> None:
+            try:
+                while (event := self.next_event()) is not None:
+                    last[:] = [event]
+            except (OSError, ValueError, AttributeError, http.client.HTTPException):
+                pass  # closed by the test
+
+        threading.Thread(target=read, name="stream-reader", daemon=True).start()
+        return lambda: last[0] if last else None
+
+
+class PinnedLoad:
+    """A client sending short completions pinned to one rank, one after another, and checking /health."""
+
+    def __init__(self, fleet: Fleet, rank: int) -> None:
+        self.fleet, self.rank = fleet, rank
+        self.ok = 0
+        self.failures: list[tuple[int, dict[str, Any]]] = []
+        self.health: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"load-rank-{rank}", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            code, body = self.fleet.complete(f"load {self.ok}", max_tokens=4, rank=self.rank)
+            if code == 200:
+                self.ok += 1
+            else:
+                self.failures.append((code, body))
+            self.health.append(self.fleet.health())
+
+    def __enter__(self) -> PinnedLoad:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=150)
+
+
+@dataclass
+class HealthWatch:
+    """Polls the frontend's /health in a thread; keeps every answer that was not 200."""
+
+    url: str
+    bad: list[str] = field(default_factory=list)
+    polls: int = 0
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def __enter__(self) -> HealthWatch:
+        self._thread = threading.Thread(target=self._run, name="health-watch", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        assert self._thread is not None
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                code = http_get(self.url, 10)[0]
+            except OSError as e:
+                self.bad.append(f"{type(e).__name__}: {e}")
+                code = 200
+            if code != 200:
+                self.bad.append(f"HTTP {code}")
+            self.polls += 1
+            self._stop.wait(0.1)
