@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -120,11 +121,13 @@ def corefleet(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
 
 
-def engine_core(launcher_pid: int) -> psutil.Process:
-    """The launcher's child that runs the engine core (`python -m corefleet_client.enginecore`)."""
-    cores = [p for p in psutil.Process(launcher_pid).children() if "corefleet_client.enginecore" in p.cmdline()]
-    assert len(cores) == 1, [p.cmdline() for p in psutil.Process(launcher_pid).children()]
-    return cores[0]
+def engine_core(fleet: Fleet, rank: int) -> psutil.Process:
+    """The rank's engine core (it names itself VLLM::EngineCore_DP<rank>), as its launcher logs it once the
+    engine core reported its rank."""
+    log = (Path(fleet.rec.state_dir) / local.LOG_DIR / f"engine-{rank}.log").read_text(errors="replace")
+    pids = re.findall(r"Engine core EngineCore_DP\d+ \(pid (\d+)\) is rank", log)
+    assert pids, log[-3000:]
+    return psutil.Process(int(pids[-1]))
 
 
 def gone_or_zombie(p: psutil.Process) -> bool:
@@ -181,7 +184,8 @@ def test_text_and_chat_completions_are_served_and_spread_over_every_rank(fleet: 
 def test_each_launcher_parents_its_engine_core_and_maps_no_vllm_or_torch(fleet: Fleet) -> None:
     for rank in range(REPLICAS):
         launcher = fleet.engine_pid(rank)
-        core = engine_core(launcher)
+        core = engine_core(fleet, rank)
+        assert core.ppid() == launcher
         assert "libtorch" in Path(f"/proc/{core.pid}/maps").read_text()
         launcher_maps = Path(f"/proc/{launcher}/maps").read_text()
         assert "libtorch" not in launcher_maps
@@ -300,7 +304,8 @@ def _kill_engine_core(fleet: Fleet, rank: int) -> Callable[[], None]:
     parent's death and exit by itself). Returns the check of what follows: the launcher says /livez 503
     while it stops the orphan (SIGTERM, 5 s grace, SIGKILL), then exits 128+SIGKILL."""
     launcher = fleet.engine_pid(rank)
-    victim = engine_core(launcher)
+    victim = engine_core(fleet, rank)
+    assert victim.ppid() == launcher
     workers = victim.children(recursive=True)
     assert workers, "no executor worker under the engine core"
     watcher = LivezWatcher(fleet.rec.ports.health[rank])
