@@ -4,8 +4,10 @@
 127.0.0.1) with what the tests do to it.
 
 * `start`: a fleet of real vLLM or emulated engines, its frontend's liveness timeout set, ready;
+* `Held`: a module's fleet, started on first use and afresh for a test that finds it broken;
 * `Fleet`: requests (plain, streamed, pinned to a rank), /health, the admin API, the processes' pids, an
   engine killed and started again with its own command line;
+* `corefleet`: the `corefleet` command; `scale`: `corefleet scale` to each size under load, checked;
 * `Stream`: an open SSE completion, read event by event; `PinnedLoad`: a client sending short completions
   pinned to one rank, checking /health after each; `HealthWatch`: /health polled in a thread.
 """
@@ -17,6 +19,8 @@ import http.client
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import urllib.error
 import urllib.request
@@ -27,11 +31,12 @@ from typing import Any
 
 import pytest
 
-from corefleet_client.admin import AdminClient
+from corefleet_client.admin import AdminClient, AdminError, FleetState, RankState
 from corefleet_client.frontend.__main__ import ENV_LIVENESS_TIMEOUT
 from corefleet_harness import local
 from corefleet_harness.support import free_ports, http_get, wait_until
 from corefleet_harness.tinymodel import VLLM_CPU_FLAGS
+from fleettest import Load
 
 MODEL_NAME = "tiny"
 RANK_HEADER = "X-data-parallel-rank"  # vLLM's way to pin a request to a rank
@@ -151,6 +156,95 @@ def start(tmp: Path, engine: str, replicas: int, model: str, vllm_flags: tuple[s
                     max_tokens_long=max_tokens_long, liveness_timeout=liveness_timeout)
     finally:
         fleet.stop(grace=10)
+
+
+class Held:
+    """A module's fleet, started on first use (`make(tmp)`: a generator like `start`'s), and started afresh
+    for a test that finds it not serving at `replicas` ranks (a test that failed half-way, or stopped it):
+    so that each test also runs alone, whatever ran before it."""
+
+    def __init__(self, tmp: Path, replicas: int, make: Callable[[Path], Iterator[Fleet]]) -> None:
+        self.tmp, self.replicas, self.make, self.starts = tmp, replicas, make, 0
+        self._gen: Iterator[Fleet] | None = None
+        self._fleet: Fleet | None = None
+
+    def get(self) -> Fleet:
+        if self._fleet is not None and not self.whole(self._fleet):
+            self.close()
+        if self._fleet is None:
+            self.starts += 1
+            self._gen = self.make(self.tmp / f"fleet-{self.starts}")
+            self._fleet = next(self._gen)
+        return self._fleet
+
+    def whole(self, fleet: Fleet) -> bool:
+        try:
+            status = fleet.status()
+        except (OSError, AdminError, ValueError):
+            return False
+        return (status.state == FleetState.SERVING and status.data_parallel_size == self.replicas
+                and all(r.state == RankState.SERVING for r in status.ranks) and fleet.health() == 200)
+
+    def close(self) -> None:
+        if self._gen is not None:
+            self._gen.close()  # the generator's `finally` stops the fleet
+        self._gen = self._fleet = None
+
+
+def descendants(pids: list[int]) -> set[int]:
+    """Every running process below these (children, grandchildren, ...)."""
+    procs = local.all_procs()
+    found, todo = set(), list(pids)
+    while todo:
+        pid = todo.pop()
+        kids = [p.pid for p in procs if p.ppid == pid and local.is_running(p)]
+        found.update(kids)
+        todo.extend(kids)
+    return found
+
+
+CLI = [sys.executable, "-m", "corefleet_harness.cli"]
+
+
+def corefleet(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def engine_pids(state: Path) -> dict[int, int]:
+    rec = local.load_record(state)
+    assert rec is not None
+    return {p.rank: p.pid for p in rec.processes if p.role == local.ROLE_ENGINE and p.rank is not None}
+
+
+def scale(state: Path, port: int, sizes: list[int], timeout: float, model: str = "tiny-llama") -> None:
+    """`corefleet scale N` for each size, with a client sending requests all along: none fails, the
+    ranks that stay keep their processes, and the state file follows."""
+    # A client that keeps sending, a second between requests (see test_node_fleet.py for why not denser).
+    load = Load(f"http://127.0.0.1:{port}", model, workers=1, max_tokens=8, pause_s=1.0).start()
+    try:
+        for n in sizes:
+            before = engine_pids(state)
+            out = corefleet("scale", str(n), "--state-dir", str(state), timeout=timeout)
+            assert out.returncode == 0, f"stdout:\n{out.stdout}\nstderr:\n{out.stderr}"
+            assert f"the fleet serves at {n} rank(s)" in out.stdout, out.stdout
+            after = engine_pids(state)
+            assert sorted(after) == list(range(n)), after
+            assert {r: after[r] for r in before if r < n} == {r: before[r] for r in before if r < n}
+            rec = local.load_record(state)
+            assert rec is not None
+            assert rec.replicas == n
+            admin = rec.admin_client()
+            fleet = admin.fleet()
+            assert [(r.rank, r.state) for r in fleet.ranks] == [(r, "Serving") for r in range(n)], fleet
+            if n > len(before):  # the new ranks serve
+                wait_until(lambda: all(r.requests_total > 0 for r in admin.fleet().ranks), 60,  # noqa: B023
+                           "the new ranks to serve requests")
+            gone = [pid for r, pid in before.items() if r >= n and local.is_running(local.proc_stat(pid))]
+            assert not gone, f"retired engines still run: {gone}"
+    finally:
+        load.stop()
+    assert len(load.outcomes) > 3, load.summary()
+    assert not load.failures(), load.summary()
 
 
 class Stream:

@@ -484,7 +484,10 @@ def test_elastic_ep_engine_side_scale_up_then_down(tmp_path: Path) -> None:
             assert front.registrations[2]["data_parallel_rank"] == 2
             for rank in (0, 1, 2):
                 assert front.utility_result(front.call_utility(rank, "resume_scheduler")) is None
-            assert [stats(health[r])["data_parallel_size"] for r in (0, 1, 2)] == [3, 3, 3]
+            # A survivor switches in its busy loop's next elastic-EP step after the commit (as vLLM's does): a
+            # resume that reached it in the same input drain is answered first, so its new size shows moments later.
+            wait_until(lambda: [stats(health[r])["data_parallel_size"] for r in (0, 1, 2)] == [3, 3, 3], STEP_TIMEOUT,
+                       "every rank at the new size", interval=0.01)
             # A commit without a prepared reconfiguration fails as in vLLM.
             bad = front.call_utility(0, "commit_prepared_elastic_ep")
             failed = front.wait_output(lambda o: o.utility_output is not None and o.utility_output.call_id == bad,

@@ -13,73 +13,17 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from corefleet_client.admin import AdminError, FleetState, ResizeRequest
 from corefleet_harness import local
-from corefleet_harness.support import free_ports, wait_until
-from fleettest import Load
+from corefleet_harness.support import free_ports
+from localfleet import CLI, corefleet, descendants, scale
 from procs import read_lines_until
 
 pytestmark = pytest.mark.e2e
-
-CLI = [sys.executable, "-m", "corefleet_harness.cli"]
-
-
-def corefleet(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
-
-
-def descendants(pids: list[int]) -> set[int]:
-    procs = local.all_procs()
-    found, todo = set(), list(pids)
-    while todo:
-        pid = todo.pop()
-        kids = [p.pid for p in procs if p.ppid == pid and local.is_running(p)]
-        found.update(kids)
-        todo.extend(kids)
-    return found
-
-
-def engine_pids(state: Path) -> dict[int, int]:
-    rec = local.load_record(state)
-    assert rec is not None
-    return {p.rank: p.pid for p in rec.processes if p.role == local.ROLE_ENGINE and p.rank is not None}
-
-
-def scale(state: Path, port: int, sizes: list[int], timeout: float, model: str = "tiny-llama") -> None:
-    """`corefleet scale N` for each size, with a client sending requests all along: none fails, the
-    ranks that stay keep their processes, and the state file follows."""
-    # A client that keeps sending, a second between requests (see test_node_fleet.py for why not denser).
-    load = Load(f"http://127.0.0.1:{port}", model, workers=1, max_tokens=8, pause_s=1.0).start()
-    try:
-        for n in sizes:
-            before = engine_pids(state)
-            out = corefleet("scale", str(n), "--state-dir", str(state), timeout=timeout)
-            assert out.returncode == 0, f"stdout:\n{out.stdout}\nstderr:\n{out.stderr}"
-            assert f"the fleet serves at {n} rank(s)" in out.stdout, out.stdout
-            after = engine_pids(state)
-            assert sorted(after) == list(range(n)), after
-            assert {r: after[r] for r in before if r < n} == {r: before[r] for r in before if r < n}
-            rec = local.load_record(state)
-            assert rec is not None
-            assert rec.replicas == n
-            admin = rec.admin_client()
-            fleet = admin.fleet()
-            assert [(r.rank, r.state) for r in fleet.ranks] == [(r, "Serving") for r in range(n)], fleet
-            if n > len(before):  # the new ranks serve
-                wait_until(lambda: all(r.requests_total > 0 for r in admin.fleet().ranks), 60,  # noqa: B023
-                           "the new ranks to serve requests")
-            gone = [pid for r, pid in before.items() if r >= n and local.is_running(local.proc_stat(pid))]
-            assert not gone, f"retired engines still run: {gone}"
-    finally:
-        load.stop()
-    assert len(load.outcomes) > 3, load.summary()
-    assert not load.failures(), load.summary()
-
 
 def _cleanup(state: Path) -> None:
     if local.load_record(state) is not None:
