@@ -233,8 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         k8s.kubectl("create", "namespace", ns)
         with PodRunner(k8s, ns, work / "pods", engine=emulator) as runner, \
                 OperatorProcess(k8s, ns, work, resync_seconds=30) as operator:
-            ecs = make_ecs(NAME, ns).model(str(model)).replicas(args.small).max_replicas(args.large)
-            ecs = ((ecs.expert_parallel() if args.moe else ecs)
+            factory = make_ecs(NAME, ns).model(str(model)).replicas(args.small).max_replicas(args.large)
+            ecs = ((factory.expert_parallel() if args.moe else factory)
                    .set("engine.loadFormat", "dummy").set("scaling.readyTimeoutSeconds", int(args.settle_timeout))
                    .set("scaling.drainTimeoutSeconds", 60).arg(*flags, "--served-model-name", SERVED).manifest())
             k8s.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(ecs))

@@ -34,7 +34,7 @@ class ClusterView:
         wait_until(check, timeout, what, interval=0.2, retry_on=(Exception,))
 
     def running(self, name: str, replicas: int) -> bool:
-        st = self.ecs(name).get("status", {})
+        st: dict[str, Any] = self.ecs(name).get("status", {})
         return st.get("phase") == "Running" and st.get("readyReplicas") == replicas and st.get("replicas") == replicas
 
     def wait_running(self, name: str, replicas: int, timeout: float = 90) -> dict[str, Any]:

@@ -27,7 +27,7 @@ def roundtrip_outputs(outputs: Any) -> EngineCoreOutputs:
 
 def drain(engine: EmulatedEngineCore) -> list[tuple[int, EngineCoreOutputs]]:
     """Everything on the engine's output queue now: (client index, outputs)."""
-    items = []
+    items: list[tuple[int, EngineCoreOutputs]] = []
     while True:
         try:
             item = engine.output_queue.get_nowait()

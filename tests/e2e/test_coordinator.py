@@ -56,8 +56,8 @@ def vllm_wire() -> SimpleNamespace:
 
 
 @pytest.fixture
-def ctx() -> Iterator[zmq.Context]:
-    context: zmq.Context = zmq.Context()
+def ctx() -> Iterator[zmq.SyncContext]:
+    context: zmq.SyncContext = zmq.Context()
     yield context
     context.destroy(linger=0)
 
@@ -141,14 +141,14 @@ def coordinator(ports: list[int], *extra: str) -> Iterator[Coordinator]:
         c.kill()
 
 
-def recv_within(sock: zmq.Socket, timeout: float) -> list[bytes] | None:
+def recv_within(sock: zmq.SyncSocket, timeout: float) -> list[bytes] | None:
     """One multipart message, or None if none arrives in time."""
     if sock.poll(timeout=int(timeout * 1000), flags=zmq.POLLIN):
         return sock.recv_multipart()
     return None
 
 
-def latest_stats(sock: zmq.Socket, timeout: float) -> tuple[object, int, bool]:
+def latest_stats(sock: zmq.SyncSocket, timeout: float) -> tuple[object, int, bool]:
     """The next stats publish, drained to the newest as DPLBAsyncMPClient does, decoded as it does."""
     frames = recv_within(sock, timeout)
     assert frames is not None, f"no stats publish within {timeout}s"
@@ -159,7 +159,7 @@ def latest_stats(sock: zmq.Socket, timeout: float) -> tuple[object, int, bool]:
     return counts, wave, running
 
 
-def test_coordinator_gate_stats_waves_and_shutdown(vllm_wire: SimpleNamespace, ctx: zmq.Context) -> None:
+def test_coordinator_gate_stats_waves_and_shutdown(vllm_wire: SimpleNamespace, ctx: zmq.SyncContext) -> None:
     ports = free_ports(3)
     front_addr, back_out_addr, back_pub_addr = (f"tcp://127.0.0.1:{p}" for p in ports)
 

@@ -247,7 +247,9 @@ def test_stock_frontend_serves_two_emulated_engines(tmp_path: Path) -> None:
 
         def aborted() -> bool:
             now = [stats(health[rank]) for rank in (0, 1)]
-            return sum(s["requests_aborted"] for s in now) > sum(s["requests_aborted"] for s in before)
+            aborted_now: int = sum(s["requests_aborted"] for s in now)
+            aborted_before: int = sum(s["requests_aborted"] for s in before)
+            return aborted_now > aborted_before
 
         wait_until(aborted, STEP_TIMEOUT, "an ABORT at the emulated engine that ran the cancelled stream",
                    interval=0.1, retry_on=(Exception,))
@@ -277,7 +279,7 @@ def test_stock_frontend_serves_two_emulated_engines(tmp_path: Path) -> None:
 class FakeFrontend:
     """The sockets vLLM's rank-0 frontend and the DP coordinator offer engines, bound by the test."""
 
-    def __init__(self, ctx: zmq.Context, rpc_port: int) -> None:
+    def __init__(self, ctx: zmq.SyncContext, rpc_port: int) -> None:
         from vllm.v1.engine import EngineCoreOutputs
         from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
@@ -294,14 +296,14 @@ class FakeFrontend:
         self.outputs: list[Any] = []  # every EngineCoreOutputs received, in order
         self.coordinator_messages: list[Any] = []
 
-    def _bind(self, kind: int) -> zmq.Socket:
+    def _bind(self, kind: int) -> zmq.SyncSocket:
         sock = self.ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         sock.bind("tcp://127.0.0.1:0")
         return sock
 
-    def endpoint(self, sock: zmq.Socket) -> str:
-        return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+    def endpoint(self, sock: zmq.SyncSocket) -> str:
+        return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def addresses(self) -> Any:
         from vllm.v1.engine.utils import EngineZmqAddresses
@@ -404,7 +406,7 @@ class FakeFrontend:
 
 def new_coord_store() -> Any:
     """`_setup_elastic_ep_reconfig_bootstrap`'s store: a TCPStore master on an open port."""
-    from torch.distributed import TCPStore
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]  # an implicit re-export (from torch._C)
 
     return TCPStore("127.0.0.1", 0, is_master=True, world_size=-1, wait_for_workers=False)
 
@@ -433,7 +435,7 @@ def test_elastic_ep_engine_side_scale_up_then_down(tmp_path: Path) -> None:
     health = [free_port() for _ in range(3)]
     moe_flags = ("--enable-expert-parallel", "--enable-eplb", "--enable-elastic-ep", "--elastic-ep-max-dp-size", "4",
                  "--eplb-config", '{"use_async": false}')
-    ctx: zmq.Context = zmq.Context()
+    ctx: zmq.SyncContext = zmq.Context()
     startup_store_port = free_port()
     try:
         with processes() as procs:
@@ -538,7 +540,7 @@ def test_an_elastic_engine_without_a_coordination_store_fails_at_startup(tmp_pat
                              num_local_experts=4, num_experts_per_tok=2)
     rpc_port = free_port()
     moe_flags = ("--enable-expert-parallel", "--enable-eplb", "--enable-elastic-ep", "--elastic-ep-max-dp-size", "2")
-    ctx: zmq.Context = zmq.Context()
+    ctx: zmq.SyncContext = zmq.Context()
     try:
         with processes() as procs:
             front = FakeFrontend(ctx, rpc_port)
@@ -565,12 +567,13 @@ def test_parallel_config_hash_matches_a_real_engines(tmp_path: Path) -> None:
 
     model = write_tiny_model(tmp_path / "tiny-mixtral", architectures=["MixtralForCausalLM"], model_type="mixtral",
                              num_local_experts=4, num_experts_per_tok=2)
-    for flags, kwargs in [
+    cases: list[tuple[tuple[str, ...], dict[str, Any]]] = [
         ((), {}),
         (("--enable-expert-parallel", "--dp-sync-interval", "8"), {"enable_expert_parallel": True,
                                                                     "dp_sync_interval": 8}),
         (("--no-async-scheduling",), {"async_scheduling": False}),
-    ]:
+    ]
+    for flags, kwargs in cases:
         engine_args = EngineArgs(model=str(model), data_parallel_size=2, data_parallel_size_local=0,
                                  data_parallel_address="127.0.0.1", load_format="dummy", max_model_len=MAX_MODEL_LEN,
                                  enforce_eager=True, skip_tokenizer_init=True, **kwargs)

@@ -156,7 +156,10 @@ def setup(k8s: LocalControlPlane, crd_installed: None, module_namespace: str,
 def test_targets_are_up_with_the_labels_rules_group_by(setup: Setup) -> None:
     s = setup
     for job in ("corefleet-operator", "corefleet-frontend"):
-        wait_until(lambda job=job: s.value(f'up{{job="{job}"}}') == 1, QUERY_WAIT, f"Prometheus to scrape {job}")
+        def scraped(job: str = job) -> bool:
+            return s.value(f'up{{job="{job}"}}') == 1
+
+        wait_until(scraped, QUERY_WAIT, f"Prometheus to scrape {job}")
     # The frontend's series: vLLM's per rank, with the fleet, namespace and pod from the PodMonitor.
     [running] = s.series('vllm:num_requests_running{job="corefleet-frontend"}')
     assert {k: running[k] for k in ("namespace", "fleet", "pod", "engine")} == \
@@ -199,8 +202,11 @@ def test_a_resize_is_counted_and_a_retired_rank_leaves_no_series(setup: Setup) -
 
     for direction in ("up", "down"):
         ops, durations = before[direction]
-        wait_until(lambda d=direction, ops=ops: counted(d) == ops + 1, QUERY_WAIT,
-                   f"one more completed {direction} resize counted")
+
+        def one_more(d: str = direction, ops: float = ops) -> bool:
+            return counted(d) == ops + 1
+
+        wait_until(one_more, QUERY_WAIT, f"one more completed {direction} resize counted")
         assert counted(direction, "corefleet_resize_duration_seconds_count") == durations + 1
     assert s.value(f"corefleet_fleet_resize_in_progress{{{fleet}}}") == 0
     # Rank 1 left: its series go stale with the next scrape (and the rules' with the next evaluation).
@@ -276,8 +282,11 @@ def test_every_dashboard_and_rule_query_returns_data(setup: Setup) -> None:
     try:
         empty: list[str] = []
         for what, expr in queries:
+            def has_data(expr: str = expr) -> bool:
+                return bool(s.prom.query(expr))
+
             try:
-                wait_until(lambda expr=expr: bool(s.prom.query(expr)), QUERY_WAIT, f"{what}: {expr}")
+                wait_until(has_data, QUERY_WAIT, f"{what}: {expr}")
             except AssertionError:
                 empty.append(f"{what}: {expr}")
     finally:

@@ -14,6 +14,7 @@ import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -44,17 +45,17 @@ def _check_up(proc: subprocess.Popen[str], state: Path) -> None:
     server = json.loads(kubeconfig.read_text())["clusters"][0]["cluster"]["server"]
     ctx = ssl.create_default_context(cafile=str(state / "certs" / "apiserver.crt"))
 
-    def get(path: str) -> dict[str, object]:
+    def get(path: str) -> dict[str, Any]:
         req = urllib.request.Request(server + path, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
         with urllib.request.urlopen(req, context=ctx, timeout=10) as r:
-            body: dict[str, object] = json.loads(r.read())
+            body: dict[str, Any] = json.loads(r.read())
             return body
 
     metrics_url = next(ln.split(": ", 1)[1] for ln in lines if "operator metrics:" in ln)
     with urllib.request.urlopen(metrics_url, timeout=10) as r:
         assert b"corefleet_fleets 0.0" in r.read()
     node = get("/api/v1/nodes/gpu-node-0")
-    assert node["status"]["allocatable"]["nvidia.com/gpu"] == "8"  # type: ignore[index]
+    assert node["status"]["allocatable"]["nvidia.com/gpu"] == "8"
     # The README's next step works: the sample is accepted and the operator picks it up.
     kubectl = [str(Path(next(ln.split("=", 1)[1] for ln in lines if "export PATH=" in ln).split(":")[0]) / "kubectl"),
                f"--kubeconfig={kubeconfig}"]
@@ -63,11 +64,12 @@ def _check_up(proc: subprocess.Popen[str], state: Path) -> None:
 
     def status_written() -> bool:
         ecs = get("/apis/corefleet.io/v1alpha1/namespaces/default/enginecoresets/qwen3-dense")
-        return ecs.get("status", {}).get("phase") == "Starting"  # type: ignore[union-attr]
+        status: dict[str, Any] = ecs.get("status", {})
+        return status.get("phase") == "Starting"
 
     def pods_created() -> bool:
         pods = get("/api/v1/namespaces/default/pods?labelSelector=corefleet.io/fleet=qwen3-dense")
-        return len(pods["items"]) == 4  # type: ignore[arg-type]
+        return len(pods["items"]) == 4
 
     wait_until(status_written, 60, "the operator's first status of the sample", interval=0.1, retry_on=(Exception,))
     wait_until(pods_created, 60, "the sample's coordinator, frontend and 2 engine pods", interval=0.1,

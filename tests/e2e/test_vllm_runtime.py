@@ -20,7 +20,7 @@ print(json.dumps({
 """
 
 
-def test_vllm_runtime():
+def test_vllm_runtime() -> None:
     # A fresh interpreter: importing vLLM mutates process state (torch, env, logging).
     proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"import vllm.v1.engine.core failed:\n{proc.stderr[-4000:]}"

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from corefleet_harness import local
+from corefleet_harness.support import free_ports
 from corefleet_harness.tinymodel import write_tiny_model
 from fleettest import Load
 
@@ -61,7 +62,7 @@ def test_dense_fleet_on_one_gpu_serves_and_resizes_2_3_2_in_place(tmp_path: Path
     gpus()
     state = tmp_path / "state"
     model = write_tiny_model(tmp_path / "tiny")
-    port = local.free_ports(1)[0]
+    port = free_ports(1)[0]
     try:
         up = corefleet("up", "--detach", "--replicas", "2", "--port", str(port), "--state-dir", str(state),
                        "--model", str(model), "--", *GPU_FLAGS, timeout=900)
@@ -71,12 +72,12 @@ def test_dense_fleet_on_one_gpu_serves_and_resizes_2_3_2_in_place(tmp_path: Path
             for n in (3, 2):
                 rec = local.load_record(state)
                 assert rec is not None
-                before = {p.rank: p.pid for p in rec.processes if p.role == local.ROLE_ENGINE}
+                before = {p.rank: p.pid for p in rec.processes if p.role == local.ROLE_ENGINE and p.rank is not None}
                 out = corefleet("scale", str(n), "--state-dir", str(state), timeout=900)
                 assert out.returncode == 0, f"stdout:\n{out.stdout}\nstderr:\n{out.stderr}"
                 rec = local.load_record(state)
                 assert rec is not None
-                after = {p.rank: p.pid for p in rec.processes if p.role == local.ROLE_ENGINE}
+                after = {p.rank: p.pid for p in rec.processes if p.role == local.ROLE_ENGINE and p.rank is not None}
                 assert sorted(after) == list(range(n))
                 assert all(after[r] == before[r] for r in before if r < n), (before, after)
                 fleet = rec.admin_client().fleet()

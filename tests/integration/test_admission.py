@@ -73,7 +73,7 @@ def test_the_crd_with_its_cel_rules_is_accepted_within_the_cost_budget(k8s: Loca
     assert "NonStructuralSchema" not in conditions
 
 
-SIZES = {
+SIZES: dict[str, tuple[dict[str, Any], list[str]]] = {
     "replicas-70000": ({"replicas": 70000, "maxReplicas": 70000},
                        ["spec.replicas: Invalid value: 70000", "less than or equal to 512"]),
     "max-replicas-513": ({"maxReplicas": 513}, ["spec.maxReplicas", "less than or equal to 512"]),

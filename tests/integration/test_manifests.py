@@ -120,7 +120,7 @@ def test_get_ecs_prints_the_printer_columns_and_defaults_apply(k8s: LocalControl
     assert stored["networkPolicy"] is False
 
 
-INVALID = {
+INVALID: dict[str, tuple[dict[str, Any], list[str]]] = {
     "replicas-not-an-integer": ({"replicas": "two"}, ["spec.replicas", "must be of type integer"]),
     "replicas-over-max": ({"replicas": 5, "maxReplicas": 4}, ["replicas must not exceed maxReplicas"]),
     "tensor-parallel-zero": ({"engine": {"tensorParallelSize": 0}},

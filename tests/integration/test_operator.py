@@ -198,7 +198,8 @@ def test_semantic_error_is_a_condition_and_other_fleets_keep_working(
     cluster.apply(cluster.make("good").replicas(1).manifest())
 
     def invalid() -> bool:
-        conds = {c["type"]: c for c in cluster.ecs("bad").get("status", {}).get("conditions", [])}
+        conditions: list[dict[str, Any]] = cluster.ecs("bad").get("status", {}).get("conditions", [])
+        conds = {c["type"]: c for c in conditions}
         return conds.get("Degraded", {}).get("reason") == "InvalidSpec"
     cluster.wait("InvalidSpec condition", invalid)
     cluster.wait_running("good", 1)

@@ -70,7 +70,8 @@ class Cluster(ClusterView):
         return self.get(f"/api/v1/namespaces/{self.ns}/{plural}" + (f"/{name}" if name else ""))
 
     def condition(self, name: str, ctype: str) -> dict[str, Any]:
-        conds = {c["type"]: c for c in self.ecs(name).get("status", {}).get("conditions", [])}
+        conditions: list[dict[str, Any]] = self.ecs(name).get("status", {}).get("conditions", [])
+        conds = {c["type"]: c for c in conditions}
         return conds.get(ctype, {})
 
     def pods(self, fleet: str) -> dict[str, dict[str, Any]]:

@@ -54,6 +54,9 @@ class Static:
     def resize(self, resize_id: str) -> ResizeOperation | None:
         return None
 
+    def stalled_for(self) -> float:
+        raise AssertionError("not called")
+
     def resizes(self) -> list[ResizeOperation]:
         return []
 

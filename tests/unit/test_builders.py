@@ -127,7 +127,8 @@ def _by_name(objs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def _container(pod: dict[str, Any]) -> dict[str, Any]:
-    (c,) = pod["spec"]["containers"]
+    containers: list[dict[str, Any]] = pod["spec"]["containers"]
+    (c,) = containers
     return c
 
 

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -67,7 +67,12 @@ def test_operator_arguments_pass_through(monkeypatch: pytest.MonkeyPatch) -> Non
     from corefleet_operator import __main__ as operator_main
 
     seen: list[list[str]] = []
-    monkeypatch.setattr(operator_main, "main", lambda argv: seen.append(list(argv)) or 0)
+
+    def operator_main_stand_in(argv: Sequence[str]) -> int:
+        seen.append(list(argv))
+        return 0
+
+    monkeypatch.setattr(operator_main, "main", operator_main_stand_in)
 
     assert main(["operator", "--namespace", "a", "--verbose"]) == 0
     assert seen == [["--namespace", "a", "--verbose"]]

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Elastic EP's expert layout across resizes: the frontend's check of a new size (`ExpertLayout`,
-`Fleet.start_resize`) and the operator's `--eplb-config` for a new rank (`builders.with_redundant_experts`).
+`Fleet.start_resize`) and the operator's `--eplb-config` for a new rank (`commands.with_redundant_experts`,
+which the operator's builders call).
 
 Both must agree with vLLM 0.32.0, so each is also checked against vLLM's own code: the size check
 against `DPLBAsyncMPClient.prepare_elastic_ep` (run on a stand-in client, no engine), the argument
@@ -19,10 +20,10 @@ from typing import Any
 
 import pytest
 
+from corefleet_client import commands
 from corefleet_client.admin import RankState, ResizeOperation, ResizePhase, ResizeRequest
 from corefleet_client.frontend.fleet import ExpertLayout, Fleet
 from corefleet_client.frontend.types import ResizeRefused
-from corefleet_operator import builders
 from standins import IdleView, RecordingRunner
 
 EPLB = "--eplb-config"
@@ -80,7 +81,7 @@ def vllm_prepare() -> Callable[[int, int, int, int, int], tuple[int, int] | str]
             _prepare_scale_down_elastic_ep=noop,
         )
         try:
-            asyncio.run(DPLBAsyncMPClient.prepare_elastic_ep(client, to))  # type: ignore[arg-type]
+            asyncio.run(DPLBAsyncMPClient.prepare_elastic_ep(client, to))
         except ValueError as e:
             return str(e)
         prepared: tuple[int, int] = client._prepared_elastic_ep
@@ -210,7 +211,7 @@ def test_operation_json_without_the_field_reads_as_none() -> None:
     assert op.num_redundant_experts is None
 
 
-# ---- builders.with_redundant_experts -----------------------------------------------------------------
+# ---- commands.with_redundant_experts -----------------------------------------------------------------
 def split_eplb(args: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
     """(the arguments before the one trailing `--eplb-config JSON`, that JSON), checking there is just one."""
     assert [a for a in args if a.startswith(EPLB)] == [EPLB], args
@@ -245,7 +246,7 @@ CASES: list[tuple[str, list[str], list[str], dict[str, Any]]] = [
 def test_with_redundant_experts(args: list[str], others: list[str], config: dict[str, Any], redundant: int) -> None:
     before = list(args)
 
-    out = builders.with_redundant_experts(args, redundant)
+    out = commands.with_redundant_experts(args, redundant)
 
     assert args == before  # the caller's list is not changed
     if any(a.startswith(f"{EPLB}.") for a in args):  # dotted: vLLM folds them, R joins them as one more
@@ -278,5 +279,5 @@ def test_with_redundant_experts_reads_as_vllm_does(vllm_parse: Callable[[Sequenc
                                                    args: list[str]) -> None:
     """vLLM reads the rewritten arguments as the user's, with only num_redundant_experts changed."""
     user = vllm_parse(args)
-    rewritten = vllm_parse(builders.with_redundant_experts(args, 3))
+    rewritten = vllm_parse(commands.with_redundant_experts(args, 3))
     assert rewritten == {**user, "eplb_config": {**(user["eplb_config"] or {}), "num_redundant_experts": 3}}

@@ -24,7 +24,7 @@ import json
 import sys
 import time
 import types
-from typing import Any, get_args
+from typing import Any, cast, get_args
 
 import msgspec
 import msgspec.inspect as mi
@@ -85,6 +85,11 @@ def kind(cls: type) -> str:
     return "class"
 
 
+def class_fields(cls: type) -> tuple[mi.Field, ...]:
+    """A struct's or a dataclass's fields, as msgspec sees them."""
+    return cast("mi.StructType | mi.DataclassType", mi.type_info(cls)).fields
+
+
 def shape(t: Any, mirrored: bool) -> Any:
     """A msgspec type, comparable across the two sides: classes by the vLLM class they are (or mirror)."""
     if isinstance(t, (mi.StructType, mi.DataclassType, mi.EnumType, mi.CustomType, mi.NamedTupleType,
@@ -108,11 +113,12 @@ def test_the_mirror_is_vllms_class(mirror: type, path: str) -> None:
     original = vllm_class(path)
     assert kind(mirror) == kind(original)
     if kind(mirror) == "enum":
-        assert [(m.name, m.value, str(m)) for m in mirror] == [(m.name, m.value, str(m)) for m in original]
+        members = cast("type[enum.Enum]", mirror)  # kind() says so
+        assert [(m.name, m.value, str(m)) for m in members] == [(m.name, m.value, str(m)) for m in original]
         assert [b.__name__ for b in mirror.__mro__[1:]] == [b.__name__ for b in original.__mro__[1:]]
         return
     if kind(mirror) == "class":  # UtilityResult: a plain wrapper with .result
-        def params(cls: type) -> list[tuple[str, Any]]:
+        def params(cls: type[object]) -> list[tuple[str, Any]]:
             return [(p.name, p.default) for p in inspect.signature(cls.__init__).parameters.values()]
 
         assert params(mirror) == params(original)
@@ -120,13 +126,14 @@ def test_the_mirror_is_vllms_class(mirror: type, path: str) -> None:
         return
     if kind(mirror) == "struct":
         config_names = [n for n in dir(msgspec.structs.StructConfig) if not n.startswith("_")]
-        assert {n: getattr(mirror.__struct_config__, n) for n in config_names} == \
+        struct_config = cast("type[msgspec.Struct]", mirror).__struct_config__  # kind() says so
+        assert {n: getattr(struct_config, n) for n in config_names} == \
                {n: getattr(original.__struct_config__, n) for n in config_names}
     else:
         assert repr(mirror.__dataclass_params__) == repr(original.__dataclass_params__)  # type: ignore[attr-defined]
 
-    mirror_fields = {f.name: f for f in mi.type_info(mirror).fields}  # type: ignore[attr-defined]
-    original_fields = {f.name: f for f in mi.type_info(original).fields}
+    mirror_fields = {f.name: f for f in class_fields(mirror)}
+    original_fields = {f.name: f for f in class_fields(original)}
     if mirror in structs.PARTIAL_MIRRORS:
         assert not original.__struct_config__.array_like  # a subset only decodes right from a map
         assert set(mirror_fields) <= set(original_fields)
@@ -273,8 +280,9 @@ def test_requests_decode_both_ways() -> None:
 
 
 def test_handshake_ready_response_and_reconfigure_are_vllms_bytes() -> None:
-    addresses = dict(inputs=["tcp://10.0.0.1:4001"], outputs=["tcp://10.0.0.1:4002", "tcp://10.0.0.1:4003"],
-                     coordinator_input="tcp://10.0.0.2:29553", coordinator_output=None)
+    addresses: dict[str, Any] = dict(inputs=["tcp://10.0.0.1:4001"],
+                                     outputs=["tcp://10.0.0.1:4002", "tcp://10.0.0.1:4003"],
+                                     coordinator_input="tcp://10.0.0.2:29553", coordinator_output=None)
     config: dict[str, Any] = {"data_parallel_size": 4, "data_parallel_master_ip": "10.0.0.1",
                               "_data_parallel_master_port_list": [1, 2]}
     theirs = msgspec.msgpack.encode(EngineHandshakeMetadata(EngineZmqAddresses(**addresses), config))
@@ -298,6 +306,7 @@ def test_handshake_ready_response_and_reconfigure_are_vllms_bytes() -> None:
 def test_untyped_inputs_decode_as_vllms_generic_decoder_does() -> None:
     encoder = serial_utils.MsgpackEncoder()
     reconfig = vllm_engine.ReconfigureDistributedRequest(3, -1, -1, "h", 1, [2], 3)
+    body: Any
     for body in ((0, 2**63 + 5, "reinitialize_distributed", (reconfig,)), (1, 7, "sleep", (1, "wait")),
                  ["a", "b"], (7, 1), (0, 1, "collective_rpc", ("m", None, (slice(1, 5),), {}))):
         bufs = encoder.encode(body)
@@ -451,7 +460,8 @@ def vllm_factors(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
 
     def capture(items: dict[str, Any]) -> str:
         captured.append(json.loads(json.dumps(items)))
-        return original(items)
+        digest: str = original(items)
+        return digest
 
     monkeypatch.setattr(vllm.config.utils, "hash_factors", capture)
     return captured
@@ -493,7 +503,7 @@ def test_the_emulator_imports_neither_vllm_nor_torch(monkeypatch: pytest.MonkeyP
     """Import every emulator module afresh with vLLM and torch made unimportable (None in sys.modules)."""
     for name in list(sys.modules):
         if name.split(".")[0] in ("vllm", "torch"):
-            monkeypatch.setitem(sys.modules, name, None)  # type: ignore[arg-type]
+            monkeypatch.setitem(sys.modules, name, None)
         elif name.startswith(("corefleet_harness", "corefleet_client")):
             monkeypatch.delitem(sys.modules, name)
     for module in ("engine", "__main__", "wire", "structs", "serial", "sockets", "parallel_hash", "store",

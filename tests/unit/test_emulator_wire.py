@@ -157,7 +157,9 @@ def test_ready_response_decodes_as_the_frontend_decodes_it(moe: bool, want_dp_si
 def test_add_request_built_like_the_input_processor_decodes() -> None:
     request = make_request(prompt=[9, 8, 7], max_tokens=12, stop_token_ids=[77])
     request.client_index, request.current_wave = 0, 5
-    request_type, decoded = wire.InputDecoder().decode(client_frames(EngineCoreRequestType.ADD, request))
+    message = wire.InputDecoder().decode(client_frames(EngineCoreRequestType.ADD, request))
+    assert message is not None  # (None: the coordinator's READY)
+    request_type, decoded = message
     assert request_type == wire.EngineCoreRequestType.ADD  # the emulator's own enum (same bytes, test_emulator_mirror)
     assert isinstance(decoded, wire.EngineCoreRequest)  # the emulator's mirror of vLLM's
     for name in ("request_id", "prompt_token_ids", "arrival_time", "client_index", "current_wave",
@@ -177,8 +179,10 @@ def test_abort_utility_start_wave_and_coordinator_ready_decode() -> None:
     reconfig = ReconfigureDistributedRequest(3, ReconfigureRankType.KEEP_CURRENT_RANK,
                                              ReconfigureRankType.KEEP_CURRENT_RANK, "10.0.0.1", 5000, [1, 2], 6000)
     call_id = 2**63 + 5  # uuid1().int >> 64 is unsigned 64-bit
-    request_type, body = decoder.decode(
+    message = decoder.decode(
         client_frames(EngineCoreRequestType.UTILITY, (0, call_id, "reinitialize_distributed", (reconfig,))))
+    assert message is not None  # (None: the coordinator's READY)
+    request_type, body = message
     assert request_type == wire.EngineCoreRequestType.UTILITY
     client_index, got_call_id, method, args = body
     assert (client_index, got_call_id, method) == (0, call_id, "reinitialize_distributed")

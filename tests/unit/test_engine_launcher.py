@@ -53,8 +53,8 @@ READY = msgspec.msgpack.encode({"status": "READY", "local": False, "headless": T
 
 
 @pytest.fixture
-def ctx() -> Iterator[zmq.Context]:
-    context: zmq.Context = zmq.Context()
+def ctx() -> Iterator[zmq.SyncContext]:
+    context: zmq.SyncContext = zmq.Context()
     yield context
     context.destroy(linger=0)
 
@@ -67,12 +67,12 @@ def ipc_path(tmp_path: Path) -> Iterator[str]:
     path.unlink(missing_ok=True)
 
 
-def recv(sock: zmq.Socket) -> list[bytes]:
+def recv(sock: zmq.SyncSocket) -> list[bytes]:
     assert sock.poll(STEP_TIMEOUT_MS), "nothing arrived"
     return sock.recv_multipart()
 
 
-def test_relay_passes_the_handshake_through_and_joins_only_on_ready(ctx: zmq.Context, ipc_path: str) -> None:
+def test_relay_passes_the_handshake_through_and_joins_only_on_ready(ctx: zmq.SyncContext, ipc_path: str) -> None:
     rank = 3
     frontend = ctx.socket(zmq.ROUTER)
     frontend.bind("tcp://127.0.0.1:*")
@@ -108,7 +108,7 @@ def test_relay_passes_the_handshake_through_and_joins_only_on_ready(ctx: zmq.Con
         frontend.close(linger=0)
 
 
-def test_relay_queues_hello_until_the_frontend_listens(ctx: zmq.Context, ipc_path: str) -> None:
+def test_relay_queues_hello_until_the_frontend_listens(ctx: zmq.SyncContext, ipc_path: str) -> None:
     """An engine that starts before the frontend binds: HELLO waits in the relay, as in vLLM's DEALER."""
     # Nobody listens there yet. A port below the ephemeral range: the relay's reconnects to a port
     # inside it can connect to themselves (TCP self-connect) and take the port from the frontend.
@@ -131,7 +131,7 @@ def test_relay_queues_hello_until_the_frontend_listens(ctx: zmq.Context, ipc_pat
         frontend.close(linger=0)
 
 
-def test_relay_drops_an_engine_with_another_rank(ctx: zmq.Context, ipc_path: str) -> None:
+def test_relay_drops_an_engine_with_another_rank(ctx: zmq.SyncContext, ipc_path: str) -> None:
     frontend = ctx.socket(zmq.ROUTER)
     frontend.bind("tcp://127.0.0.1:*")
     relay = HandshakeRelay(1, ipc_path, frontend.getsockopt_string(zmq.LAST_ENDPOINT))

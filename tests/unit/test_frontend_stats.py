@@ -57,7 +57,7 @@ class Manager:
 
 def test_records_of_ranks_outside_the_fleet_are_dropped() -> None:
     manager = Manager()
-    loggers = FleetStatLoggers(manager, 2, {})  # type: ignore[arg-type]
+    loggers = FleetStatLoggers(manager, 2, {})
     for engine in (0, 1, 2, None):
         loggers.record(None, None, engine_idx=engine)
     assert manager.records == [0, 1, None]

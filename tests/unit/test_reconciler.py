@@ -89,6 +89,13 @@ def reconciler(kube: FakeKube, body: Mapping[str, Any], posted: list[tuple[str, 
                            clock=clock or FakeClock())
 
 
+def written_condition(rec: FleetReconciler, condition_type: str) -> dict[str, Any]:
+    """A condition of the status the reconciler last wrote."""
+    assert rec.written_status is not None
+    condition: dict[str, Any] = next(c for c in rec.written_status["conditions"] if c["type"] == condition_type)
+    return condition
+
+
 def test_events_go_out_before_the_actions_and_a_refusal_is_an_event_then_a_condition(
         posted: list[tuple[str, str]]) -> None:
     body = ecs_body()
@@ -109,7 +116,7 @@ def test_events_go_out_before_the_actions_and_a_refusal_is_an_event_then_a_condi
     assert rec.failing
     # The next pass writes the failure into the status (the one status write) ...
     asyncio.run(rec.reconcile(indexes_for(uid=body["metadata"]["uid"])))
-    degraded = next(c for c in rec.written_status["conditions"] if c["type"] == "Degraded")  # type: ignore[index]
+    degraded = written_condition(rec, "Degraded")
     assert (degraded["status"], degraded["reason"]) == ("True", "ActionsFailing")
     assert QUOTA in degraded["message"]
     assert [r for r, _ in posted].count("ActionFailed") == 1  # ... and posts no second event for the same refusal
@@ -118,7 +125,7 @@ def test_events_go_out_before_the_actions_and_a_refusal_is_an_event_then_a_condi
     asyncio.run(rec.reconcile(indexes_for(uid=body["metadata"]["uid"])))
     assert not rec.failing
     asyncio.run(rec.reconcile(indexes_for(uid=body["metadata"]["uid"])))
-    degraded = next(c for c in rec.written_status["conditions"] if c["type"] == "Degraded")  # type: ignore[index]
+    degraded = written_condition(rec, "Degraded")
     assert degraded["reason"] != "ActionsFailing"
 
 

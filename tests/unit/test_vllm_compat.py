@@ -311,9 +311,9 @@ def test_a_stall_of_the_frontends_own_loop_blames_no_rank() -> None:
         transitions: list[tuple[int, RankState]] = []
         set_rank = client._members.fleet.set_rank
 
-        def record(rank: int, new: RankState, message: str = "") -> None:
-            transitions.append((rank, new))
-            set_rank(rank, new, message)
+        def record(rank: int, state: RankState, message: str = "") -> None:
+            transitions.append((rank, state))
+            set_rank(rank, state, message)
 
         client._members.fleet.set_rank = record  # type: ignore[method-assign]
         try:
