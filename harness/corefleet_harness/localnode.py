@@ -31,11 +31,21 @@ PID; what remains (containers, shims, mounts, network namespaces, the bridge, CN
 iptables chains) is removed and reported in `leftovers`. Sysctls it changed are restored, and
 containerd's root (images and container file systems) is deleted; the logs stay. A component that
 fails raises `NodeError` with its command line and log tail.
+
+`image_store`: a directory that outlives the node, for containerd's root (its content store and
+snapshots): an image archive imported once (archives are named by their content hash) is not imported
+again by the next node that uses the store, a new build of an image shares the unchanged layers with
+the old one (only the new ones are written), images of archives no longer asked for are removed (their
+layers go with containerd's garbage collection), and the store holds no container after `stop()`. A
+vLLM image is 6.7 GB: importing it and deleting its root again cost minutes of every test run. One node
+at a time holds the store (a lock file); a node that finds it taken uses a root of its own in
+`state_dir`, as without a store.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -114,6 +124,7 @@ class LocalNode:
     state_dir: Path
     name: str = "node-0"
     images: Sequence[Path] = ()  # image archives (docker-archive or OCI) to import into containerd
+    image_store: Path | None = None  # containerd's root, kept between nodes (see the module docstring)
     gpus: int = 8
     pod_cidr: str = "10.244.0.0/24"
     dns_ip: str = "10.96.0.10"
@@ -124,6 +135,7 @@ class LocalNode:
     _procs: list[Component] = field(default_factory=list, repr=False)
     _sysctls: dict[str, str] = field(default_factory=dict, repr=False)
     _netns_before: set[str] = field(default_factory=set, repr=False)
+    _store_lock: int | None = field(default=None, repr=False)  # the image store's lock file, while held
     kubelet_port: int = 0
     dns_port: int = 0
 
@@ -171,8 +183,7 @@ class LocalNode:
         try:
             self._set_sysctls()
             self._start_containerd()
-            for archive in self.images:
-                self.ctr("images", "import", str(archive))
+            self._import_images()
             self._start_kubelet()
             self._start_kube_proxy()
             self._start_dns()
@@ -212,8 +223,62 @@ class LocalNode:
                 path.write_text(want)
 
     # ---- containerd ----------------------------------------------------------------------------
+    @property
+    def containerd_root(self) -> Path:
+        return self.image_store if self._store_lock is not None and self.image_store else self.state_dir / "containerd"
+
+    def _take_store(self) -> None:
+        """Hold the image store for this node, unless another node holds it (then the root is private)."""
+        if self.image_store is None:
+            return
+        self.image_store.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.image_store.parent / f".{self.image_store.name}.lock", os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            logger.warning("node %s: image store %s is in use by another node: a private root in %s",
+                           self.name, self.image_store, self.state_dir)
+            return
+        self._store_lock = fd
+
+    def _release_store(self) -> None:
+        if self._store_lock is not None:
+            os.close(self._store_lock)  # closing the descriptor drops the lock
+            self._store_lock = None
+
+    def _import_images(self) -> None:
+        """Import the image archives not in the store yet; remove the images of archives not asked for."""
+        marker = self.containerd_root / "corefleet-imported.json"
+        try:
+            imported: dict[str, list[str]] = json.loads(marker.read_text())
+        except (OSError, ValueError):
+            imported = {}
+        wanted = {archive.name: archive for archive in self.images}
+        names = set(self.ctr("images", "list", "--quiet").stdout.split())
+        for name, archive in wanted.items():
+            if name in imported and set(imported[name]) <= names:
+                continue
+            self.ctr("images", "import", str(archive), timeout=900)
+            now = set(self.ctr("images", "list", "--quiet").stdout.split())
+            imported[name] = sorted(now - names) or imported.get(name, [])
+            names = now
+        keep = {image for name in wanted for image in imported.get(name, [])}
+        stale = sorted(names - keep)
+        if stale:  # an older build's tags: their layers go with containerd's garbage collection
+            self.ctr("images", "remove", *stale)
+        imported = {name: imported[name] for name in wanted if name in imported}
+        marker.write_text(json.dumps(imported, indent=1))
+
+    def _remove_containers(self) -> None:
+        """Delete every container the store holds (the kubelet's, already stopped), so none outlives the node."""
+        ids = self.ctr("containers", "list", "--quiet", check=False).stdout.split()
+        if ids:
+            self.ctr("containers", "delete", *ids, check=False)
+
     def _start_containerd(self) -> None:
         d = self.state_dir
+        self._take_store()
         (d / "cni" / "net.d").mkdir(parents=True, exist_ok=True)
         (d / "cni" / "net.d" / "10-corefleet.conflist").write_text(json.dumps({
             "cniVersion": "1.0.0",
@@ -228,7 +293,7 @@ class LocalNode:
         config = d / "containerd.toml"
         config.write_text(textwrap.dedent(f"""\
             version = 2
-            root = "{d / 'containerd'}"
+            root = "{self.containerd_root}"
             state = "{self.run_dir / 'state'}"
             [grpc]
               address = "{self.socket}"
@@ -250,6 +315,7 @@ class LocalNode:
         proc = self._spawn("containerd", ["containerd", "--config", str(config)])
         proc.wait_ready(lambda: self.ctr("version", timeout=10).returncode == 0, self.ready_timeout,
                         "containerd answering on its socket")
+        self._remove_containers()  # a node that was killed may have left some in the store
 
     # ---- kubelet -----------------------------------------------------------------------------
     def _start_kubelet(self) -> None:
@@ -402,6 +468,8 @@ class LocalNode:
             self._drain()
         while self._procs:
             p = self._procs.pop()
+            if p.name == "containerd":
+                self._remove_containers()  # the kubelet is gone: none of its containers outlives the node
             p.stop(timeout=20)
             if p.name == "kube-proxy":
                 # Remove kube-proxy's iptables chains (KUBE-*).
@@ -415,6 +483,7 @@ class LocalNode:
             if path.read_text().strip() != old:
                 path.write_text(old)
         self._sysctls.clear()
+        self._release_store()
         if self.leftovers:
             logger.warning("node %s: cleaned up after the components: %s", self.name, "; ".join(self.leftovers))
 
@@ -456,8 +525,8 @@ class LocalNode:
         self._sweep_cni_iptables()
         self._sweep_kube_iptables()
         shutil.rmtree(self.run_dir, ignore_errors=True)
-        # containerd's root: the imported images and the containers' file systems (GBs with a vLLM image,
-        # on every run); the components' logs and the pods' logs stay in state_dir.
+        # A private containerd root: the imported images and the containers' file systems (GBs with a vLLM
+        # image, on every run); an image store stays for the next node. The logs stay in state_dir.
         shutil.rmtree(self.state_dir / "containerd", ignore_errors=True)
 
     def _sweep_cni_iptables(self) -> None:
