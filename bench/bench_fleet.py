@@ -108,7 +108,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import psutil  # type: ignore[import-untyped]  # a vLLM dependency
+import psutil
 
 from bench_frontend import BenchError, _cpu_model, _vllm_version, log, machine_busy_seconds, run_in_state_dir
 from corefleet_client.admin import AdminError

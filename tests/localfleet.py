@@ -24,7 +24,7 @@ import sys
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -142,7 +142,8 @@ class Fleet:
 
 
 def start(tmp: Path, engine: str, replicas: int, model: str, vllm_flags: tuple[str, ...], max_tokens_long: int,
-          token_delay_ms: int | None, ready_timeout: float, liveness_timeout: float = 30.0) -> Iterator[Fleet]:
+          token_delay_ms: int | None, ready_timeout: float, liveness_timeout: float = 30.0,
+          ) -> Generator[Fleet, None, None]:
     """A ready fleet (a generator for a fixture: stopped when it resumes)."""
     port = free_ports(1)[0]
     opts = local.FleetOptions(replicas=replicas, engine=engine, model=model, port=port, state_dir=tmp / "state",
@@ -163,9 +164,9 @@ class Held:
     for a test that finds it not serving at `replicas` ranks (a test that failed half-way, or stopped it):
     so that each test also runs alone, whatever ran before it."""
 
-    def __init__(self, tmp: Path, replicas: int, make: Callable[[Path], Iterator[Fleet]]) -> None:
+    def __init__(self, tmp: Path, replicas: int, make: Callable[[Path], Generator[Fleet, None, None]]) -> None:
         self.tmp, self.replicas, self.make, self.starts = tmp, replicas, make, 0
-        self._gen: Iterator[Fleet] | None = None
+        self._gen: Generator[Fleet, None, None] | None = None
         self._fleet: Fleet | None = None
 
     def get(self) -> Fleet:

@@ -67,7 +67,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from types import FrameType
 
-import psutil  # type: ignore[import-untyped]  # a vLLM dependency
+import psutil  # a vLLM dependency
 
 from corefleet_client.argv import ARGS_END, split_launcher_argv
 from corefleet_client.enginehealth import ChildProcess, EngineState, HandshakeRelay, HealthServer

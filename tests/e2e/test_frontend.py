@@ -50,7 +50,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -90,12 +90,12 @@ def _long_context_model(tmp: Path) -> str:
     return str(write_tiny_model(tmp / "tiny-long", context=LONG_CONTEXT))
 
 
-def _vllm(tmp: Path) -> Iterator[Fleet]:
+def _vllm(tmp: Path) -> Generator[Fleet, None, None]:
     return start(tmp, local.ENGINE_VLLM, REPLICAS[local.ENGINE_VLLM], _long_context_model(tmp), flags(LONG_CONTEXT),
                  max_tokens_long=LONG_CONTEXT - 64, token_delay_ms=None, ready_timeout=600, liveness_timeout=8)
 
 
-def _emulated(tmp: Path) -> Iterator[Fleet]:
+def _emulated(tmp: Path) -> Generator[Fleet, None, None]:
     return start(tmp, local.ENGINE_EMULATOR, REPLICAS[local.ENGINE_EMULATOR], _long_context_model(tmp),
                  flags(LONG_CONTEXT), max_tokens_long=1000, token_delay_ms=20, ready_timeout=180, liveness_timeout=3)
 
@@ -143,7 +143,7 @@ def engine_core(fleet: Fleet, rank: int) -> psutil.Process:
 
 def gone_or_zombie(p: psutil.Process) -> bool:
     try:
-        return p.status() == psutil.STATUS_ZOMBIE
+        return bool(p.status() == psutil.STATUS_ZOMBIE)
     except psutil.NoSuchProcess:
         return True
 

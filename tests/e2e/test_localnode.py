@@ -77,7 +77,7 @@ def wait_succeeded(cp: LocalControlPlane, ns: str, name: str, timeout: float = 1
         if phase == "Failed":
             log = cp.kubectl("logs", "-n", ns, name, check=False)
             raise AssertionError(f"pod {ns}/{name} failed:\n{log.stdout}{log.stderr}")
-        return phase == "Succeeded"
+        return bool(phase == "Succeeded")
 
     wait_until(done, timeout, f"pod {ns}/{name} Succeeded", interval=0.5, retry_on=(Exception,),
                fatal=(AssertionError,))

@@ -243,7 +243,7 @@ def test_sample_fleet_runs_as_containers_and_serves_through_its_cluster_ip(setup
     def done() -> bool:
         phase = s.cp.request("GET", f"/api/v1/namespaces/{NS}/pods/client").get("status", {}).get("phase")
         assert phase != "Failed", s.cp.kubectl("logs", "-n", NS, "client", check=False).stdout
-        return phase == "Succeeded"
+        return bool(phase == "Succeeded")
 
     wait_until(done, 120, "the client pod's completion", interval=0.5)
     assert int(s.cp.kubectl("logs", "-n", NS, "client").stdout.strip()) > 0

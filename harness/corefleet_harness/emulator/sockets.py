@@ -14,7 +14,7 @@ import ipaddress
 import urllib.parse
 from typing import Any
 
-import psutil  # type: ignore[import-untyped]  # a vLLM dependency
+import psutil  # a vLLM dependency
 import zmq
 
 _ZMQ_LARGE_BUFFER_SIZE = 512 * 1024**2
