@@ -62,9 +62,11 @@ RELEASE, SYSTEM, NS, EMU_NS = "corefleet", "corefleet-system", "llm", "emu"
 MODEL, SERVED = "/models/tiny-llama", "tiny"  # tests/images/runtime-test
 TEST_IMAGE_PREFIX = "corefleet.local/runtime-test:"
 CONTEXT = 8192  # the test image's tiny model
-# A long request, pinned to the leaving rank: ~10-25 s at 2.5-6 ms a token on this CPU (5-20 s in flight after the
-# scale-down sent at its first token), within the drain timeout below.
-LONG_TOKENS = 4096
+# Long requests pinned to the leaving rank, as long as the context allows, three at once (a batch is slower per
+# token): tens of seconds at 1-6 ms a token on these CPUs, more than the scale-down takes to reach the frontend
+# (a kubectl patch, the operator's reconcile, the admin API call), within the drain timeout below.
+LONG_TOKENS = CONTEXT - 64
+LONG_STREAMS = 3
 DRAIN_TIMEOUT = 120
 START_TIMEOUT = 600.0  # real vLLM engines starting as containers on a 2-core machine, up to 3 at once
 
@@ -273,10 +275,13 @@ def test_real_vllm_fleet_resizes_2_3_2_in_place_under_load(setup: Setup) -> None
         columns.append(s.fleet.get_ecs().split("\n")[1].split()[:4])
         served = wait_until(lambda: s.fleet.admin().fleet().rank(2).requests_total, 60, "rank 2 to serve requests")
         with ResizeWatch(s.fleet) as down:
-            # A long request on the leaving rank, the scale-down sent at its first token: the drain lets it finish.
-            # (Sent later, it could end before the drain began: a tiny model on a fast core makes ~300 tokens/s.)
-            long = PinnedStream(s.url(), SERVED, rank=2, max_tokens=LONG_TOKENS)
-            assert long.first_token.wait(60)
+            # Long requests on the leaving rank, the scale-down sent once the frontend counts them in flight there:
+            # the drain lets them finish.
+            longs = [PinnedStream(s.url(), SERVED, rank=2, max_tokens=LONG_TOKENS) for _ in range(LONG_STREAMS)]
+            assert all(long.first_token.wait(60) for long in longs)
+            wait_until(lambda: s.fleet.admin().fleet().rank(2).in_flight == LONG_STREAMS, 30,
+                       f"the frontend to count {LONG_STREAMS} requests in flight on rank 2", interval=0.05,
+                       diagnose=lambda: str(s.fleet.admin().fleet().rank(2)))
             t0 = time.monotonic()
             s.fleet.scale(2)
             s.settle(2, timeout=180)
@@ -284,7 +289,7 @@ def test_real_vllm_fleet_resizes_2_3_2_in_place_under_load(setup: Setup) -> None
     finally:
         load.stop()
     columns.append(s.fleet.get_ecs().split("\n")[1].split()[:4])
-    assert long.result() == (True, "finish_reason length")
+    assert [long.result() for long in longs] == [(True, "finish_reason length")] * LONG_STREAMS
     print(f"2 -> 3 settled in {up_took:.1f} s, 3 -> 2 in {down_took:.1f} s; rank 2 served {served} request(s) "
           f"before it was retired; load: {load.summary()}; operation phases up {up.phases}, down {down.phases}; "
           f"kubectl get ecs {columns}; events {[r for r, _ in s.fleet.events()[events_before:]]}")
