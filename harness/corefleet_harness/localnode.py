@@ -54,6 +54,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import tarfile
 import tempfile
 import textwrap
 import urllib.error
@@ -257,12 +258,11 @@ class LocalNode:
         wanted = {archive.name: archive for archive in self.images}
         names = set(self.ctr("images", "list", "--quiet").stdout.split())
         for name, archive in wanted.items():
-            if name in imported and set(imported[name]) <= names:
+            if imported.get(name) and set(imported[name]) <= names:
                 continue
             self.ctr("images", "import", str(archive), timeout=900)
-            now = set(self.ctr("images", "list", "--quiet").stdout.split())
-            imported[name] = sorted(now - names) or imported.get(name, [])
-            names = now
+            imported[name] = archive_image_names(archive)  # a rebuilt image keeps its tag: the tag is the archive's
+            names = set(self.ctr("images", "list", "--quiet").stdout.split())
         keep = {image for name in wanted for image in imported.get(name, [])}
         stale = sorted(names - keep)
         if stale:  # an older build's tags: their layers go with containerd's garbage collection
@@ -555,6 +555,32 @@ class LocalNode:
             return set(os.listdir("/run/netns"))
         except FileNotFoundError:
             return set()
+
+
+def archive_image_names(archive: Path) -> list[str]:
+    """The image names an archive holds (docker-archive: manifest.json's RepoTags; OCI: index.json's ref names),
+    as containerd names them (a name without a registry is Docker Hub's)."""
+    names: list[str] = []
+    with tarfile.open(archive) as tar:
+        for member in tar:
+            if member.name.lstrip("./") not in ("manifest.json", "index.json"):
+                continue
+            f = tar.extractfile(member)
+            data = json.load(f) if f is not None else {}
+            if member.name.lstrip("./") == "manifest.json":
+                names += [tag for image in data for tag in image.get("RepoTags") or []]
+            else:
+                names += [m.get("annotations", {}).get("io.containerd.image.name")
+                          or m.get("annotations", {}).get("org.opencontainers.image.ref.name", "")
+                          for m in data.get("manifests", [])]
+    return sorted({_containerd_name(n) for n in names if n})
+
+
+def _containerd_name(name: str) -> str:
+    first = name.split("/", 1)[0]
+    if "/" in name and ("." in first or ":" in first or first == "localhost"):
+        return name
+    return f"docker.io/{name}" if "/" in name else f"docker.io/library/{name}"
 
 
 def _processes() -> list[tuple[int, str]]:
