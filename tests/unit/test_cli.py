@@ -19,7 +19,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -397,14 +396,12 @@ def test_down_kills_what_ignores_sigterm(tmp_path: Path, spawned: list[subproces
     stubborn = _spawn(spawned, ["sh", "-c", "trap '' TERM; sleep 1006 & wait; sleep 1006"], "frontend", None)
     rec = _record(tmp_path, [stubborn])
     out = io.StringIO()
-    t0 = time.monotonic()
 
     stopped = local.stop_fleet(rec, grace=0.5, out=out)
 
     assert stopped == [stubborn]
     assert not local.is_running(local.proc_stat(stubborn.pid))
-    assert "killing: frontend" in out.getvalue()
-    assert time.monotonic() - t0 < 10
+    assert "still running after 0 s, killing: frontend" in out.getvalue()  # after its grace, not the default 20 s
 
 
 def test_stop_waits_for_a_group_whose_leader_changes_while_it_stops(
