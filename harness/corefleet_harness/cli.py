@@ -229,6 +229,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        try:
+            return _run(argv)
+        finally:
+            sys.stdout.flush()  # here, not at exit, so that a closed pipe is caught below
+    except BrokenPipeError:
+        # The reader went away (`corefleet status | head`): no traceback, and what is left goes nowhere;
+        # the exit status a process killed by SIGPIPE would have.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+
+
+def _run(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["operator"]:
         from corefleet_operator import __main__ as operator_main

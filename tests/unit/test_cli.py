@@ -55,6 +55,22 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out.strip() == __version__
 
 
+@pytest.mark.parametrize(("argv", "code"), [(["version"], 128 + signal.SIGPIPE), (["up", "--help"], 0)])
+def test_a_reader_that_went_away_ends_the_command_quietly(argv: list[str], code: int) -> None:
+    """`corefleet status | head`: the pipe's reader is gone before the command writes. No traceback on
+    stderr (nor Python's "Exception ignored" at exit); a command's output lost that way exits as a process
+    killed by SIGPIPE would (argparse's help ignores the failed write itself and exits 0)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run([sys.executable, "-m", "corefleet_harness.cli", *argv], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, timeout=25, check=False)
+    finally:
+        os.close(write_end)
+    assert done.stderr == ""
+    assert done.returncode == code
+
+
 @pytest.mark.parametrize("argv", [[], ["cluster"]])
 def test_a_command_is_required(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as err:
