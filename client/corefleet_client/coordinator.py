@@ -37,6 +37,7 @@ import errno
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 import signal
 import socket
 import threading
@@ -130,6 +131,44 @@ def _log_bound_addresses(addr_pipe: multiprocessing.connection.Connection, engin
     )
 
 
+def _stop_on_signals() -> threading.Event:
+    """Make SIGTERM and SIGINT raise KeyboardInterrupt in the main thread, once; the event is set then.
+
+    Python runs a signal's handler in the main thread between bytecodes, and a blocking ZeroMQ call
+    returns for it only when the signal interrupts that call's poll(). vLLM's engine gate blocks in
+    `recv()` with no timeout until every engine has subscribed; a signal that lands just before that
+    poll() starts (at start-up, when the test or the kubelet stops a coordinator that has just bound)
+    is taken by the C-level handler and the poll() then sleeps on, the Python handler never run. So a
+    thread woken through the signal wakeup fd sends the same signal to the main thread again, every
+    half second, until the handler has run (the next one interrupts the poll).
+    """
+    stop_requested = threading.Event()
+
+    def _request_stop(signum: int, frame: FrameType | None) -> None:
+        if stop_requested.is_set():
+            return  # already closing the sockets; do not interrupt that
+        stop_requested.set()
+        logger.info("Received %s, stopping the DP coordinator", signal.Signals(signum).name)
+        raise KeyboardInterrupt
+
+    def _until_handled(wake: int, main_thread: int) -> None:
+        while data := os.read(wake, 16):
+            stops = [n for n in data if n in (signal.SIGTERM, signal.SIGINT)]
+            while stops and not stop_requested.wait(0.5):
+                signal.pthread_kill(main_thread, stops[0])
+
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)
+    signal.signal(signal.SIGTERM, _request_stop)
+    signal.signal(signal.SIGINT, _request_stop)
+    signal.set_wakeup_fd(wake_write, warn_on_full_buffer=False)
+    main_thread = threading.main_thread().ident
+    assert main_thread is not None
+    threading.Thread(target=_until_handled, args=(wake_read, main_thread), name="coordinator-stop-signals",
+                     daemon=True).start()
+    return stop_requested
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     configure_logging(logging.INFO)
@@ -150,17 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
 
     # 2. Stop on SIGTERM/SIGINT through run_coordinator's KeyboardInterrupt path, once.
-    stop_requested = threading.Event()
-
-    def _request_stop(signum: int, frame: FrameType | None) -> None:
-        if stop_requested.is_set():
-            return  # already closing the sockets; do not interrupt that
-        stop_requested.set()
-        logger.info("Received %s, stopping the DP coordinator", signal.Signals(signum).name)
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _request_stop)
-    signal.signal(signal.SIGINT, _request_stop)
+    stop_requested = _stop_on_signals()
 
     # 3. vLLM's loop, with the pipe it reports its bound endpoints on.
     addr_reader, addr_writer = multiprocessing.Pipe(duplex=False)
