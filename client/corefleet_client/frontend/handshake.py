@@ -73,6 +73,15 @@ def handshake_address(parallel_config: Any) -> str:
     return str(get_tcp_uri(parallel_config.data_parallel_master_ip, parallel_config.data_parallel_rpc_port))
 
 
+def handshake_failure(e: Exception, operation: str, joining: str) -> ResizeFailed:
+    """What ends an operation whose new engines' handshake raised `e` (call it in the `except` block): a
+    ResizeFailed as it is; anything else was not expected, so it is logged with its traceback and wrapped."""
+    if isinstance(e, ResizeFailed):
+        return e
+    logger.exception("%s: the new %s' handshake failed", operation, joining)
+    return ResizeFailed(f"the new {joining}' handshake failed: {type(e).__name__}: {e}")
+
+
 class HandshakeAbort:
     """Stops a running `wait_for_engine_startup` from another thread.
 

@@ -64,9 +64,9 @@ from typing import Protocol
 
 from corefleet_client.admin import RankState, ResizeOperation, ResizePhase
 from corefleet_client.frontend.fleet import describe, identity
-from corefleet_client.frontend.handshake import handshake_address
+from corefleet_client.frontend.handshake import handshake_address, handshake_failure
 from corefleet_client.frontend.membership import Membership
-from corefleet_client.frontend.types import Cancels, ResizeFailed
+from corefleet_client.frontend.types import Cancels
 
 logger = logging.getLogger("corefleet.frontend")
 
@@ -125,10 +125,8 @@ class Replacement:
             # 2. Their ready responses (sent on the requests socket before READY).
             await joiner.read_ready_responses(ranks)
             self.cancels.check(op)
-        except Exception as e:
-            if not isinstance(e, ResizeFailed):
-                logger.exception("Replacement %s: the new engines' handshake failed", op.id)
-                e = ResizeFailed(f"the new engines' handshake failed: {type(e).__name__}: {e}")
+        except Exception as raised:
+            e = handshake_failure(raised, f"Replacement {op.id}", "engines")
             for rank in ranks:
                 self.fleet.set_rank(rank, RankState.DEAD, f"replacement {op.id} failed: {e}")
             raise e from None

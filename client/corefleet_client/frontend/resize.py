@@ -42,7 +42,7 @@ import zmq
 
 from corefleet_client.admin import RankState, ResizeOperation, ResizePhase
 from corefleet_client.frontend.fleet import describe
-from corefleet_client.frontend.handshake import handshake_address
+from corefleet_client.frontend.handshake import handshake_address, handshake_failure
 from corefleet_client.frontend.membership import Membership
 from corefleet_client.frontend.types import Cancels, ResizeFailed
 
@@ -136,10 +136,8 @@ class DenseResize:
             # 2. Their ready responses, sent on the requests socket before READY.
             await joiner.read_ready_responses(new)
             self.cancels.check(op)
-        except Exception as e:
-            if not isinstance(e, ResizeFailed):
-                logger.exception("Resize %s: the new ranks' handshake failed", op.id)
-                e = ResizeFailed(f"the new ranks' handshake failed: {type(e).__name__}: {e}")
+        except Exception as raised:
+            e = handshake_failure(raised, f"Resize {op.id}", "ranks")
             for rank in new:
                 if rank in joined:
                     self.fleet.set_rank(rank, RankState.RETIRED, f"joined, then retired again: {e}")
