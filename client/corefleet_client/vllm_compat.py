@@ -137,10 +137,6 @@ def use_client_factory(dp_client: Callable[..., Any]) -> None:
     EngineCoreClient.make_async_mp_client = staticmethod(make_async_mp_client)
 
 
-def restore_client_factory() -> None:
-    EngineCoreClient.make_async_mp_client = staticmethod(_ORIGINAL_FACTORY)
-
-
 def advertised_parallel_config(parallel_config: ParallelConfig, engine0_address: str | None,
                                coord_store_port: int | None = None) -> ParallelConfig:
     """The ParallelConfig whose fields INIT advertises to engines (change 2).

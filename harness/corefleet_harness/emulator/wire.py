@@ -215,12 +215,6 @@ def make_events(arrival: float, scheduled: float | None) -> list[EngineCoreEvent
     return events
 
 
-def make_step_outputs(outputs: Iterable[EngineCoreOutput], finished: set[str] | None,
-                      stats: SchedulerStats | None = None) -> EngineCoreOutputs:
-    """A step's outputs for one client: `EngineCoreOutputs(outputs=..., finished_requests=...)`."""
-    return EngineCoreOutputs(outputs=list(outputs), finished_requests=finished or None, scheduler_stats=stats)
-
-
 def make_finish_outputs(request_ids: Iterable[str], finish_reason: FinishReason) -> EngineCoreOutputs:
     """`EngineCoreProc._send_finish_outputs_to_client`: explicit ABORT/ERROR outputs (pause "abort",
     shutdown, ADD rejected during shutdown). A client ABORT does not produce these: the aborted
