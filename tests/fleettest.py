@@ -180,6 +180,12 @@ class FleetView:
         wait_until(lambda: self.settled(replicas), timeout, f"{self.name} Running at {replicas} ranks",
                    interval=interval, diagnose=self.describe)
 
+    def at(self, replicas: int, timeout: float, interval: float = 0.2) -> None:
+        """Where a test starts: the fleet scaled to `replicas`, whatever the test before it left (a resize that
+        failed half-way), and settled there (a scale to the size it has changes nothing)."""
+        self.scale(replicas)
+        self.wait_settled(replicas, timeout, interval)
+
     def operation(self) -> dict[str, Any]:
         """`status.operation` ({} if none)."""
         op: dict[str, Any] = self.status().get("operation") or {}

@@ -115,15 +115,9 @@ def test_the_engines_start_through_engine_0s_coordination_store_and_serve(setup:
     assert result["usage"]["completion_tokens"] == 8, result  # type: ignore[index]
 
 
-def at(s: Setup, replicas: int) -> None:
-    """The fleet serving at `replicas` ranks, whatever the test before left (each test states where it starts)."""
-    s.fleet.scale(replicas)
-    s.settle(replicas)
-
-
 def test_2_4_2_in_place_under_load_and_1_refused(setup: Setup) -> None:
     s = setup
-    at(s, 2)
+    s.fleet.at(2, SETTLE)
     before = s.fleet.uids()
     generation = s.fleet.status()["fleetGeneration"]
     load = s.load()
@@ -189,7 +183,7 @@ def test_2_4_2_in_place_under_load_and_1_refused(setup: Setup) -> None:
 
 def test_the_operator_restarted_mid_resize_carries_the_one_operation_on(setup: Setup) -> None:
     s = setup
-    at(s, 2)
+    s.fleet.at(2, SETTLE)
     generation = s.fleet.status()["fleetGeneration"]
     s.fleet.scale(3)
     up = s.fleet.wait_operation("Pending", "Preparing", timeout=SETTLE)
@@ -207,7 +201,7 @@ def test_the_operator_restarted_mid_resize_carries_the_one_operation_on(setup: S
 def test_a_leaving_rank_killed_before_shutdown_complete_fails_the_resize_and_the_fleet_recovers(
         setup: Setup) -> None:
     s = setup
-    at(s, 3)
+    s.fleet.at(3, SETTLE)
     before = s.fleet.status()
     long = PinnedStream(f"http://{s.fleet.frontend_ip()}:8000", SERVED, rank=2, max_tokens=3000)
     assert long.first_token.wait(30)
@@ -233,7 +227,7 @@ def test_a_leaving_rank_killed_before_shutdown_complete_fails_the_resize_and_the
 def test_a_new_rank_that_never_gets_ready_fails_the_resize_after_the_join_timeout_and_the_fleet_recovers(
         setup: Setup) -> None:
     s = setup
-    at(s, 2)
+    s.fleet.at(2, SETTLE)
     before = s.fleet.status()
     s.runner.hold.add(constants.engine_name(NAME, 2))  # its pod is bound but never starts: no eep_ready/2
     try:
@@ -253,7 +247,7 @@ def test_a_new_rank_that_never_gets_ready_fails_the_resize_after_the_join_timeou
 
 def test_a_killed_engine_0_takes_its_store_and_the_fleet_recovers_with_a_new_one(setup: Setup) -> None:
     s = setup
-    at(s, 2)
+    s.fleet.at(2, SETTLE)
     before = s.fleet.status()
     os.killpg(s.fleet.engine_pid(0), signal.SIGKILL)
     wait_until(lambda: s.fleet.status().get("fleetGeneration") == before["fleetGeneration"] + 1, 120,

@@ -100,13 +100,6 @@ class Setup:
     def settle(self, replicas: int, timeout: float = START_TIMEOUT) -> None:
         self.fleet.wait_settled(replicas, timeout, interval=0.5)
 
-    def at(self, replicas: int) -> None:
-        """Where a test starts: the shared fleet scaled to `replicas`, whatever the test before it left (a
-        resize that failed half-way), and settled there."""
-        if self.fleet.ecs()["spec"]["replicas"] != replicas:
-            self.fleet.scale(replicas)
-        self.settle(replicas)
-
     def operator_log(self) -> str:
         return self.cp.kubectl("logs", "-n", SYSTEM, self.operator_pod).stdout
 
@@ -262,7 +255,7 @@ def test_sample_fleet_runs_as_containers_and_serves_through_its_cluster_ip(setup
 def test_real_vllm_fleet_resizes_2_3_2_in_place_under_load(setup: Setup) -> None:
     s = setup
     name = s.fleet.name
-    s.at(2)
+    s.fleet.at(2, START_TIMEOUT, interval=0.5)
     survivors = {r: s.container_id(constants.engine_name(name, r)) for r in (0, 1)}
     uids = s.fleet.uids()
     events_before = len(s.fleet.events())
@@ -332,7 +325,7 @@ def test_a_killed_engine_container_is_replaced_in_place(setup: Setup) -> None:
     """SIGKILL to rank 1's main process through containerd: the container dies with 137, the pod ends
     Failed (restartPolicy Never), and the operator replaces the rank in place while the rest serve on."""
     s = setup
-    s.at(2)
+    s.fleet.at(2, START_TIMEOUT, interval=0.5)
     victim = constants.engine_name(s.fleet.name, 1)
     before, old_uids = s.fleet.status(), s.fleet.uids()
     s.node.ctr("tasks", "kill", "--signal", "SIGKILL", s.container_id(victim))

@@ -76,19 +76,13 @@ def setup(k8s: LocalControlPlane, crd_installed: None, module_namespace: str,
         assert not runner.errors, runner.errors
 
 
-def at(s: Setup, replicas: int) -> None:
-    """The fleet serving at `replicas` ranks, whatever the test before left (each test states where it starts)."""
-    s.fleet.scale(replicas)
-    s.settle(replicas)
-
-
 def pids(s: Setup, ranks: range) -> dict[int, int]:
     return {r: s.fleet.engine_pid(r) for r in ranks}
 
 
 def test_2_4_1_in_place_under_load(setup: Setup) -> None:
     s = setup
-    at(s, 2)
+    s.fleet.at(2, SETTLE)
     before = s.fleet.status()
     before_pids, before_uids = pids(s, range(2)), s.fleet.uids()
     load = s.load()
@@ -134,7 +128,7 @@ def test_2_4_1_in_place_under_load(setup: Setup) -> None:
 
 def test_operator_killed_mid_scale_up_and_mid_scale_down_resumes_once(setup: Setup) -> None:
     s = setup
-    at(s, 1)
+    s.fleet.at(1, SETTLE)
     with ResizeWatch(s.fleet) as watch:
         # Mid scale-up: the resize is recorded, the new engines have not joined (maybe not even been created).
         s.fleet.scale(3)
@@ -168,7 +162,7 @@ def test_operator_killed_mid_scale_up_and_mid_scale_down_resumes_once(setup: Set
 
 def test_a_change_during_a_resize_is_queued(setup: Setup) -> None:
     s = setup
-    at(s, 1)
+    s.fleet.at(1, SETTLE)
     s.fleet.scale(2)
     first = s.fleet.wait_operation("Pending", "Preparing", timeout=SETTLE)
     s.fleet.scale(3)
@@ -182,7 +176,7 @@ def test_a_change_during_a_resize_is_queued(setup: Setup) -> None:
 
 def test_a_rank_that_never_joins_fails_the_resize_and_the_fleet_serves_on(setup: Setup) -> None:
     s = setup
-    at(s, 3)
+    s.fleet.at(3, SETTLE)
     s.runner.hold.add(constants.engine_name(NAME, 3))  # its pod is bound but never starts
     survivors = s.fleet.uids()
     load = s.load()
