@@ -47,6 +47,11 @@ FLEET_PATH = f"{API_PREFIX}/fleet"
 RESIZES_PATH = f"{API_PREFIX}/resizes"
 HEALTH_PATH = "/healthz"
 LIVE_PATH = "/livez"  # the frontend's liveness: 503 once its event loop stalled past LOOP_STALL_LIMIT_S
+# The engine launcher's pre-stop endpoint (its health port): the rank stops being ready and the call returns once the
+# frontend released the engine (RELEASE_UTILITY), the frontend is gone, or `timeout` seconds passed.
+DRAIN_PATH = "/drain"
+# The utility call by which the frontend tells a drained engine that its pod may stop now (a vacating replacement).
+RELEASE_UTILITY = "corefleet_release"
 LOOP_STALL_LIMIT_S = 60.0
 
 AUTH_HEADER = "Authorization"
@@ -148,6 +153,10 @@ class ResizeRequest:
     join_timeout_s: float = 1800.0  # a new rank gets this long to load its model and handshake
     # A replacement: these Dead ranks get new engines in place; replicas is then the fleet's size.
     replace: tuple[int, ...] = ()
+    # A replacement of ranks whose pods are being removed (a drain's eviction, a delete with a grace period):
+    # ranks that still serve are drained first (no new request, in-flight ones finish within drain_timeout_s),
+    # then released (their engine may exit) and replaced once their connection is gone.
+    vacate: bool = False
 
     def validate(self) -> str | None:
         """Why the request is malformed, or None."""
@@ -165,6 +174,8 @@ class ResizeRequest:
             return f"replace names rank(s) {outside} outside the fleet's ranks 0..{self.replicas - 1}"
         if len(set(self.replace)) != len(self.replace):
             return f"replace names a rank twice: {list(self.replace)}"
+        if self.vacate and not self.replace:
+            return "vacate needs the ranks it replaces (replace)"
         return None
 
     def to_json(self) -> dict[str, Any]:
@@ -172,6 +183,8 @@ class ResizeRequest:
         out["replace"] = list(self.replace)
         if not self.replace:  # a plain resize reads as before (a frontend without replacements refuses the field)
             del out["replace"]
+        if not self.vacate:  # likewise
+            del out["vacate"]
         return out
 
     @classmethod
@@ -196,7 +209,10 @@ class ResizeRequest:
         replace = data.get("replace", [])
         if not isinstance(replace, list) or any(isinstance(r, bool) or not isinstance(r, int) for r in replace):
             raise ValueError("replace must be a list of rank numbers")
-        return cls(id=data["id"], replicas=replicas, **timeouts, replace=tuple(replace))
+        vacate = data.get("vacate", False)
+        if not isinstance(vacate, bool):
+            raise ValueError("vacate must be a boolean")
+        return cls(id=data["id"], replicas=replicas, **timeouts, replace=tuple(replace), vacate=vacate)
 
 
 @dataclass(frozen=True)

@@ -141,6 +141,7 @@ def engine_args(
     health_host: str | None = None,
     token_delay_ms: int | None = None,
     coord_store_port: int | None = None,
+    frontend_admin_port: int | None = None,
     vllm_flags: Sequence[str] = (),
 ) -> list[str]:
     """Arguments of data-parallel rank `rank`'s engine launcher: `corefleet_client.engine` (a
@@ -151,6 +152,7 @@ def engine_args(
     None) at `health_port`. `token_delay_ms` is the emulator's per-token delay (the vLLM engine
     launcher has no such flag). `coord_store_port` (engine rank 0 of an elastic-EP fleet): the
     launcher also serves the startup's coordination store, on its health host at that port.
+    `frontend_admin_port`: a drain (the pod's pre-stop hook) ends early once the frontend's admin port is closed.
     """
     launcher = [] if health_host is None else ["--health-host", health_host]
     launcher += ["--health-port", str(health_port)]
@@ -158,6 +160,8 @@ def engine_args(
         launcher += ["--token-delay-ms", str(token_delay_ms)]
     if coord_store_port is not None:
         launcher += ["--coord-store-port", str(coord_store_port)]
+    if frontend_admin_port is not None:
+        launcher += ["--frontend-admin-port", str(frontend_admin_port)]
     return [
         *launcher,
         LAUNCHER_ARGS_END,

@@ -62,6 +62,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import urllib.parse
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -102,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--health-host", default=DEFAULT_HEALTH_HOST, help="address to serve /livez and /readyz on")
     parser.add_argument("--resolve-timeout", type=float, default=DEFAULT_RESOLVE_TIMEOUT_S,
                         help="seconds to keep retrying while --data-parallel-address does not resolve")
+    parser.add_argument("--frontend-admin-port", type=int, default=None,
+                        help="the frontend's admin port: a drain (GET /drain, the pod's pre-stop hook) ends early once "
+                             "the frontend no longer accepts connections there (it is gone: nobody will release "
+                             "this engine)")
     parser.add_argument("--coord-store-port", type=int, default=None,
                         help="engine rank 0 of an elastic-EP fleet: also serve the startup's coordination store "
                              "(corefleet_client.coordstore) on --health-host at this port")
@@ -148,9 +153,25 @@ def handshake_ipc_address() -> str:
 
 
 def engine_core_argv(args: argparse.Namespace, vllm_argv: Sequence[str], handshake_address: str,
-                     report_fd: int) -> list[str]:
+                     report_fd: int, release_fd: int) -> list[str]:
     return [sys.executable, "-m", ENGINE_CORE_MODULE, "--handshake-address", handshake_address,
-            "--report-fd", str(report_fd), "--resolve-timeout", str(args.resolve_timeout), ARGS_END, *vllm_argv]
+            "--report-fd", str(report_fd), "--release-fd", str(release_fd),
+            "--resolve-timeout", str(args.resolve_timeout), ARGS_END, *vllm_argv]
+
+
+def watch_release(fd: int, state: EngineState) -> threading.Thread:
+    """The engine core writes a line to its release pipe when the frontend releases it (`RELEASE_UTILITY`): the
+    drain (`/drain`) is over. The pipe closes when the engine core exits."""
+    def watch() -> None:
+        with os.fdopen(fd, "rb") as f:
+            for _ in f:
+                if not state.released.is_set():
+                    logger.info("The frontend released this engine: its pod may stop")
+                state.released.set()
+
+    thread = threading.Thread(target=watch, name="release-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 def coord_store_argv(args: argparse.Namespace) -> list[str]:
@@ -283,6 +304,9 @@ class Launch:
         # 2. The relay, to the frontend the engine core reported.
         if launch is not None:
             self.state.rank = launch.rank
+            if args.frontend_admin_port is not None:
+                self.state.frontend = (urllib.parse.urlsplit(launch.frontend_address).hostname or "",
+                                       args.frontend_admin_port)
             self.relay = HandshakeRelay(launch.rank, self.handshake_address, launch.frontend_address,
                                         joined=self.state.joined)
             self.relay.start()
@@ -300,13 +324,19 @@ class Launch:
     def _start_engine(self) -> tuple[subprocess.Popen[bytes], int]:
         """The engine core process, and the read end of the pipe it reports on."""
         report_r, report_w = os.pipe()
+        release_r, release_w = os.pipe()
         self.handshake_address = handshake_ipc_address()
         try:
             engine = self.engine = subprocess.Popen(
-                engine_core_argv(self.args, self.vllm_argv, self.handshake_address, report_w),
-                stdin=subprocess.DEVNULL, pass_fds=(report_w,))
+                engine_core_argv(self.args, self.vllm_argv, self.handshake_address, report_w, release_w),
+                stdin=subprocess.DEVNULL, pass_fds=(report_w, release_w))
+        except BaseException:
+            os.close(release_r)
+            raise
         finally:
             os.close(report_w)
+            os.close(release_w)
+        watch_release(release_r, self.state)
         self.engine_process = ChildProcess(engine)
         self.state.attach(self.engine_process)
         if self.store is not None:

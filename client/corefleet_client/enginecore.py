@@ -70,6 +70,7 @@ from vllm.v1.engine.core import EngineCoreProc
 from vllm.v1.engine.utils import _configure_uniproc_startup_threads, set_assigned_physical_gpu_ids_for_dp_rank
 from vllm.v1.executor import Executor
 
+from corefleet_client.admin import RELEASE_UTILITY
 from corefleet_client.argv import split_launcher_argv
 from corefleet_client.engine import DEFAULT_RESOLVE_TIMEOUT_S, EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from corefleet_client.process import configure_logging, exit_promptly
@@ -89,9 +90,30 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the launcher's relay (ipc://...) the engine sends its handshake to")
     parser.add_argument("--report-fd", type=int, required=True,
                         help="file descriptor to write the launch report (one JSON line) to")
+    parser.add_argument("--release-fd", type=int, default=None,
+                        help="file descriptor to write a line to when the frontend releases this engine "
+                             f"(the {RELEASE_UTILITY} utility call: the pod's drain is over)")
     parser.add_argument("--resolve-timeout", type=float, default=DEFAULT_RESOLVE_TIMEOUT_S,
                         help="seconds to keep retrying while --data-parallel-address does not resolve")
     return parser
+
+
+def install_release_utility(fd: int) -> None:
+    """Give vLLM's engine core the utility call `RELEASE_UTILITY` (vLLM looks a utility up by name on the engine
+    core: `EngineCoreProc._handle_client_request`), which tells the launcher through `fd` that the frontend
+    drained and released this engine. Each call writes a line; the launcher needs one."""
+    os.set_inheritable(fd, False)  # not the executor's workers'
+
+    def release(self: EngineCoreProc) -> bool:
+        try:
+            os.write(fd, b"released\n")
+        except OSError as e:  # the launcher is gone: nothing waits for the release
+            logger.warning("Cannot tell the launcher of the release: %s", e)
+            return False
+        logger.info("Released by the frontend: the launcher's drain is over")
+        return True
+
+    setattr(EngineCoreProc, RELEASE_UTILITY, release)
 
 
 def build_serve_parser() -> FlexibleArgumentParser:
@@ -213,6 +235,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # 3. Tell the launcher where to relay the handshake to.
     report(args.report_fd, rank=rank, data_parallel_size=dp_size, frontend_address=get_tcp_uri(host, port),
            shutdown_timeout=vllm_config.shutdown_timeout, name=engine_name(rank, dp_size))
+
+    if args.release_fd is not None:
+        install_release_utility(args.release_fd)
 
     # 4. What CoreEngineProcManager does for one local engine, then the engine core itself.
     executor_class = Executor.get_class(vllm_config)

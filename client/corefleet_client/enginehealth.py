@@ -41,11 +41,14 @@ import os
 import socket
 import subprocess
 import threading
+import time
+import urllib.parse
 from typing import Any, Protocol
 
 import msgspec
 import zmq
 
+from corefleet_client.admin import DRAIN_PATH
 from corefleet_client.process import send_json
 
 logger = logging.getLogger(__name__)
@@ -57,6 +60,11 @@ _POLL_MS = 100
 STATE_STARTING = "starting"
 STATE_READY = "ready"
 STATE_EXITED = "exited"
+STATE_DRAINING = "draining"
+
+DRAIN_POLL_S = 0.2
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+FRONTEND_GONE_PROBES = 3  # refused connections in a row to the frontend's admin port: it is gone
 
 
 def engine_identity(rank: int) -> bytes:
@@ -217,35 +225,87 @@ class EngineState:
     def __init__(self, rank: int | None, joined: threading.Event | None = None) -> None:
         self.rank = rank  # None until the engine core has reported it
         self.joined = joined if joined is not None else threading.Event()
+        self.draining = threading.Event()  # the pod is being removed: not ready any more
+        self.released = threading.Event()  # the frontend released the engine: its pod may stop
+        self.frontend: tuple[str, int] | None = None  # where to see whether the frontend still runs (drain)
         self._process: _Process | None = None
 
     def attach(self, process: _Process) -> None:
         self._process = process
 
+    def exited(self) -> bool:
+        process = self._process
+        return process is not None and bool(multiprocessing.connection.wait([process.sentinel], timeout=0))
+
     def snapshot(self) -> dict[str, Any]:
         process = self._process
-        exited = process is not None and bool(multiprocessing.connection.wait([process.sentinel], timeout=0))
+        exited = self.exited()
         if exited:
             state = STATE_EXITED
+        elif self.draining.is_set():
+            state = STATE_DRAINING
         elif process is not None and self.joined.is_set():
             state = STATE_READY
         else:
             state = STATE_STARTING
         exitcode = process.exitcode if exited and process is not None else None
-        return {"rank": self.rank, "state": state, "exitcode": exitcode}
+        return {"rank": self.rank, "state": state, "exitcode": exitcode, "released": self.released.is_set()}
+
+    def drain(self, timeout: float) -> str:
+        """The pod is being removed (its pre-stop hook): not ready from now on; returns, saying why, once the
+        frontend released the engine, the engine exited, the frontend is gone, or `timeout` seconds passed."""
+        if not self.draining.is_set():
+            logger.info("Draining: the pod is being removed; waiting up to %gs for the frontend to release "
+                        "this engine", timeout)
+        self.draining.set()
+        deadline = time.monotonic() + timeout
+        unreachable = 0
+        while True:
+            if self.released.wait(DRAIN_POLL_S):
+                return "released by the frontend"
+            if self.exited():
+                return "the engine exited"
+            unreachable = unreachable + 1 if not self._frontend_reachable() else 0
+            if unreachable >= FRONTEND_GONE_PROBES:
+                return "the frontend is gone"
+            if time.monotonic() >= deadline:
+                return f"not released within {timeout:g}s"
+
+    def _frontend_reachable(self) -> bool:
+        """Whether the frontend's admin port accepts a connection (True when there is nothing to ask)."""
+        if self.frontend is None:
+            return True
+        try:
+            with socket.create_connection(self.frontend, timeout=DRAIN_POLL_S * 5):
+                return True
+        except OSError:
+            return False
 
 
 class _HealthHandler(http.server.BaseHTTPRequestHandler):
     server: _HealthHTTPServer
 
     def do_GET(self) -> None:
-        path = self.path.split("?", 1)[0]
+        path, _, query = self.path.partition("?")
+        if path == DRAIN_PATH:
+            self._drain(urllib.parse.parse_qs(query).get("timeout", [""])[0])
+            return
         if path not in ("/livez", "/readyz"):
-            self._reply(404, {"error": f"no such path {path}; try /livez or /readyz"})
+            self._reply(404, {"error": f"no such path {path}; try /livez, /readyz or {DRAIN_PATH}"})
             return
         snapshot = self.server.state.snapshot()
         ok = snapshot["state"] != STATE_EXITED if path == "/livez" else snapshot["state"] == STATE_READY
         self._reply(200 if ok else 503, snapshot)
+
+    def _drain(self, timeout: str) -> None:
+        try:
+            seconds = float(timeout) if timeout else DEFAULT_DRAIN_TIMEOUT_S
+        except ValueError:
+            self._reply(400, {"error": f"timeout must be a number of seconds, not {timeout!r}"})
+            return
+        why = self.server.state.drain(max(0.0, seconds))
+        logger.info("Drain over: %s", why)
+        self._reply(200, {**self.server.state.snapshot(), "drained": why})
 
     def _reply(self, code: int, body: dict[str, Any]) -> None:
         send_json(self, code, body)
@@ -266,7 +326,8 @@ class _HealthHTTPServer(http.server.ThreadingHTTPServer):
 
 class HealthServer:
     """`/livez` (200 unless the engine process has exited) and `/readyz` (200 once READY was relayed
-    and the process is alive), each with a JSON body `{"rank", "state", "exitcode"}`."""
+    and the process is alive, until a drain), each with a JSON body `{"rank", "state", "exitcode", "released"}`;
+    `/drain?timeout=S`, the pod's pre-stop hook: `EngineState.drain`."""
 
     def __init__(self, host: str, port: int, state: EngineState) -> None:
         self._httpd = _HealthHTTPServer((host, port), state)  # OSError if the port cannot be bound

@@ -31,6 +31,10 @@ class Delete:
     kind: str
     name: str
     uid: str
+    # The grace period of a pod's delete (None: the pod's own). The operator's deletes of engine pods are short
+    # (constants.ENGINE_DELETE_GRACE_SECONDS): their pre-stop hook waits for a release that only a vacating
+    # replacement sends.
+    grace_seconds: int | None = None
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,7 @@ class StartResize:
     drain_timeout_s: float
     join_timeout_s: float
     replace: tuple[int, ...] = ()  # a replacement in place: these Dead ranks get new engines (replicas unchanged)
+    vacate: bool = False  # the replaced ranks' pods are being removed: drain and release them first
 
 
 @dataclass(frozen=True)

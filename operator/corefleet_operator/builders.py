@@ -31,7 +31,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from corefleet_client import commands
-from corefleet_client.admin import LIVE_PATH
+from corefleet_client.admin import DRAIN_PATH, LIVE_PATH
 from corefleet_client.commands import with_redundant_experts
 from corefleet_operator import constants
 from corefleet_operator.models import JSON, EngineCoreSetSpec, FleetRef, to_json
@@ -131,6 +131,7 @@ def engine_pod(
         rpc_port=constants.DP_RPC_PORT,
         health_port=constants.ENGINE_HEALTH_PORT,
         coord_store_port=store_port,
+        frontend_admin_port=None if spec.expertParallel else constants.FRONTEND_ADMIN_PORT,
         vllm_flags=[
             "--tensor-parallel-size", str(tp),
             "--load-format", spec.engine.loadFormat,
@@ -164,9 +165,19 @@ def engine_pod(
         "livenessProbe": _http_probe("/livez", PORT_HEALTH, failures=3),
         "readinessProbe": _http_probe("/readyz", PORT_HEALTH, failures=3, period=5),
     }
+    grace = TERMINATION_GRACE_SECONDS
+    if not spec.expertParallel:
+        # A voluntary removal (an eviction, a delete with this grace period) is drained: the hook waits until the
+        # frontend has drained and released the rank (a vacating replacement, asked by the operator), and the
+        # grace period leaves the drain its timeout. MoE ranks cannot be replaced one by one: none.
+        drain = spec.scaling.drainTimeoutSeconds
+        container["lifecycle"] = {"preStop": {"httpGet": {"path": f"{DRAIN_PATH}?timeout={drain}",
+                                                          "port": PORT_HEALTH}}}
+        grace = drain + constants.ENGINE_DRAIN_MARGIN_SECONDS
     volumes = [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": spec.engine.shmSize}}]
     labels = {constants.LABEL_RANK: str(rank)}
-    return _pod(fleet, name, constants.ROLE_ENGINE, container, volumes, dp_size, fleet_generation, labels)
+    return _pod(fleet, name, constants.ROLE_ENGINE, container, volumes, dp_size, fleet_generation, labels,
+                grace=grace)
 
 
 def coordinator_pod(fleet: FleetRef, *, dp_size: int, fleet_generation: int = 0) -> JSON:
@@ -341,38 +352,49 @@ def network_policy(fleet: FleetRef) -> JSON | None:
     }
 
 
-def pod_disruption_budget(fleet: FleetRef, *, dp_size: int) -> JSON:
-    """PodDisruptionBudget `<fleet>-fleet` over every fleet pod: no voluntary eviction of a healthy one.
+def pod_disruption_budgets(fleet: FleetRef, *, dp_size: int, engine_disruptions: int = 1) -> list[JSON]:
+    """The fleet's PodDisruptionBudgets: `<fleet>-engines` over the engine pods, `<fleet>-fleet` over the frontend
+    and the coordinator.
 
-    A fleet pod cannot be replaced under the running fleet by the kubelet or a controller (a new
-    rank joins only through the operator), so one evicted pod means a recovery of the whole fleet
-    (MoE) or at least a lost rank: `kubectl drain` must not do that behind the operator's back.
-    `minAvailable` is every pod of a fleet of `dp_size` ranks (engines, frontend, coordinator; 0 when
-    stopped), rewritten with the committed size. Not `maxUnavailable: 0`: for that the disruption
-    controller counts the expected pods from their controller's /scale, and an EngineCoreSet's
-    replicas counts its ranks only, so two pods of every fleet could be evicted.
-    `unhealthyPodEvictionPolicy: AlwaysAllow` lets a drain evict a pod that is not Ready
-    (it serves nothing, and a broken pod must not block node maintenance). The name is the
-    headless Service's (another kind: no collision).
+    A dense fleet's engine rank can be removed voluntarily (a node drain's eviction, a delete with the pod's grace
+    period): the frontend stops routing to it, its requests finish, and the rank is replaced in place on another
+    node while the others serve (`planner.replace`). So a drain may take `engine_disruptions` rank at a time:
+    `minAvailable` is the committed size less that (the caller passes 0 while a resize or a replacement runs:
+    one at a time, and never during a resize). An MoE fleet's ranks share collectives that cannot lose a member
+    (a lost rank recreates the fleet): its engines' budget allows no disruption. The frontend and the coordinator
+    cannot be replaced under running engines yet (a lost one recreates the fleet): their budget allows none.
+    `minAvailable` rather than `maxUnavailable`: for that the disruption controller counts the expected pods
+    from the controller's /scale, which counts ranks only. `unhealthyPodEvictionPolicy: AlwaysAllow` lets a drain
+    evict a pod that is not Ready (it serves nothing, and a broken pod must not block node maintenance).
     """
+    disruptions = 0 if fleet.spec.expertParallel else max(0, engine_disruptions)
+    engines = max(0, dp_size - disruptions)
+    control = 2 if dp_size else 0
+    return [
+        _budget(fleet, constants.engines_budget_name(fleet.name),
+                {"matchLabels": constants.selector_labels(fleet.name, constants.ROLE_ENGINE)}, engines),
+        _budget(fleet, constants.fleet_service_name(fleet.name),
+                {"matchLabels": constants.selector_labels(fleet.name),
+                 "matchExpressions": [{"key": constants.LABEL_ROLE, "operator": "In",
+                                       "values": [constants.ROLE_COORDINATOR, constants.ROLE_FRONTEND]}]}, control),
+    ]
+
+
+def _budget(fleet: FleetRef, name: str, selector: JSON, min_available: int) -> JSON:
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": _metadata(fleet, constants.fleet_service_name(fleet.name)),
-        "spec": {
-            "selector": {"matchLabels": constants.selector_labels(fleet.name)},
-            "minAvailable": dp_size + 2 if dp_size else 0,
-            "unhealthyPodEvictionPolicy": "AlwaysAllow",
-        },
+        "metadata": _metadata(fleet, name),
+        "spec": {"selector": selector, "minAvailable": min_available, "unhealthyPodEvictionPolicy": "AlwaysAllow"},
     }
 
 
 # ---- the whole fleet ----------------------------------------------------------------------------
-def fleet_objects(fleet: FleetRef, *, admin_token: str, dp_size: int = 0) -> list[JSON]:
+def fleet_objects(fleet: FleetRef, *, admin_token: str, dp_size: int = 0, engine_disruptions: int = 1) -> list[JSON]:
     """The fleet's objects other than pods, which it keeps at any size (also stopped, at 0 ranks):
-    the Secret, the Services, the PodDisruptionBudget and the NetworkPolicy (if any), in that order."""
+    the Secret, the Services, the PodDisruptionBudgets and the NetworkPolicy (if any), in that order."""
     objects = [admin_secret(fleet, admin_token), frontend_service(fleet), fleet_service(fleet),
-               pod_disruption_budget(fleet, dp_size=dp_size)]
+               *pod_disruption_budgets(fleet, dp_size=dp_size, engine_disruptions=engine_disruptions)]
     policy = network_policy(fleet)
     if policy is not None:
         objects.append(policy)
@@ -387,6 +409,7 @@ def fleet_children(
     fleet_generation: int = 0,
     scale_up_ranks: frozenset[int] = frozenset(),
     num_redundant_experts: int | None = None,
+    engine_disruptions: int = 1,
 ) -> list[JSON]:
     """Every object of a fleet of `dp_size` ranks, in a stable order: the Secret, the Services, the
     PodDisruptionBudget, the NetworkPolicy (if any), the coordinator, the frontend, then the engines by rank.
@@ -399,7 +422,7 @@ def fleet_children(
     ns = fleet.namespace
     frontend_address = constants.pod_dns(fleet.name, constants.frontend_name(fleet.name), ns)
     coordinator_address = constants.pod_dns(fleet.name, constants.coordinator_name(fleet.name), ns)
-    children = fleet_objects(fleet, admin_token=admin_token, dp_size=dp_size)
+    children = fleet_objects(fleet, admin_token=admin_token, dp_size=dp_size, engine_disruptions=engine_disruptions)
     children.append(coordinator_pod(fleet, dp_size=dp_size, fleet_generation=fleet_generation))
     children.append(frontend_pod(fleet, dp_size=dp_size, coordinator_address=coordinator_address,
                                  fleet_generation=fleet_generation, num_redundant_experts=num_redundant_experts))
@@ -501,6 +524,8 @@ def _pod(
     dp_size: int,
     fleet_generation: int,
     labels: Mapping[str, str] | None = None,
+    *,
+    grace: int = TERMINATION_GRACE_SECONDS,
 ) -> JSON:
     annotations = {
         constants.ANNOTATION_SPEC_HASH: fleet_config_hash(fleet.spec),
@@ -516,7 +541,7 @@ def _pod(
         "enableServiceLinks": False,
         # Fleet processes never call the Kubernetes API.
         "automountServiceAccountToken": False,
-        "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
+        "terminationGracePeriodSeconds": grace,
         "containers": [container],
         **_scheduling(fleet.spec),
     }

@@ -62,6 +62,14 @@ ANNOTATION_GENERATION: Final = f"{GROUP}/fleet-generation"  # which incarnation 
 FRONTEND_HTTP_PORT: Final = 8000  # default of spec.frontend.port
 FRONTEND_ADMIN_PORT: Final = 8001  # corefleet's authenticated admin API on the frontend
 ENGINE_HEALTH_PORT: Final = 8002  # the engine launcher's /livez and /readyz (ready = joined the fleet)
+
+# Removing an engine pod (docs in builders.engine_pod): a voluntary removal (an eviction, a delete with the pod's
+# grace period) is drained by the frontend within the pod's grace period, which is the spec's drain timeout plus
+# this margin (the release, the engine's own shutdown, the kubelet's last 2 s).
+ENGINE_DRAIN_MARGIN_SECONDS: Final = 15
+# The operator's own deletes of engine pods (retired, lost, a recovery): nothing will release them, so their pre-stop
+# wait is cut short; the engine then gets SIGTERM and the kubelet's minimum of 2 s.
+ENGINE_DELETE_GRACE_SECONDS: Final = 3
 DP_RPC_PORT: Final = 29550  # the engines' handshake ROUTER on the frontend (--data-parallel-rpc-port)
 # The standalone DPCoordinator's three fixed ZMQ endpoints (vLLM binds them to port 0 by default).
 COORDINATOR_FRONT_PUBLISH_PORT: Final = 29551  # XPUB: stats and wave state to the frontend
@@ -113,6 +121,11 @@ def admin_secret_name(fleet: str) -> str:
 
 def network_policy_name(fleet: str) -> str:
     return f"{fleet}-fleet"
+
+
+def engines_budget_name(fleet: str) -> str:
+    """The PodDisruptionBudget of the engine pods (the frontend's and coordinator's is `fleet_service_name`'s)."""
+    return f"{fleet}-engines"
 
 
 def pod_dns(fleet: str, pod: str, namespace: str) -> str:

@@ -210,7 +210,8 @@ class Executor:
             if action.key[0] == "Pod":
                 self.pending.created(action.obj, self.clock.monotonic())
         elif isinstance(action, Delete):
-            await self.kube.delete(action.api_version, action.kind, self.namespace, action.name, action.uid)
+            await self.kube.delete(action.api_version, action.kind, self.namespace, action.name, action.uid,
+                                   grace_period_seconds=action.grace_seconds)
         elif isinstance(action, StartResize) and self.frontend is not None:
             await self.frontend.start(frontend_at, token, action)
         elif isinstance(action, CancelResize) and self.frontend is not None:

@@ -104,7 +104,8 @@ GOLDEN_CASES: dict[str, Callable[[], Any]] = {
     "fleet-service.yaml": lambda: builders.fleet_service(make_ecs("a").obj()),
     "admin-secret.yaml": lambda: builders.admin_secret(make_ecs("a").obj(), "s3cret-token"),
     "network-policy.yaml": lambda: builders.network_policy(make_ecs("a").network_policy().obj()),
-    "pod-disruption-budget.yaml": lambda: builders.pod_disruption_budget(make_ecs("a").obj(), dp_size=2),
+    "pod-disruption-budget.yaml": lambda: builders.pod_disruption_budgets(make_ecs("a").obj(), dp_size=2)[1],
+    "pod-disruption-budget-engines.yaml": lambda: builders.pod_disruption_budgets(make_ecs("a").obj(), dp_size=2)[0],
 }
 
 
@@ -337,8 +338,8 @@ def test_fleet_children_order_names_and_wiring() -> None:
     fleet = make_ecs("a").replicas(3).network_policy().obj()
     children = _children(fleet, dp_size=3)
     assert [(o["kind"], o["metadata"]["name"]) for o in children] == [
-        ("Secret", "a-admin"), ("Service", "a"), ("Service", "a-fleet"), ("PodDisruptionBudget", "a-fleet"),
-        ("NetworkPolicy", "a-fleet"), ("Pod", "a-coordinator"), ("Pod", "a-frontend"),
+        ("Secret", "a-admin"), ("Service", "a"), ("Service", "a-fleet"), ("PodDisruptionBudget", "a-engines"),
+        ("PodDisruptionBudget", "a-fleet"), ("NetworkPolicy", "a-fleet"), ("Pod", "a-coordinator"), ("Pod", "a-frontend"),
         ("Pod", "a-engine-0"), ("Pod", "a-engine-1"), ("Pod", "a-engine-2"),
     ]
     by_name = _by_name(children)
@@ -464,23 +465,41 @@ def test_coordinator_coordinates_request_waves_only_for_moe(moe: bool, waves: bo
 
 
 @pytest.mark.parametrize("replicas", [0, 1, 3])
-def test_disruption_budget_covers_every_fleet_pod_and_blocks_voluntary_eviction(replicas: int) -> None:
-    fleet = make_ecs("a").replicas(replicas).obj()
+@pytest.mark.parametrize("moe", [False, True])
+def test_disruption_budgets_let_a_drain_take_one_dense_rank_at_a_time_and_no_other_fleet_pod(replicas: int,
+                                                                                           moe: bool) -> None:
+    fleet = make_ecs("a").replicas(replicas).max_replicas(4).expert_parallel(moe).obj()
     objects = builders.fleet_objects(fleet, admin_token="t", dp_size=replicas)  # kept at any size, stopped too
-    (pdb,) = [o for o in objects if o["kind"] == "PodDisruptionBudget"]
-    assert pdb == next(o for o in _children(fleet, dp_size=max(replicas, 1)) if o["kind"] == "PodDisruptionBudget") \
-        or replicas == 0
-    selector = pdb["spec"]["selector"]["matchLabels"]
+    engines, control = [o for o in objects if o["kind"] == "PodDisruptionBudget"]
+    assert [engines, control] == [o for o in _children(fleet, dp_size=max(replicas, 1))
+                                  if o["kind"] == "PodDisruptionBudget"] or replicas == 0
     pods = [c for c in _children(fleet, dp_size=max(replicas, 1)) if c["kind"] == "Pod"]
-    assert pods
-    assert all(selector.items() <= p["metadata"]["labels"].items() for p in pods)
-    # No healthy fleet pod may be evicted: an integer minAvailable of every pod (the disruption
-    # controller would take maxUnavailable's expected count from the EngineCoreSet's /scale, which
-    # counts ranks, not the frontend and the coordinator) ...
-    assert pdb["spec"]["minAvailable"] == (len(pods) if replicas else 0)
-    assert "maxUnavailable" not in pdb["spec"]
-    # ... but a broken one may, so that it never blocks a node drain.
-    assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+
+    def selected(pdb: dict[str, Any]) -> set[str]:
+        sel = pdb["spec"]["selector"]
+        out = set()
+        for p in pods:
+            labels = p["metadata"]["labels"]
+            if sel["matchLabels"].items() <= labels.items() and all(
+                    labels.get(e["key"]) in e["values"] for e in sel.get("matchExpressions", [])):
+                out.add(p["metadata"]["name"])
+        return out
+
+    # Every fleet pod is under exactly one budget.
+    assert selected(engines) == {p["metadata"]["name"] for p in pods if "engine" in p["metadata"]["name"]}
+    assert selected(control) == {"a-frontend", "a-coordinator"}
+    # A dense fleet's drain may take one engine rank at a time (it is drained and replaced in place); an MoE
+    # fleet's none (a lost rank recreates the fleet), nor the frontend or coordinator (not replaceable yet).
+    assert engines["spec"]["minAvailable"] == (replicas if moe else max(replicas - 1, 0))
+    assert control["spec"]["minAvailable"] == (2 if replicas else 0)
+    for pdb in (engines, control):  # integer minAvailable: /scale counts ranks only
+        assert "maxUnavailable" not in pdb["spec"]
+        # A broken pod may be evicted, so that it never blocks a node drain.
+        assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+    # While a resize or a replacement runs, none.
+    held = builders.fleet_objects(fleet, admin_token="t", dp_size=replicas, engine_disruptions=0)
+    assert [o["spec"]["minAvailable"] for o in held if o["kind"] == "PodDisruptionBudget"] == [
+        replicas, 2 if replicas else 0]
 
 
 def test_child_names_of_two_fleets_can_collide_only_on_the_headless_service() -> None:

@@ -212,6 +212,7 @@ def test_pods_and_local_mode_build_their_command_lines_with_commands(moe: bool) 
     rank0 = builders.engine_pod(fleet, 0, dp_size=2, frontend_address="f")["spec"]["containers"][0]
     engine0 = constants.pod_dns("a", constants.engine_name("a", 0), "ns") if moe else None
     store = constants.COORD_STORE_PORT if moe else None  # elastic EP: engine 0 serves the startup's store
+    admin = None if moe else constants.FRONTEND_ADMIN_PORT  # a dense rank's drain ends early once it is closed
 
     # The pods: `python` from the image, listeners on 0.0.0.0 (no --health-host/--admin-host), fixed ports.
     assert coord["command"] == ["python", "-m", commands.COORDINATOR_MODULE]
@@ -231,10 +232,11 @@ def test_pods_and_local_mode_build_their_command_lines_with_commands(moe: bool) 
     assert engine["command"] == ["python", "-m", commands.ENGINE_MODULE]
     assert engine["args"] == commands.engine_args(
         model=spec.model, dp_size=2, rank=1, dp_address="f", rpc_port=constants.DP_RPC_PORT,
-        health_port=constants.ENGINE_HEALTH_PORT, vllm_flags=[*tp, "--load-format", "auto", *ep, *user])
+        health_port=constants.ENGINE_HEALTH_PORT, frontend_admin_port=admin,
+        vllm_flags=[*tp, "--load-format", "auto", *ep, *user])
     assert rank0["args"] == commands.engine_args(
         model=spec.model, dp_size=2, rank=0, dp_address="f", rpc_port=constants.DP_RPC_PORT,
-        health_port=constants.ENGINE_HEALTH_PORT, coord_store_port=store,
+        health_port=constants.ENGINE_HEALTH_PORT, coord_store_port=store, frontend_admin_port=admin,
         vllm_flags=[*tp, "--load-format", "auto", *ep, *user])
 
     # Local mode: this interpreter, every listener on 127.0.0.1, free ports.

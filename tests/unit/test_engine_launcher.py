@@ -192,7 +192,7 @@ def served() -> Iterator[tuple[EngineState, int]]:
 
 def test_health_follows_the_engine(served: tuple[EngineState, int]) -> None:
     state, port = served
-    starting = {"rank": 1, "state": "starting", "exitcode": None}
+    starting = {"rank": 1, "state": "starting", "exitcode": None, "released": False}
     # Before the engine process exists (config being built) and while it starts.
     assert get(port, "/livez") == (200, starting)
     assert get(port, "/readyz") == (503, starting)
@@ -201,10 +201,10 @@ def test_health_follows_the_engine(served: tuple[EngineState, int]) -> None:
         state.attach(proc)
         assert get(port, "/readyz") == (503, starting)
         state.joined.set()  # the relay passed READY
-        assert get(port, "/readyz") == (200, {"rank": 1, "state": "ready", "exitcode": None})
-        assert get(port, "/livez?verbose") == (200, {"rank": 1, "state": "ready", "exitcode": None})
+        assert get(port, "/readyz") == (200, {"rank": 1, "state": "ready", "exitcode": None, "released": False})
+        assert get(port, "/livez?verbose") == (200, {"rank": 1, "state": "ready", "exitcode": None, "released": False})
         proc.exit(-9)
-        exited = {"rank": 1, "state": "exited", "exitcode": -9}
+        exited = {"rank": 1, "state": "exited", "exitcode": -9, "released": False}
         assert get(port, "/livez") == (503, exited)
         assert get(port, "/readyz") == (503, exited)
         assert get(port, "/metrics")[0] == 404
@@ -223,9 +223,9 @@ def test_health_before_the_engine_core_reports_its_rank() -> None:
     server = HealthServer("127.0.0.1", 0, state)
     server.start()
     try:
-        assert get(server.port, "/livez") == (200, {"rank": None, "state": "starting", "exitcode": None})
+        assert get(server.port, "/livez") == (200, {"rank": None, "state": "starting", "exitcode": None, "released": False})
         state.rank = 3
-        assert get(server.port, "/readyz") == (503, {"rank": 3, "state": "starting", "exitcode": None})
+        assert get(server.port, "/readyz") == (503, {"rank": 3, "state": "starting", "exitcode": None, "released": False})
     finally:
         server.close()
 
@@ -268,12 +268,12 @@ def test_child_process_exit_is_seen_without_reaping_it(script: str, exitcode: in
         state = EngineState(0)
         state.attach(child)
         assert child.exitcode is None
-        assert state.snapshot() == {"rank": 0, "state": "starting", "exitcode": None}
+        assert state.snapshot() == {"rank": 0, "state": "starting", "exitcode": None, "released": False}
         assert popen.stdin is not None
         popen.stdin.close()  # the child goes on to exit
         assert multiprocessing.connection.wait([child.sentinel], timeout=10), "the child did not exit"
         assert child.exitcode == exitcode
-        assert state.snapshot() == {"rank": 0, "state": "exited", "exitcode": exitcode}
+        assert state.snapshot() == {"rank": 0, "state": "exited", "exitcode": exitcode, "released": False}
         assert popen.returncode is None  # not reaped
         assert popen.wait(timeout=10) == exitcode
         assert child.exitcode == exitcode  # and after the main thread reaped it
@@ -312,9 +312,9 @@ def test_refused_launcher_arguments(capsys: pytest.CaptureFixture[str], argv: li
 
 def test_the_engine_core_gets_the_vllm_arguments_untouched() -> None:
     args, vllm_argv = launcher.parse_args(["--health-port", "8002", "--resolve-timeout", "7", "--", *GOOD])
-    argv = launcher.engine_core_argv(args, vllm_argv, "ipc:///tmp/x", 9)
+    argv = launcher.engine_core_argv(args, vllm_argv, "ipc:///tmp/x", 9, 10)
     assert argv == [sys.executable, "-m", "corefleet_client.enginecore", "--handshake-address", "ipc:///tmp/x",
-                    "--report-fd", "9", "--resolve-timeout", "7.0", "--", *GOOD]
+                    "--report-fd", "9", "--release-fd", "10", "--resolve-timeout", "7.0", "--", *GOOD]
 
 
 def test_launch_report_round_trips(tmp_path: Path) -> None:

@@ -314,7 +314,9 @@ def replace_op(phase: Any = "Pending", **kw: Any) -> OperationStatus:
 def test_a_replacement_deletes_the_old_pod_then_waits_out_the_backoff_then_prepares() -> None:
     old_pod = pod(1, phase="Failed")
     deleting = follow_replace(replace_op(), [*members(3)[:3], old_pod, pod(2)])
-    assert deleting.actions == (Delete("v1", "Pod", "f-engine-1", old_pod.uid),)
+    # A short grace period: the pre-stop hook of a pod the operator deletes waits for no release.
+    assert deleting.actions == (Delete("v1", "Pod", "f-engine-1", old_pod.uid,
+                                       grace_seconds=constants.ENGINE_DELETE_GRACE_SECONDS),)
     assert not deleting.create
     assert deleting.operation.phase == "Pending"
     rec = RecoveryStatus(attempt=2, lostAt=NOW, retryAt=at(10))

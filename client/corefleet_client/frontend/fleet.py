@@ -272,11 +272,16 @@ class Fleet:
             raise ResizeRefused(HTTPStatus.CONFLICT, f"a replacement keeps the fleet's size: replicas must be "
                                 f"{self._size}, not {request.replicas}")
         states = {r: self._ranks[r].state if r in self._ranks else None for r in replace}
-        alive = {r: state for r, state in states.items() if state != RankState.DEAD}
+        vacating = (RankState.SERVING, RankState.UNRESPONSIVE, RankState.DEAD) if request.vacate else ()
+        alive = {r: state for r, state in states.items() if state != RankState.DEAD and state not in vacating}
         if alive:
-            raise ResizeRefused(HTTPStatus.CONFLICT, "only a Dead rank can be replaced: " + ", ".join(
+            what = ("only a Serving, Unresponsive or Dead rank can be vacated" if request.vacate
+                    else "only a Dead rank can be replaced")
+            raise ResizeRefused(HTTPStatus.CONFLICT, f"{what}: " + ", ".join(
                 f"rank {r} is {state or 'not a member'}" for r, state in sorted(alive.items())))
-        ranks = tuple(ResizeRank(r, RankState.DEAD, "waiting for a new engine") for r in replace)
+        ranks = tuple(ResizeRank(r, RankState.DEAD, "waiting for a new engine") if states[r] == RankState.DEAD
+                      else ResizeRank(r, RankState.DRAINING, "to be drained: its pod is being removed")
+                      for r in replace)
         return ResizeOperation(id=request.id, from_replicas=self._size, to_replicas=self._size,
                                phase=ResizePhase.PENDING, ranks=ranks, started_at=time.time(),
                                drain_timeout_s=request.drain_timeout_s, join_timeout_s=request.join_timeout_s,

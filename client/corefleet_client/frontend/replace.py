@@ -59,16 +59,21 @@ and the rest of the fleet is untouched (`fleet_intact`).
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from typing import Protocol
 
-from corefleet_client.admin import RankState, ResizeOperation, ResizePhase
+from corefleet_client.admin import RELEASE_UTILITY, RankState, ResizeOperation, ResizePhase
 from corefleet_client.frontend.fleet import describe, identity
 from corefleet_client.frontend.handshake import handshake_address, handshake_failure
 from corefleet_client.frontend.membership import Membership
-from corefleet_client.frontend.types import Cancels
+from corefleet_client.frontend.resize import DRAIN_POLL_S, drain, stop_routing_to
+from corefleet_client.frontend.types import Cancels, ResizeFailed
 
 logger = logging.getLogger("corefleet.frontend")
+
+RELEASE_ANSWER_TIMEOUT_S = 5.0
 
 
 class Probes(Protocol):
@@ -88,6 +93,9 @@ class Replacement:
 
     async def replace(self, op: ResizeOperation) -> None:
         ranks = sorted(op.replace)
+        live = [rank for rank in ranks if self.fleet.record(rank).state != RankState.DEAD]
+        if live:
+            await self._vacate(op, live)
         cache_config = self.members.client.vllm_config.cache_config
         blocks = cache_config.num_gpu_blocks
         try:
@@ -103,6 +111,46 @@ class Replacement:
                     len(self.fleet.ranks_in(RankState.SERVING)))
         self.fleet.finish_resize(op.id, message=f"{describe(ranks)} replaced in place; the fleet serves at "
                                                 f"{op.to_replicas} rank(s)")
+
+    async def _vacate(self, op: ResizeOperation, ranks: list[int]) -> None:
+        """Step 0 of a vacating replacement (the ranks' pods are being removed): no new request goes to them, their
+        in-flight requests finish (those left after the drain timeout end with an error), their engines are
+        released (the launcher's pre-stop call returns and the pod stops), and once their connections are gone
+        they are Dead, ready for new engines. Raises ResizeFailed if a connection outlives `join_timeout_s`."""
+        members = self.members
+        what = describe(ranks)
+        self.fleet.update_resize(op.id, phase=ResizePhase.DRAINING,
+                                 message=f"draining {what}: its pod is being removed")
+        stop_routing_to(members, op, ranks, why=f"its pod is being removed (replacement {op.id})")
+        await drain(members, self.cancels, op, ranks)
+        for rank in ranks:
+            await self._release(rank)
+        self.fleet.update_resize(op.id, message=f"{what} drained and released: waiting for its engine to stop")
+        deadline = time.monotonic() + op.join_timeout_s
+        while any(not self._gone(rank) for rank in ranks):
+            self.cancels.check(op)
+            if time.monotonic() >= deadline:
+                raise ResizeFailed(f"{what} drained, but its engine's connection was still up "
+                                   f"{op.join_timeout_s:g}s later (its pod did not stop)")
+            await asyncio.sleep(DRAIN_POLL_S)
+        for rank in ranks:
+            members.lost.pop(rank, None)
+            self.fleet.set_rank(rank, RankState.DEAD, f"vacated by {op.id}: its engine stopped; waiting for a new one")
+            logger.info("Replacement %s: rank %d vacated (drained, released, its engine stopped)", op.id, rank)
+
+    async def _release(self, rank: int) -> None:
+        """Tell a drained rank's engine that its pod may stop (best effort: without the answer, the pod stops at the
+        end of its grace period)."""
+        try:
+            answer = await self.members.send_utility_call(identity(rank), RELEASE_UTILITY, ())
+            await asyncio.wait_for(answer, RELEASE_ANSWER_TIMEOUT_S)
+        except Exception as e:  # any failure (not sent, no answer in time, an error answer): not released
+            logger.warning("Rank %d did not confirm its release (%s: %s); its pod stops at the end of its grace "
+                           "period", rank, type(e).__name__, e)
+
+    def _gone(self, rank: int) -> bool:
+        """Whether the rank's connection is gone (the liveness watcher saw it: a draining rank is recorded lost)."""
+        return rank in self.members.lost or self.fleet.record(rank).state == RankState.DEAD
 
     async def _join(self, op: ResizeOperation, ranks: list[int]) -> None:
         """Steps 1 and 2; on a failure nothing changed: the ranks stay Dead and unroutable, the others serve on."""

@@ -52,11 +52,11 @@ DRAIN_POLL_S = 0.05
 
 
 # ---- the drain of leaving ranks (dense and elastic-EP scale-downs) ---------------------------------
-def stop_routing_to(members: Membership, op: ResizeOperation, leaving: list[int]) -> None:
+def stop_routing_to(members: Membership, op: ResizeOperation, leaving: list[int], why: str = "") -> None:
     """Leaving ranks get no new request (the router sees them fully loaded; a pinned one gets a 503)."""
     for rank in leaving:
         members.stop_routing(rank, f"rank {rank} is being retired by resize {op.id} ({op.from_replicas} -> "
-                                   f"{op.to_replicas})")
+                                   f"{op.to_replicas})" if not why else f"rank {rank} is leaving: {why}")
         members.fleet.set_rank(rank, RankState.DRAINING, f"{len(members.requests_on(rank))} request(s) in flight")
 
 

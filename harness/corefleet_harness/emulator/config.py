@@ -136,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--health-port", type=int, default=None,
                         help="serve /livez, /readyz and /stats on this port (off by default)")
     parser.add_argument("--health-host", default="0.0.0.0")
+    parser.add_argument("--frontend-admin-port", type=int, default=None,
+                        help="accepted for the launcher's sake and ignored: the emulator serves no /drain (a pre-stop "
+                             "hook that calls it fails, and the pod stops at once)")
     parser.add_argument("--coord-store-port", type=int, default=None,
                         help="serve the startup's elastic-EP coordination store on --health-host at this port, "
                              "as engine rank 0's launcher does (corefleet_client.coordstore)")

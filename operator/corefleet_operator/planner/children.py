@@ -28,7 +28,7 @@ from corefleet_operator.actions import Action, Apply, CancelResize, Delete, Even
 from corefleet_operator.models import JSON, FleetRef
 from corefleet_operator.observe import Observed, PodObs
 from corefleet_operator.planner.basis import Basis
-from corefleet_operator.planner.common import desired_pod_names
+from corefleet_operator.planner.common import delete_pod, desired_pod_names
 from corefleet_operator.planner.follow import Flight
 from corefleet_operator.planner.step import Step
 
@@ -74,7 +74,7 @@ def child_actions(fleet: FleetRef, observed: Observed, basis: Basis, flight: Fli
         wanted.difference(basis.live_by_name, held_pods(fleet, step, awaiting))
     objects = desired_objects(fleet, observed, step, redundant, fleet_redundant)
     applies, created, repaired = _apply(observed, objects, creatable, basis.fresh)
-    actions = (*operation_actions(step), *(Delete("v1", "Pod", p.name, p.uid) for p in stale),
+    actions = (*operation_actions(step), *(delete_pod(p) for p in stale),
                *(step.replacing.actions if step.replacing_now and step.replacing is not None else ()),
                *applies, *_switched_off(observed, objects))
     events = (*_retired_events(step, stale), *repaired, *_recovering_event(fleet, observed, step, created))
@@ -116,8 +116,11 @@ def desired_objects(fleet: FleetRef, observed: Observed, step: Step, redundant: 
     if step.committed <= 0:  # a stopped fleet keeps its endpoint, Secret and policy, and has no pods
         return builders.fleet_objects(fleet, admin_token=observed.admin_token)
     spec = fleet.spec
+    # A drain may remove one engine rank at a time, never while a resize or a replacement runs.
+    disruptions = 0 if step.in_flight or step.replacing_now else 1
     children = builders.fleet_children(fleet, dp_size=step.committed, admin_token=observed.admin_token,
-                                       fleet_generation=step.generation, num_redundant_experts=fleet_redundant)
+                                       fleet_generation=step.generation, num_redundant_experts=fleet_redundant,
+                                       engine_disruptions=disruptions)
     frontend_address = constants.pod_dns(fleet.name, constants.frontend_name(fleet.name), fleet.namespace)
     to = step.operation.toReplicas if step.operation is not None else step.committed
     return children + [builders.engine_pod(fleet, rank, dp_size=to, frontend_address=frontend_address,

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from corefleet_operator import constants
-from corefleet_operator.actions import Action, Event
+from corefleet_operator.actions import Action, Delete, Event
 from corefleet_operator.models import EngineCoreSetStatus, FleetRef
 from corefleet_operator.observe import PodObs
 
@@ -102,3 +102,10 @@ def listed(ranks: Iterable[int]) -> str:
     """Ranks that need not be contiguous (those a replacement gives new pods): `rank 1`, `ranks 1, 3`."""
     shown = sorted(ranks)
     return f"rank {shown[0]}" if len(shown) == 1 else "ranks " + ", ".join(str(r) for r in shown)
+
+
+def delete_pod(pod: PodObs) -> Delete:
+    """The operator's delete of a fleet pod: an engine's with a short grace period (its pre-stop hook waits for a
+    release that only a vacating replacement sends: constants.ENGINE_DELETE_GRACE_SECONDS)."""
+    grace = constants.ENGINE_DELETE_GRACE_SECONDS if pod.role == constants.ROLE_ENGINE else None
+    return Delete("v1", "Pod", pod.name, pod.uid, grace_seconds=grace)

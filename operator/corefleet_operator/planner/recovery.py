@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from corefleet_operator import constants
-from corefleet_operator.actions import Action, Delete, Event
+from corefleet_operator.actions import Action, Event
 from corefleet_operator.models import (
     EngineCoreSetStatus,
     FleetPhase,
@@ -30,7 +30,7 @@ from corefleet_operator.models import (
     RecoveryStatus,
 )
 from corefleet_operator.observe import Observed, PodObs
-from corefleet_operator.planner.common import Plan, PlanSettings, later, seconds_between
+from corefleet_operator.planner.common import Plan, PlanSettings, delete_pod, later, seconds_between
 from corefleet_operator.status import POD_TERMINAL, Decision, compute_status, exhausted_message
 
 # The backoff before recovery n of a streak is 0 for the first, then 10 s, 20 s, 40 s, ... capped at 300 s;
@@ -137,7 +137,7 @@ def plan_given_up(fleet: FleetRef, observed: Observed, recovery: RecoveryStatus,
     old = observed.status
     committed = old.replicas or fleet.spec.replicas
     live = [p for p in observed.pods if not p.terminating]
-    actions: tuple[Action, ...] = tuple(Delete("v1", "Pod", p.name, p.uid) for p in live
+    actions: tuple[Action, ...] = tuple(delete_pod(p) for p in live
                                         if p.phase not in POD_TERMINAL)
     kept = tuple(p for p in live if p.phase in POD_TERMINAL)
     operation = old.operation

@@ -32,11 +32,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from corefleet_operator import constants
-from corefleet_operator.actions import Action, Delete, Event, StartResize
+from corefleet_operator.actions import Action, Event, StartResize
 from corefleet_operator.models import EngineCoreSetSpec, FleetRef, OperationStatus, RecoveryStatus
 from corefleet_operator.observe import FrontendObs, Observed, PodObs
 from corefleet_operator.planner.basis import Basis
-from corefleet_operator.planner.common import FRONTEND_GRACE_SECONDS, listed, pod_ready, seconds_between
+from corefleet_operator.planner.common import FRONTEND_GRACE_SECONDS, delete_pod, listed, pod_ready, seconds_between
 from corefleet_operator.status import POD_TERMINAL
 
 
@@ -89,7 +89,7 @@ def continue_replace(fleet: FleetRef, observed: Observed, op: OperationStatus, c
     names = {rank: constants.engine_name(fleet.name, rank) for rank in op.replace}
     retry_at = recovery.retryAt if recovery is not None and recovery.lostAt == op.startedAt else None
     if op.phase == "Pending":
-        step = _pending(observed, op, names, retry_at, now)
+        step = _pending(spec, observed, op, names, retry_at, now)
         if step.operation.phase == "Pending":
             return step
         op = step.operation
@@ -110,19 +110,47 @@ def continue_replace(fleet: FleetRef, observed: Observed, op: OperationStatus, c
     return step
 
 
-def _pending(observed: Observed, op: OperationStatus, names: Mapping[int, str], retry_at: str | None,
-             now: str) -> ReplaceStep:
-    """Pending: the old pods are deleted, then the recovery's backoff awaited; after both, Preparing."""
+def _pending(spec: EngineCoreSetSpec, observed: Observed, op: OperationStatus, names: Mapping[int, str],
+             retry_at: str | None, now: str) -> ReplaceStep:
+    """Pending: the old pods are deleted (or vacated: `_vacate`), then the recovery's backoff awaited; after both,
+    Preparing."""
     what = listed(op.replace)
     there = [p for p in observed.pods if p.name in names.values()]
     if there:
-        deletes = tuple(Delete("v1", "Pod", p.name, p.uid) for p in there if not p.terminating)
-        return ReplaceStep(operation=replace(op, message=f"deleting the old pod(s) of {what}"), actions=deletes)
+        deletes = tuple(delete_pod(p) for p in there if not p.terminating)
+        step = ReplaceStep(operation=replace(op, message=f"deleting the old pod(s) of {what}"), actions=deletes)
+        return _vacate(spec, observed, step, there)
     backoff = max(0.0, seconds_between(now, retry_at)) if retry_at else 0.0
     if backoff > 0:
         return ReplaceStep(operation=replace(op, message=f"backoff until {retry_at} before the new pod(s) of {what}"),
                            wait=backoff)
     return ReplaceStep(operation=replace(op, phase="Preparing", message=f"creating the new pod(s) of {what}"))
+
+
+def _vacate(spec: EngineCoreSetSpec, observed: Observed, step: ReplaceStep, there: Sequence[PodObs]) -> ReplaceStep:
+    """A rank whose pod is being removed while its engine still serves (an eviction, a delete with the pod's grace
+    period: not the operator's own) is drained first: the frontend is asked for the replacement at once, as a
+    vacating one (`StartResize.vacate`): it stops routing to the rank, lets its requests finish, releases the engine
+    (whose pod's pre-stop hook waits for that) and takes the new engine once the old one's connection is gone."""
+    op = step.operation
+    frontend = observed.frontend
+    if frontend is None or not frontend.reachable:
+        return step
+    if frontend.resize is not None:
+        return replace(step, operation=replace(op, message=f"{frontend.resize.message or op.message} (the old "
+                                                           "pod(s) stop once drained)"))
+    if frontend.refused:
+        return step  # asked once and refused: the pods stop at the end of their grace period
+    seen = frontend.fleet if frontend.fleet is not None else observed.fleet
+    serving = sorted(p.rank for p in there if p.terminating and p.phase == "Running" and p.rank is not None
+                     and seen is not None and p.rank in seen.ranks and seen.ranks[p.rank].state == "Serving")
+    if not serving:
+        return step
+    ask = StartResize(op.id, op.toReplicas, float(spec.scaling.drainTimeoutSeconds),
+                      float(spec.scaling.readyTimeoutSeconds), replace=tuple(op.replace), vacate=True)
+    return replace(step, actions=(*step.actions, ask),
+                   operation=replace(op, message=f"the pod(s) of {listed(serving)} are being removed: asking the "
+                                                 "frontend to drain them first"))
 
 
 def _failed_new_pod(op: OperationStatus, names: Mapping[int, str], current: Mapping[str, PodObs]) -> str:
