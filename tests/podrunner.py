@@ -17,8 +17,10 @@ scheduler bound to a node, does what a kubelet and a cluster's DNS would:
    `containerStatuses[].ready`) from the readinessProbe; Failed or Succeeded with the exit code
    when the process exits (whatever else is left in its process group is killed, as a
    container's processes die with it);
-4. on deletion, SIGTERMs the process group, SIGKILLs it after the grace period, and then removes
-   the pod (a pod that vanished from the API is stopped the same way).
+4. on deletion, runs the container's preStop hook (in a thread, for at most the deletion's grace period:
+   `deletionGracePeriodSeconds`, else the pod's), then SIGTERMs the process group, SIGKILLs it after what is
+   left of the grace period (at least 2 s, as the kubelet), and then removes the pod (a pod that vanished from
+   the API is stopped the same way, without the hook).
 
 Probes (kubelet `pkg/kubelet/prober/worker.go` semantics): each of the container's
 `startupProbe`, `readinessProbe` and `livenessProbe` (`httpGet`, `tcpSocket` or `exec`) gets its own
@@ -141,6 +143,8 @@ class _Pod:
     started_mono: float = 0.0
     exit_reported: bool = False
     term_sent_at: float | None = None
+    prestop_started_at: float | None = None  # the container's preStop hook runs (deletion seen)
+    prestop_done: threading.Event = field(default_factory=threading.Event)
     env: dict[str, str] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
     # Written by the probe threads under `lock`, read by the runner's loop.
@@ -486,10 +490,12 @@ class PodRunner:
             del self.names[p.dns]  # as DNS forgets a deleted pod; its successor gets a new address
         if p.popen is not None and p.popen.poll() is None:
             if p.term_sent_at is None:
+                if not gone and self._prestop_running(p):
+                    return
                 p.term_sent_at = time.monotonic()
                 self._signal(p, signal.SIGTERM)
                 return
-            grace = min(self._grace, float(p.pod["spec"].get("terminationGracePeriodSeconds", 30)))
+            grace = min(self._grace, self._remaining_grace(p))
             if time.monotonic() - p.term_sent_at < grace:
                 return
             self._signal(p, signal.SIGKILL)
@@ -505,6 +511,42 @@ class PodRunner:
                 if e.code not in (404, 409):
                     raise
         del self.pods[p.uid]
+
+    @staticmethod
+    def _deletion_grace(p: _Pod) -> float:
+        """The grace period of the pod's deletion (the delete's own, else the pod's), as the kubelet takes it."""
+        meta, spec = p.pod["metadata"], p.pod["spec"]
+        grace = meta.get("deletionGracePeriodSeconds")
+        return float(grace if grace is not None else spec.get("terminationGracePeriodSeconds", 30))
+
+    def _remaining_grace(self, p: _Pod) -> float:
+        """After the preStop hook: what is left of the grace period, at least 2 s (the kubelet's minimum)."""
+        spent = time.monotonic() - p.prestop_started_at if p.prestop_started_at is not None else 0.0
+        return max(2.0, self._deletion_grace(p) - spent)
+
+    def _prestop_running(self, p: _Pod) -> bool:
+        """The container's preStop hook (kubelet semantics): run once when the deletion is seen, in a thread, before
+        SIGTERM, for at most the deletion's grace period; True while it still runs within it."""
+        container = p.pod["spec"]["containers"][0]
+        hook = (container.get("lifecycle") or {}).get("preStop")
+        if hook is None:
+            return False
+        if p.prestop_started_at is None:
+            p.prestop_started_at = time.monotonic()
+            grace = self._deletion_grace(p)
+            ports = {port["name"]: port["containerPort"] for port in container.get("ports", []) if "name" in port}
+
+            def run() -> None:
+                ok, detail = run_probe(hook, p.ip, ports, p.env, max(grace, 1.0))
+                logger.info("pod %s: preStop hook %s (%s)", p.name, "done" if ok else "failed", detail)
+                if not ok:
+                    with p.lock:
+                        p.events.append(("Warning", "FailedPreStopHook", f"PreStopHook failed: {detail}"))
+                p.prestop_done.set()
+
+            threading.Thread(target=run, name=f"prestop-{p.name}", daemon=True).start()
+            logger.info("pod %s: deletion seen (grace %gs): running its preStop hook", p.name, grace)
+        return not p.prestop_done.is_set() and time.monotonic() - p.prestop_started_at < self._deletion_grace(p)
 
     # ---- processes and status -----------------------------------------------------------------
     @staticmethod

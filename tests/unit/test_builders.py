@@ -339,8 +339,8 @@ def test_fleet_children_order_names_and_wiring() -> None:
     children = _children(fleet, dp_size=3)
     assert [(o["kind"], o["metadata"]["name"]) for o in children] == [
         ("Secret", "a-admin"), ("Service", "a"), ("Service", "a-fleet"), ("PodDisruptionBudget", "a-engines"),
-        ("PodDisruptionBudget", "a-fleet"), ("NetworkPolicy", "a-fleet"), ("Pod", "a-coordinator"), ("Pod", "a-frontend"),
-        ("Pod", "a-engine-0"), ("Pod", "a-engine-1"), ("Pod", "a-engine-2"),
+        ("PodDisruptionBudget", "a-fleet"), ("NetworkPolicy", "a-fleet"), ("Pod", "a-coordinator"),
+        ("Pod", "a-frontend"), ("Pod", "a-engine-0"), ("Pod", "a-engine-1"), ("Pod", "a-engine-2"),
     ]
     by_name = _by_name(children)
     for rank in range(3):

@@ -18,6 +18,7 @@ import json
 import multiprocessing.connection
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -33,7 +34,7 @@ import zmq
 
 from corefleet_client import engine as launcher
 from corefleet_client.enginehealth import ChildProcess, EngineState, HandshakeRelay, HealthServer, engine_identity
-from corefleet_harness.support import free_ports, http_get
+from corefleet_harness.support import free_ports, http_get, wait_until
 from corefleet_operator import builders
 from corefleet_operator.constants import ENGINE_HEALTH_PORT
 from factories import make_ecs
@@ -212,6 +213,58 @@ def test_health_follows_the_engine(served: tuple[EngineState, int]) -> None:
         proc.close()
 
 
+def test_a_drain_ends_the_readiness_and_returns_once_the_frontend_released_the_engine(
+        served: tuple[EngineState, int]) -> None:
+    """The pod's pre-stop hook (`GET /drain`) holds the engine until the frontend has drained and released it."""
+    state, port = served
+    proc = FakeProcess()
+    try:
+        state.attach(proc)
+        state.joined.set()
+        answer: list[tuple[int, dict[str, Any]]] = []
+        hook = threading.Thread(target=lambda: answer.append(get(port, "/drain?timeout=60")))
+        hook.start()
+        wait_until(lambda: get(port, "/readyz")[0] == 503, 10, "the rank not ready once draining")
+        assert get(port, "/readyz")[1]["state"] == "draining"
+        assert get(port, "/livez")[0] == 200  # alive: its requests still run
+        assert hook.is_alive()  # nothing released it yet
+        read, write = os.pipe()
+        launcher.watch_release(read, state)  # as the engine core's release pipe
+        os.write(write, b"released\n")
+        hook.join(10)
+        assert answer == [(200, {"rank": 1, "state": "draining", "exitcode": None, "released": True,
+                                 "drained": "released by the frontend"})]
+        os.close(write)
+    finally:
+        proc.close()
+
+
+def test_a_drain_ends_at_its_timeout_when_the_engine_exits_or_once_the_frontend_is_gone() -> None:
+    state = EngineState(rank=0)
+    proc = FakeProcess()
+    state.attach(proc)
+    try:
+        assert state.drain(0.3) == "not released within 0.3s"
+        with socket.socket() as listener:  # the frontend's admin port, up
+            listener.bind(("127.0.0.1", 0))
+            listener.listen()
+            state.frontend = listener.getsockname()
+            assert state.drain(0.5) == "not released within 0.5s"
+        assert state.drain(60) == "the frontend is gone"  # the port closed: nobody will release the engine
+        state.frontend = None
+        proc.exit(0)
+        assert state.drain(60) == "the engine exited"
+    finally:
+        proc.close()
+
+
+def test_a_drain_with_a_bad_timeout_is_refused(served: tuple[EngineState, int]) -> None:
+    _, port = served
+    status, body = get(port, "/drain?timeout=soon")
+    assert status == 400
+    assert "timeout" in body["error"]
+
+
 def test_health_port_in_use_is_an_error(served: tuple[EngineState, int]) -> None:
     _, port = served
     with pytest.raises(OSError, match="in use"):
@@ -223,9 +276,11 @@ def test_health_before_the_engine_core_reports_its_rank() -> None:
     server = HealthServer("127.0.0.1", 0, state)
     server.start()
     try:
-        assert get(server.port, "/livez") == (200, {"rank": None, "state": "starting", "exitcode": None, "released": False})
+        assert get(server.port, "/livez") == (200, {"rank": None, "state": "starting", "exitcode": None,
+                                                    "released": False})
         state.rank = 3
-        assert get(server.port, "/readyz") == (503, {"rank": 3, "state": "starting", "exitcode": None, "released": False})
+        assert get(server.port, "/readyz") == (503, {"rank": 3, "state": "starting", "exitcode": None,
+                                                     "released": False})
     finally:
         server.close()
 

@@ -9,9 +9,10 @@ from unittest import mock
 
 import pytest
 
-from corefleet_client.admin import RankState, ResizePhase
+from corefleet_client.admin import RankState, ResizePhase, ResizeRequest
 from corefleet_client.frontend.adminserver import AdminServer
 from corefleet_client.frontend.fleet import Fleet
+from corefleet_client.frontend.types import ResizeRefused
 from corefleet_operator import constants, frontend_api
 from corefleet_operator.actions import CancelResize, StartResize
 from corefleet_operator.frontend_api import FrontendAPI
@@ -81,6 +82,40 @@ def test_a_replacement_names_its_ranks_and_is_refused_while_they_are_not_dead(
     assert seen.resize is not None
     assert seen.resize.phase == "Pending"
     assert seen.resize.ranks == {1: ("Dead", "waiting for a new engine")}
+
+
+def test_a_vacating_replacement_is_accepted_for_a_serving_rank_and_sent_as_such(
+        frontend: tuple[Fleet, RecordingRunner, PodObs]) -> None:
+    """A rank whose pod is being removed: the frontend takes it while it still serves (it drains it first)."""
+    fleet, runner, pod = frontend
+    api = FrontendAPI()
+    asyncio.run(api.start(pod, TOKEN, StartResize("vac", 2, 30.0, 60.0, replace=(1,), vacate=True)))
+    op = fleet.resize("vac")
+    assert op is not None
+    assert (op.replace, op.drain_timeout_s) == ((1,), 30.0)
+    assert op.rank(1).state == RankState.DRAINING
+    assert runner.runs == ["vac"]
+    # The same id again is the same operation (the operator asks on every pass until it sees it).
+    asyncio.run(api.start(pod, TOKEN, StartResize("vac", 2, 30.0, 60.0, replace=(1,), vacate=True)))
+    assert runner.runs == ["vac"]
+
+
+def test_a_vacating_replacement_of_a_rank_in_no_state_to_leave_is_refused() -> None:
+    fleet = Fleet("m", 3)
+    fleet.serving(IdleView(), RecordingRunner())
+    fleet.set_rank(2, RankState.JOINING, "joining")
+    with pytest.raises(ResizeRefused, match="only a Serving, Unresponsive or Dead rank can be vacated: rank 2 is "
+                                            "Joining"):
+        fleet.start_resize(ResizeRequest("v", 3, replace=(2,), vacate=True))
+
+
+def test_vacate_travels_only_with_a_replacement() -> None:
+    request = ResizeRequest("v", 2, replace=(1,), vacate=True)
+    assert ResizeRequest.from_json(request.to_json()) == request
+    assert "vacate" not in ResizeRequest("r", 2, replace=(1,)).to_json()  # as before, for an older frontend
+    assert ResizeRequest("v", 2, vacate=True).validate() == "vacate needs the ranks it replaces (replace)"
+    with pytest.raises(ValueError, match="vacate must be a boolean"):
+        ResizeRequest.from_json({"id": "v", "replicas": 2, "replace": [1], "vacate": "yes"})
 
 
 def test_a_refused_start_is_reported_by_the_next_observe(frontend: tuple[Fleet, RecordingRunner, PodObs]) -> None:

@@ -22,7 +22,7 @@ from corefleet_operator.models import (
     RecoveryStatus,
 )
 from corefleet_operator.observe import FleetObs, FrontendObs, Observed, PodObs, RankObs, ResizeObs
-from corefleet_operator.planner import Plan, PlanSettings
+from corefleet_operator.planner import Plan, PlanSettings, plan
 from corefleet_operator.planner.basis import Basis, begin
 from corefleet_operator.planner.children import child_actions, wanted_pods
 from corefleet_operator.planner.follow import Flight, follow_operation
@@ -335,6 +335,55 @@ def test_a_replacement_is_asked_of_the_frontend_once_it_reports_the_rank_dead() 
     dead = FrontendObs(reachable=True, fleet=FleetObs(reachable=True, ranks={1: RankObs(1, "Dead")}))
     asked = follow_replace(replace_op("Preparing"), pods, dead)
     assert [(a.resize_id, a.replace) for a in asked.actions if isinstance(a, StartResize)] == [("rep", (1,))]
+
+
+def test_a_rank_whose_pod_is_being_removed_while_it_serves_is_drained_by_the_frontend_before_it_goes() -> None:
+    """A drain's eviction or a delete with the pod's grace period: the frontend is asked for a vacating replacement
+    at once (no new request to the rank, its requests finish, its engine released), not once the rank is Dead."""
+    leaving = pod(1, terminating=True)
+    pods = [*members(3)[:3], leaving, pod(2)]
+
+    def view(state: str) -> FrontendObs:
+        return FrontendObs(reachable=True, fleet=FleetObs(reachable=True, ranks={
+            0: RankObs(0, "Serving"), 1: RankObs(1, state), 2: RankObs(2, "Serving")}))
+
+    asked = follow_replace(replace_op(), pods, view("Serving"))
+    spec = FLEET.spec.scaling
+    assert asked.actions == (StartResize("rep", 3, float(spec.drainTimeoutSeconds), float(spec.readyTimeoutSeconds),
+                                         replace=(1,), vacate=True),)  # no delete: the pod is being deleted
+    assert (asked.operation.phase, asked.create) == ("Pending", False)
+    assert "asking the frontend to drain" in asked.operation.message
+    # A rank the frontend reports Dead (the operator's own delete of a lost rank): nothing to drain.
+    assert not follow_replace(replace_op(), pods, view("Dead")).actions
+    # Once the frontend runs it: not asked again; what it does is shown until the old pod is gone.
+    known = FrontendObs(reachable=True, resize=ResizeObs(id="rep", phase="Draining", message="draining rank 1"))
+    draining = follow_replace(replace_op(), pods, known)
+    assert not draining.actions
+    assert "draining rank 1" in draining.operation.message
+    assert draining.operation.phase == "Pending"
+    # Gone: Preparing, and the new pod may be created.
+    gone = follow_replace(replace_op(), [*members(3)[:3], pod(2)], known)
+    assert (gone.operation.phase, gone.create) == ("Preparing", True)
+
+
+@pytest.mark.parametrize(("case", "voluntary"), [
+    ("evicted while serving", True),
+    ("evicted while the frontend reports it Dead", False),
+    ("failed", False),
+    ("no view of the ranks", False),
+])
+def test_a_rank_removed_voluntarily_is_replaced_without_counting_as_a_recovery(case: str, voluntary: bool) -> None:
+    gone = pod(1, phase="Failed") if case == "failed" else pod(1, terminating=True)
+    state = "Dead" if "Dead" in case else "Serving"
+    ranks = FleetObs(reachable=True, ranks={r: RankObs(r, state if r == 1 else "Serving") for r in range(3)})
+    obs = observed(serving(), [*members(3)[:3], gone, pod(2)],
+                   fleet=None if case == "no view of the ranks" else ranks)
+    out = plan(FLEET, obs, NOW)
+    assert out.status.operation is not None
+    assert out.status.operation.replace == (1,)  # replaced in place either way
+    assert (out.status.recoveries == 0) is voluntary
+    assert ("RankRemoved" in [e.reason for e in out.events]) is voluntary
+    assert ("RankLost" in [e.reason for e in out.events]) is not voluntary
 
 
 def test_a_replacement_completes_once_the_frontend_serves_on_the_new_pods_and_they_are_ready() -> None:
