@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 
 from corefleet_client.admin import (
+    RELEASE_UTILITY,
     AdminClient,
     AdminError,
     FleetState,
@@ -429,4 +430,54 @@ def test_two_dead_ranks_are_replaced_in_one_operation() -> None:
     assert (op.phase, op.replace, [r.rank for r in op.ranks]) == (ResizePhase.COMPLETED, (0, 2), [0, 2])
     assert client.joiner.handshakes == [([0, 2], "tcp://127.0.0.1:29550")]
     assert fleet.ranks_in(RankState.SERVING) == [0, 1, 2]
+    assert client.members.unroutable == {}
+
+
+def test_a_vacating_replacement_drains_releases_and_waits_for_the_engine_to_stop_before_the_new_one_joins() -> None:
+    """A rank whose pod is being removed while it serves: no new request, its request finishes, its engine is
+    released (the utility call its launcher's pre-stop wait ends on), and only once its connection is gone does the
+    new engine's handshake start. Nothing fails."""
+    fleet = Fleet("tiny", 3)
+    client = FakeClient(fleet)
+    fleet.serving(View(), Runner())
+    releases: list[tuple[bytes, str, tuple[Any, ...], RankState, int]] = []
+
+    async def send_utility_call(engine: bytes, method: str, args: tuple[Any, ...]) -> asyncio.Future[Any]:
+        releases.append((engine, method, args, fleet.record(1).state, client.engine_inflight[identity(1)]))
+        answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        answer.set_result(True)
+        return answer
+
+    client.members.send_utility_call = send_utility_call  # type: ignore[method-assign]
+
+    async def until(condition: Any, what: str) -> None:
+        for _ in range(1000):  # 10 s
+            if condition():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"not {what} within 10 s")
+
+    async def leaving_engine() -> None:
+        await until(lambda: fleet.record(1).state == RankState.DRAINING, "draining")
+        assert 1 in client.members.unroutable  # no new request goes to it from now on
+        assert client.joiner.handshakes == []
+        client.engine_inflight[identity(1)] = 0  # its last request finished
+        await until(lambda: releases, "released")
+        assert client.joiner.handshakes == []  # the new engine waits for the old one to go
+        client.members.lost[1] = "connection to the engine lost"  # what the liveness watcher records
+
+    async def main() -> None:
+        started, op = fleet.start_resize(ResizeRequest(id="vac", replicas=3, drain_timeout_s=30, join_timeout_s=30,
+                                                       replace=(1,), vacate=True))
+        assert started
+        await asyncio.gather(leaving_engine(), client.run(op.id))
+
+    asyncio.run(main())
+    op = fleet.resize("vac")
+    assert op is not None
+    assert (op.phase, op.error, op.rank(1).state) == (ResizePhase.COMPLETED, "", RankState.SERVING)
+    assert releases == [(identity(1), RELEASE_UTILITY, (), RankState.DRAINING, 0)]
+    assert client.members.failed == []
+    assert client.joiner.handshakes == [([1], "tcp://127.0.0.1:29550")]
+    assert 1 not in client.members.lost
     assert client.members.unroutable == {}
