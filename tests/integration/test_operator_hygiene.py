@@ -9,7 +9,8 @@ The operator runs in-process (kopf) against the real control plane, each test in
 * a user's Service with the name of a fleet's endpoint, and a second fleet whose children's names
   collide with the first's, are never written: the fleet says why (Degraded=True/ChildConflict);
 * a fleet pod stuck terminating on a lost node is force-deleted, so the recovery proceeds; the
-  fleet's PodDisruptionBudget refuses the eviction of a healthy fleet pod;
+  fleet's PodDisruptionBudgets let a drain evict one engine rank at a time (replaced in place), never the
+  frontend or the coordinator;
 * a wiped status adopts the running pods instead of recreating the fleet;
 * a deleted admin Secret comes back with the token the running frontend uses; after an operator
   restart that finds it gone, the frontend is replaced so that it uses the new token.
@@ -260,28 +261,54 @@ def test_pods_stuck_terminating_on_a_lost_node_are_force_deleted_and_the_fleet_r
     assert not kubelets.errors, kubelets.errors
 
 
-def test_a_drain_cannot_evict_a_healthy_fleet_pod(cluster: Cluster, kubelet: KubeletStandIn,
-                                                   operator: KopfRunner) -> None:
+def test_a_drain_may_evict_one_engine_rank_at_a_time_and_never_the_frontend_or_coordinator(
+        cluster: Cluster, kubelet: KubeletStandIn, operator: KopfRunner) -> None:
+    """The fleet's two budgets as the real API server and disruption controller apply them to evictions (what
+    `kubectl drain` sends): a dense rank is drained and replaced in place (tests/e2e/test_drain.py), so one may
+    go; the frontend and coordinator cannot be replaced under running engines, so neither may."""
     cluster.apply(cluster.make("d").replicas(2).manifest())
     ecs = cluster.wait_running("d", 2)
-    pdb_path = f"/apis/policy/v1/namespaces/{cluster.ns}/poddisruptionbudgets/d-fleet"
-    cluster.wait("the fleet's PodDisruptionBudget", lambda: cluster.k8s.exists(pdb_path))
-    pdb = cluster.get(pdb_path)
-    assert [r["uid"] for r in pdb["metadata"]["ownerReferences"]] == [ecs["metadata"]["uid"]]
+    paths = {name: f"/apis/policy/v1/namespaces/{cluster.ns}/poddisruptionbudgets/{name}"
+             for name in ("d-engines", "d-fleet")}
+    cluster.wait("the fleet's PodDisruptionBudgets", lambda: all(cluster.k8s.exists(p) for p in paths.values()))
+    for path in paths.values():
+        assert [r["uid"] for r in cluster.get(path)["metadata"]["ownerReferences"]] == [ecs["metadata"]["uid"]]
 
     def counted() -> bool:  # by the disruption controller: an unprocessed budget refuses every eviction
-        st = cluster.get(pdb_path).get("status") or {}
-        return st.get("observedGeneration") == pdb["metadata"]["generation"] and st.get("expectedPods") == 4
-    cluster.wait("the disruption controller to count the fleet's 4 pods", counted)
-    assert cluster.get(pdb_path)["status"]["disruptionsAllowed"] == 0
-    uid = cluster.pods("d")["d-engine-1"]["metadata"]["uid"]
+        for path in paths.values():
+            pdb = cluster.get(path)
+            st = pdb.get("status") or {}
+            if st.get("observedGeneration") != pdb["metadata"]["generation"] or st.get("expectedPods") != 2:
+                return False
+        return True
+    cluster.wait("the disruption controller to count 2 engines, a frontend and a coordinator", counted)
+    assert cluster.get(paths["d-engines"])["status"]["disruptionsAllowed"] == 1
+    assert cluster.get(paths["d-fleet"])["status"]["disruptionsAllowed"] == 0
 
-    eviction = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": "d-engine-1"}}
+    def evict(pod: str) -> None:
+        eviction = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": pod}}
+        cluster.k8s.request("POST", f"/api/v1/namespaces/{cluster.ns}/pods/{pod}/eviction", eviction)
+
+    for pod in ("d-frontend", "d-coordinator"):
+        uid = cluster.pods("d")[pod]["metadata"]["uid"]
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            evict(pod)
+        assert refused.value.code == 429  # TooManyRequests: the budget allows no disruption
+        assert cluster.pods("d")[pod]["metadata"]["uid"] == uid
+        assert not cluster.pods("d")[pod]["metadata"].get("deletionTimestamp")
+
+    uid = cluster.pods("d")["d-engine-1"]["metadata"]["uid"]
+    evict("d-engine-1")  # allowed: one rank
+    cluster.wait("rank 1's pod replaced in place", lambda: (p := cluster.pods("d").get("d-engine-1")) is not None
+                 and p["metadata"]["uid"] != uid)
+    assert (cluster.ecs("d")["status"].get("operation") or {}).get("replace") == [1]
+    # While the replacement runs, no other rank may go (and never two at once).
+    cluster.wait("the engines' budget closed during the replacement",
+                 lambda: cluster.get(paths["d-engines"]).get("status", {}).get("disruptionsAllowed") == 0)
     with pytest.raises(urllib.error.HTTPError) as refused:
-        cluster.k8s.request("POST", f"/api/v1/namespaces/{cluster.ns}/pods/d-engine-1/eviction", eviction)
-    assert refused.value.code == 429  # TooManyRequests: the budget allows no disruption
-    assert cluster.pods("d")["d-engine-1"]["metadata"]["uid"] == uid
-    assert not cluster.pods("d")["d-engine-1"]["metadata"].get("deletionTimestamp")
+        evict("d-engine-0")
+    assert refused.value.code == 429
+    assert not cluster.pods("d")["d-engine-0"]["metadata"].get("deletionTimestamp")
 
 
 # ---- defect 4: a lost status ---------------------------------------------------------------------
