@@ -178,6 +178,7 @@ class FleetReconciler:
         self.status_error = ""  # why the last status write was refused (shown once as an event)
         self.status_problem = ""  # what of the stored status could not be read (shown once as an event)
         self.fleet_view_at = 0.0  # when the frontend's view of the ranks may be read again (monotonic)
+        self.removals_seen: set[str] = set()  # UIDs of the engine pods being removed at the last reconcile
 
     def _now(self) -> str:
         return timestamp(self.clock.now())
@@ -268,7 +269,12 @@ class FleetReconciler:
         if (resize_id := resize_in_flight(observed)) is not None:
             seen = await self.frontend.observe(frontend_at, observed.admin_token, resize_id)
             return dataclasses.replace(observed, frontend=seen)
-        if fleet_view_due(observed) and self.clock.monotonic() >= self.fleet_view_at:
+        # An engine pod newly being removed is read at once (no rate limit, once per pod): whether its rank still
+        # serves decides between a drain and a loss (planner.step.removed).
+        removing = {p.uid for p in observed.pods if p.terminating and p.role == constants.ROLE_ENGINE}
+        fresh_removal = bool(removing - self.removals_seen)
+        self.removals_seen = removing
+        if fleet_view_due(observed) and (fresh_removal or self.clock.monotonic() >= self.fleet_view_at):
             self.fleet_view_at = self.clock.monotonic() + FRONTEND_POLL_SECONDS
             view = await self.frontend.fleet(frontend_at, observed.admin_token)
             return dataclasses.replace(observed, fleet=view)

@@ -7,6 +7,7 @@ status write stops the pass. (Moved from test_pending_creates.py with the code.)
 from __future__ import annotations
 
 import asyncio
+import copy
 import datetime
 import json
 from collections.abc import Mapping, Sequence
@@ -19,7 +20,7 @@ from corefleet_operator.actions import Event
 from corefleet_operator.executor import ActionFailure
 from corefleet_operator.kube import KubeError
 from corefleet_operator.models import EngineCoreSetStatus
-from corefleet_operator.observe import Terminating, pod_obs
+from corefleet_operator.observe import FleetObs, FrontendObs, RankObs, Terminating, pod_obs
 from corefleet_operator.planner import PlanSettings
 from corefleet_operator.reconciler import (
     DEAF_SECONDS,
@@ -256,3 +257,50 @@ def test_ready_timeout_is_not_repeated_on_every_pass_while_actions_fail(posted: 
     for _ in range(3):
         asyncio.run(rec.reconcile(indexes_for(uid=uid)))
     assert [r for r, _ in posted].count("ReadyTimeout") <= 2
+
+
+class CountingFrontend:
+    """The frontend's admin API as the reconciler asks it: every rank Serving; counts the reads of its view."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    async def fleet(self, pod: Any, token: str) -> FleetObs:
+        self.reads += 1
+        return FleetObs(reachable=True, ranks={r: RankObs(r, "Serving") for r in range(2)})
+
+    async def observe(self, pod: Any, token: str, resize_id: str) -> FrontendObs:
+        return FrontendObs(reachable=True)
+
+    async def start(self, pod: Any, token: str, action: Any) -> None:
+        pass
+
+    async def cancel(self, pod: Any, token: str, action: Any) -> None:
+        pass
+
+
+def test_an_engine_pod_newly_being_removed_is_checked_with_the_frontend_at_once(posted: list[tuple[str, str]]) -> None:
+    """The frontend's view of the ranks is read at most every FRONTEND_POLL_SECONDS, except once for each engine pod
+    that starts terminating: whether its rank still serves decides between a drain and a loss."""
+    body = ecs_body(replicas=2)
+    uid = body["metadata"]["uid"]
+    body["status"] = {"phase": "Running", "fleetGeneration": 1, "replicas": 2, "readyReplicas": 2}
+    secret = builders.admin_secret(make_ecs("a").replicas(2).obj(), "t")
+    pods = running_fleet_pods(2)
+    rec = reconciler(FakeKube(), body, posted)
+    frontend = CountingFrontend()
+    rec.frontend = frontend  # type: ignore[assignment]
+
+    def reconcile(with_pods: list[dict[str, Any]]) -> None:
+        asyncio.run(rec.reconcile(indexes_for(pods=with_pods, objects=[secret], uid=uid)))
+
+    reconcile(pods)
+    reconcile(pods)
+    assert frontend.reads == 1  # rate-limited
+    evicted = copy.deepcopy(pods)
+    next(p for p in evicted if p["metadata"]["name"] == "a-engine-1")["metadata"]["deletionTimestamp"] = \
+        "2026-01-01T00:00:00Z"
+    reconcile(evicted)
+    assert frontend.reads == 2  # at once
+    reconcile(evicted)
+    assert frontend.reads == 2  # once per pod

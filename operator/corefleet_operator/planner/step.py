@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from corefleet_operator import constants
 from corefleet_operator.actions import Event
 from corefleet_operator.models import FleetPhase, FleetRef, OperationStatus, RecoveryStatus
 from corefleet_operator.observe import Observed
@@ -136,6 +137,15 @@ def _recover(fleet: FleetRef, observed: Observed, basis: Basis, losses: Losses, 
     """Losses: one recovery of the streak (or the fleet given up), by replacement in place or a new incarnation."""
     reason = losses.reason
     running = basis.running
+    if removed(fleet, observed, basis, losses) and in_place(fleet, basis, losses.lost, losses.changed):
+        ranks = losses.ranks
+        replacing = start_replace(fleet, observed, ranks, step.committed, step.generation, basis.current,
+                                  basis.streak or RecoveryStatus(), now)
+        told = Event("Normal", "RankRemoved", f"the pod(s) of {listed(ranks)} are being removed (a drain's eviction, "
+                                              "a delete): draining them, then replacing them in place (new pod(s), "
+                                              "the other ranks serve on); not a recovery")
+        return replace(step, operation=replacing.operation, replacing=replacing,
+                       events=(*step.events, told, *replacing.events))
     kind = "replacement" if running is not None and running.replace else "resize"
     step = _fail_running(running, step, f"the fleet was lost during the {kind}: {reason}", kind, now)
     attempt = rec.next_attempt(basis.streak, fleet.spec.scaling.maxRecoveries, settings)
@@ -158,6 +168,23 @@ def _recover(fleet: FleetRef, observed: Observed, basis: Basis, losses: Losses, 
         "Warning", "RankLost", f"{reason}: recreating the fleet at {committed} ranks (incarnation "
                                f"{step.generation + 1}), {count}"))
     return replace(step, resize=None)  # the resize in flight, if any, failed with the incarnation
+
+
+def removed(fleet: FleetRef, observed: Observed, basis: Basis, losses: Losses) -> bool:
+    """Whether every loss is an engine rank whose pod is being removed voluntarily (an eviction, a delete with its
+    grace period: the pod still runs) while the frontend reports it Serving: not a failure, so not a recovery (no
+    attempt of the streak, no backoff); the replacement drains it first (`planner.replace`)."""
+    seen = observed.fleet
+    if not losses.lost or seen is None or not seen.reachable:
+        return False
+    terminating = {p.name: p for p in basis.terminating}
+    for rank, _ in losses.lost:
+        if rank is None or rank not in seen.ranks or seen.ranks[rank].state != "Serving":
+            return False
+        pod = terminating.get(constants.engine_name(fleet.name, rank))
+        if pod is None or pod.phase != "Running":
+            return False
+    return True
 
 
 def _restart_changed(fleet: FleetRef, basis: Basis, step: Step, now: str) -> Step:
