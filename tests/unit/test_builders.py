@@ -226,7 +226,8 @@ def test_env_order_downward_api_then_scale_up_then_user() -> None:
     pod = builders.engine_pod(make_ecs("a").env("POD_IP_COPY", "x").env("B", "2").obj(), 0, dp_size=1,
                               frontend_address="f", scale_up=True)
     names = [e["name"] for e in _container(pod)["env"]]
-    assert names == ["POD_IP", "POD_NAME", "POD_NAMESPACE", constants.ENV_SCALE_UP_LAUNCH, "POD_IP_COPY", "B"]
+    assert names == ["POD_IP", "POD_NAME", "POD_NAMESPACE", "HOME", constants.ENV_SCALE_UP_LAUNCH, "POD_IP_COPY",
+                     "B"]
     downward = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in _container(pod)["env"][:3]}
     assert downward == {"POD_IP": "status.podIP", "POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace"}
 
@@ -404,8 +405,8 @@ def test_frontend_mounts_the_admin_token_it_is_told_to_read() -> None:
     pod = builders.frontend_pod(make_ecs("a").obj(), dp_size=1, coordinator_address="c")
     args = _container(pod)["args"]
     token_file = args[args.index("--admin-token-file") + 1]
-    (mount,) = _container(pod)["volumeMounts"]
-    (volume,) = pod["spec"]["volumes"]
+    (mount,) = [m for m in _container(pod)["volumeMounts"] if m["name"] == builders.ADMIN_TOKEN_VOLUME]
+    (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == builders.ADMIN_TOKEN_VOLUME]
     assert token_file == f"{mount['mountPath']}/{constants.ADMIN_TOKEN_KEY}"
     assert mount["readOnly"] is True
     assert volume == {"name": mount["name"], "secret": {"secretName": "a-admin"}}
