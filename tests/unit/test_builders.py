@@ -24,7 +24,7 @@ import yaml
 
 from corefleet_operator import builders, constants
 from corefleet_operator.models import FleetRef
-from factories import EcsFactory, make_ecs
+from factories import EcsFactory, full_pod_template, make_ecs
 
 GOLDEN_DIR = Path(__file__).resolve().parent.parent / "golden"
 UPDATE_ENV = "COREFLEET_UPDATE_GOLDEN"
@@ -86,7 +86,51 @@ def _moe() -> EcsFactory:
     )
 
 
+def _templated() -> EcsFactory:
+    """A fleet with a full podTemplate for every role, over spec.scheduling (to show how they merge)."""
+    return (
+        _rich()
+        .set("scheduling", {"nodeSelector": {"pool": "gpu"},
+                            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                            "priorityClassName": "inference"})
+        .pod_template("engine", full_pod_template(constants.CONTAINER_ENGINE))
+        .pod_template("frontend", full_pod_template(constants.CONTAINER_FRONTEND))
+        .pod_template("coordinator", full_pod_template(constants.CONTAINER_COORDINATOR))
+    )
+
+
+STORAGE: dict[str, dict[str, Any]] = {
+    "pvc": {"pvc": {"claimName": "weights", "subPath": "hf"}},
+    "hostpath": {"hostPath": {"path": "/mnt/models"}, "mountPath": "/weights"},
+    "image": {"image": {"reference": "registry.example.com/models/qwen3-8b:1", "pullPolicy": "Always"}},
+    "hub": {"hub": {"cache": {"claimName": "hf-cache"}, "tokenSecret": {"name": "hf"}}},
+}
+
+
+def _stored(kind: str) -> EcsFactory:
+    model = "Qwen/Qwen3-8B" if kind == "hub" else "qwen3-8b"
+    return make_ecs("a").replicas(2).model(model).storage(**STORAGE[kind])
+
+
+def _stored_engine(kind: str) -> Callable[[], Any]:
+    return lambda: builders.engine_pod(_stored(kind).obj(), 0, dp_size=2, frontend_address=FRONTEND_DNS)
+
+
 GOLDEN_CASES: dict[str, Callable[[], Any]] = {
+    "engine-pod-template.yaml": lambda: builders.engine_pod(
+        _templated().obj(), 1, dp_size=2, frontend_address=FRONTEND_DNS, fleet_generation=3),
+    "frontend-pod-template.yaml": lambda: builders.frontend_pod(
+        _templated().obj(), dp_size=2, coordinator_address=COORDINATOR_DNS, fleet_generation=3),
+    "coordinator-pod-template.yaml": lambda: builders.coordinator_pod(_templated().obj(), dp_size=2,
+                                                                      fleet_generation=3),
+    **{f"engine-pod-storage-{kind}.yaml": _stored_engine(kind) for kind in STORAGE},
+    "frontend-pod-storage-pvc.yaml": lambda: builders.frontend_pod(
+        _stored("pvc").obj(), dp_size=2, coordinator_address=COORDINATOR_DNS),
+    "frontend-service-annotated.yaml": lambda: builders.frontend_service(
+        make_ecs("a").set("frontend.service", {
+            "type": "LoadBalancer",
+            "annotations": {"service.beta.kubernetes.io/aws-load-balancer-scheme": "internal"},
+            "labels": {"team": "search"}}).obj()),
     "engine-pod-rank1.yaml": lambda: builders.engine_pod(
         _rich().obj(), 1, dp_size=2, frontend_address=FRONTEND_DNS, fleet_generation=3),
     "engine-pod-scaleup.yaml": lambda: builders.engine_pod(
