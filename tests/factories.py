@@ -76,6 +76,14 @@ class EcsFactory:
     def network_policy(self, on: bool = True) -> EcsFactory:
         return self.set("networkPolicy", on)
 
+    def storage(self, **storage: Any) -> EcsFactory:
+        """spec.storage, e.g. `.storage(pvc={"claimName": "weights"})`."""
+        return self.set("storage", storage)
+
+    def pod_template(self, role: str, template: dict[str, Any]) -> EcsFactory:
+        """spec.<role>.podTemplate (role: engine, frontend or coordinator)."""
+        return self.set(f"{role}.podTemplate", template)
+
     # -- results -----------------------------------------------------------------------------
     @property
     def uid(self) -> str:
@@ -107,3 +115,45 @@ class EcsFactory:
 
 def make_ecs(name: str, namespace: str = "ns") -> EcsFactory:
     return EcsFactory(name, namespace)
+
+
+def full_pod_template(container: str) -> dict[str, Any]:
+    """A podTemplate with every field a user may set, for the role whose container is `container`."""
+    return {
+        "metadata": {"labels": {"team": "search", "sidecar.istio.io/inject": "false"},
+                     "annotations": {"prometheus.io/scrape": "false", "cost-center": "ml-42"}},
+        "spec": {
+            "imagePullSecrets": [{"name": "registry"}],
+            "serviceAccountName": "inference",
+            "automountServiceAccountToken": True,
+            "runtimeClassName": "nvidia",
+            "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
+                                           "whenUnsatisfiable": "ScheduleAnyway",
+                                           "labelSelector": {"matchLabels": {"corefleet.io/fleet": "a"}}}],
+            "volumes": [{"name": "extra", "configMap": {"name": "extra"}}, {"name": "logs", "emptyDir": {}}],
+            "initContainers": [{"name": "warm", "image": "busybox:1.36", "command": ["true"]}],
+            "containers": [
+                {"name": container,
+                 "env": [{"name": "NCCL_DEBUG", "value": "INFO"}],
+                 "envFrom": [{"configMapRef": {"name": "vllm-env"}}],
+                 "volumeMounts": [{"name": "extra", "mountPath": "/etc/extra", "readOnly": True},
+                                  {"name": "logs", "mountPath": "/var/log/vllm"}],
+                 "securityContext": {"readOnlyRootFilesystem": True},
+                 "imagePullPolicy": "Always",
+                 "workingDir": "/work"},
+                {"name": "log-shipper", "image": "fluent/fluent-bit:3.0", "args": ["-c", "/etc/extra/fb.conf"],
+                 "resources": {"requests": {"cpu": "50m"}},
+                 "volumeMounts": [{"name": "logs", "mountPath": "/logs", "readOnly": True}]},
+            ],
+            "securityContext": {"runAsUser": 2000, "supplementalGroups": [3000]},
+            "terminationGracePeriodSeconds": 90,
+            "dnsPolicy": "ClusterFirst",
+            "dnsConfig": {"options": [{"name": "ndots", "value": "2"}]},
+            "hostAliases": [{"ip": "10.0.0.9", "hostnames": ["mirror.local"]}],
+            "nodeSelector": {"gpu": "h200"},
+            "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "ml", "effect": "NoSchedule"}],
+            "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h200"]}]}]}}},
+            "priorityClassName": "high",
+        },
+    }

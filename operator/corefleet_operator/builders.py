@@ -34,14 +34,16 @@ from corefleet_client import commands
 from corefleet_client.admin import DRAIN_PATH, LIVE_PATH
 from corefleet_client.commands import with_redundant_experts
 from corefleet_operator import constants
-from corefleet_operator.models import JSON, EngineCoreSetSpec, FleetRef, to_json
+from corefleet_operator.models import JSON, EngineCoreSetSpec, FleetRef, PodTemplate, to_json
 
-# Fixed names inside the pods (not part of any contract with other components).
-ENGINE_CONTAINER = "engine"
-COORDINATOR_CONTAINER = "coordinator"
-FRONTEND_CONTAINER = "frontend"
-SHM_VOLUME = "dshm"
-ADMIN_TOKEN_VOLUME = "admin-token"
+# Names inside the pods (constants.py: a podTemplate is checked against them).
+ENGINE_CONTAINER = constants.CONTAINER_ENGINE
+COORDINATOR_CONTAINER = constants.CONTAINER_COORDINATOR
+FRONTEND_CONTAINER = constants.CONTAINER_FRONTEND
+SHM_VOLUME = constants.VOLUME_SHM
+ADMIN_TOKEN_VOLUME = constants.VOLUME_ADMIN_TOKEN
+HOME_VOLUME = constants.VOLUME_HOME
+MODELS_VOLUME = constants.VOLUME_MODELS
 TERMINATION_GRACE_SECONDS = 30
 PROBE_PERIOD_SECONDS = 10  # startup probes: failureThreshold = ceil(readyTimeoutSeconds / period)
 PROBE_TIMEOUT_SECONDS = 5
@@ -76,8 +78,11 @@ def fleet_config_hash(spec: EngineCoreSetSpec) -> str:
     arguments while the others keep theirs. Everything else that shapes a fleet pod is (pods cannot
     be changed in place, and a frontend or coordinator cannot be replaced under running engines):
     their resources and the startup-probe budget (`readyTimeoutSeconds`); for MoE fleets also the
-    elastic-EP maximum (`--elastic-ep-max-dp-size`, on every rank). The drain timeout, the frontend
-    Service type and the NetworkPolicy switch are not: they change no fleet process.
+    elastic-EP maximum (`--elastic-ep-max-dp-size`, on every rank); the model storage and each role's
+    pod template, where set. The drain timeout, the frontend Service (type, labels, annotations) and the
+    NetworkPolicy switch are not: they change no fleet process. Sections added later enter the payload
+    only where set, so that a fleet that does not use them keeps its hash across an operator upgrade
+    (and is not recreated by it).
     """
     payload = {
         "model": spec.model,
@@ -91,6 +96,13 @@ def fleet_config_hash(spec: EngineCoreSetSpec) -> str:
         "coordinatorResources": to_json(spec.coordinator.resources),
         "readyTimeoutSeconds": spec.scaling.readyTimeoutSeconds,
     }
+    optional = {
+        "storage": spec.storage,
+        "engineTemplate": spec.engine.podTemplate,
+        "frontendTemplate": spec.frontend.podTemplate,
+        "coordinatorTemplate": spec.coordinator.podTemplate,
+    }
+    payload.update({key: to_json(value) for key, value in optional.items() if value is not None})
     blob = json.dumps(payload, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -124,7 +136,7 @@ def engine_pod(
     # The launcher's health listener binds 0.0.0.0 by default: no --health-host.
     store_port = _coord_store_port(fleet) if rank == 0 else None
     args = commands.engine_args(
-        model=spec.model,
+        model=spec.model_path,
         dp_size=dp_size,
         rank=rank,
         dp_address=frontend_address,
@@ -135,13 +147,15 @@ def engine_pod(
         vllm_flags=[
             "--tensor-parallel-size", str(tp),
             "--load-format", spec.engine.loadFormat,
+            *_served_model_name(spec),
             *_expert_parallel_flags(spec, dp_size),
             *_user_args(spec, num_redundant_experts),
         ],
     )
-    env = _downward_env()
+    env = _fleet_env()
     if scale_up:
         env.append({"name": constants.ENV_SCALE_UP_LAUNCH, "value": "1"})
+    env.extend(_storage_env(spec))
     env.extend(_plain(spec.engine.env))
 
     resources = _with_default_requests(spec.engine.resources, {"cpu": str(constants.ENGINE_CORE_CPUS + tp)})
@@ -157,7 +171,7 @@ def engine_pod(
         "ports": [_container_port(PORT_HEALTH, constants.ENGINE_HEALTH_PORT),
                   *([_container_port(PORT_COORD_STORE, store_port)] if store_port is not None else [])],
         "resources": resources,
-        "volumeMounts": [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}],
+        "volumeMounts": [{"name": SHM_VOLUME, "mountPath": constants.SHM_DIR}, *_storage_mounts(spec)],
         # The launcher answers /livez as soon as it runs; /readyz once its engine joined the fleet. The
         # startup probe waits for the join, so readyTimeoutSeconds bounds loading the model and joining:
         # the kubelet kills an engine that has not joined by then.
@@ -169,15 +183,19 @@ def engine_pod(
     if not spec.expertParallel:
         # A voluntary removal (an eviction, a delete with this grace period) is drained: the hook waits until the
         # frontend has drained and released the rank (a vacating replacement, asked by the operator), and the
-        # grace period leaves the drain its timeout. MoE ranks cannot be replaced one by one: none.
+        # grace period leaves the drain its timeout (a template's grace period wins: the hook's wait then ends
+        # the margin before it). MoE ranks cannot be replaced one by one: none.
         drain = spec.scaling.drainTimeoutSeconds
-        container["lifecycle"] = {"preStop": {"httpGet": {"path": f"{DRAIN_PATH}?timeout={drain}",
-                                                          "port": PORT_HEALTH}}}
         grace = drain + constants.ENGINE_DRAIN_MARGIN_SECONDS
-    volumes = [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": spec.engine.shmSize}}]
+        chosen = spec.engine.podTemplate.spec.terminationGracePeriodSeconds if spec.engine.podTemplate else None
+        wait = drain if chosen is None else max(0, min(drain, chosen - constants.ENGINE_DRAIN_MARGIN_SECONDS))
+        container["lifecycle"] = {"preStop": {"httpGet": {"path": f"{DRAIN_PATH}?timeout={wait}",
+                                                          "port": PORT_HEALTH}}}
+    volumes = [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": spec.engine.shmSize}},
+               *_storage_volumes(spec)]
     labels = {constants.LABEL_RANK: str(rank)}
     return _pod(fleet, name, constants.ROLE_ENGINE, container, volumes, dp_size, fleet_generation, labels,
-                grace=grace)
+                template=spec.engine.podTemplate, grace=grace)
 
 
 def coordinator_pod(fleet: FleetRef, *, dp_size: int, fleet_generation: int = 0) -> JSON:
@@ -197,7 +215,7 @@ def coordinator_pod(fleet: FleetRef, *, dp_size: int, fleet_generation: int = 0)
         "image": spec.image,
         "command": commands.command(commands.COORDINATOR_MODULE),
         "args": args,
-        "env": _downward_env(),
+        "env": _fleet_env(),
         "ports": [_container_port(name, port) for name, port in COORDINATOR_PORTS],
         "resources": _with_default_requests(spec.coordinator.resources, constants.COORDINATOR_DEFAULT_REQUESTS),
         "readinessProbe": {
@@ -208,7 +226,8 @@ def coordinator_pod(fleet: FleetRef, *, dp_size: int, fleet_generation: int = 0)
         },
     }
     name = constants.coordinator_name(fleet.name)
-    return _pod(fleet, name, constants.ROLE_COORDINATOR, container, [], dp_size, fleet_generation)
+    return _pod(fleet, name, constants.ROLE_COORDINATOR, container, [], dp_size, fleet_generation,
+                template=spec.coordinator.podTemplate)
 
 
 def frontend_pod(fleet: FleetRef, *, dp_size: int, coordinator_address: str, fleet_generation: int = 0,
@@ -225,7 +244,7 @@ def frontend_pod(fleet: FleetRef, *, dp_size: int, coordinator_address: str, fle
     token_file = f"{constants.ADMIN_TOKEN_DIR}/{constants.ADMIN_TOKEN_KEY}"
     # The launcher's admin listener binds 0.0.0.0 by default: no --admin-host.
     args = commands.frontend_args(
-        model=spec.model,
+        model=spec.model_path,
         dp_size=dp_size,
         host=ALL_INTERFACES,
         port=spec.frontend.port,
@@ -241,6 +260,7 @@ def frontend_pod(fleet: FleetRef, *, dp_size: int, coordinator_address: str, fle
         coord_store_port=_coord_store_port(fleet),
         vllm_flags=[
             "--tensor-parallel-size", str(spec.engine.tensorParallelSize),
+            *_served_model_name(spec),
             *_expert_parallel_flags(spec, dp_size),
             *_user_args(spec, num_redundant_experts),
         ],
@@ -251,14 +271,15 @@ def frontend_pod(fleet: FleetRef, *, dp_size: int, coordinator_address: str, fle
         "command": commands.command(commands.FRONTEND_MODULE),
         "args": args,
         # The engines' extra env (HF_TOKEN, VLLM_* switches) matters to the frontend's config too.
-        "env": [*_downward_env(), *_plain(spec.engine.env)],
+        "env": [*_fleet_env(), *_storage_env(spec), *_plain(spec.engine.env)],
         "ports": [
             _container_port(PORT_HTTP, spec.frontend.port),
             _container_port(PORT_ADMIN, constants.FRONTEND_ADMIN_PORT),
             _container_port(PORT_RPC, constants.DP_RPC_PORT),
         ],
         "resources": _with_default_requests(spec.frontend.resources, constants.FRONTEND_DEFAULT_REQUESTS),
-        "volumeMounts": [{"name": ADMIN_TOKEN_VOLUME, "mountPath": constants.ADMIN_TOKEN_DIR, "readOnly": True}],
+        "volumeMounts": [{"name": ADMIN_TOKEN_VOLUME, "mountPath": constants.ADMIN_TOKEN_DIR, "readOnly": True},
+                         *_storage_mounts(spec)],
         # vLLM serves HTTP only once every engine has handshaked: as slow as the slowest model load.
         "startupProbe": _http_probe("/health", PORT_HTTP, failures=_startup_failures(spec)),
         "readinessProbe": _http_probe("/health", PORT_HTTP, failures=3, period=5),
@@ -270,18 +291,22 @@ def frontend_pod(fleet: FleetRef, *, dp_size: int, coordinator_address: str, fle
     volumes = [{
         "name": ADMIN_TOKEN_VOLUME,
         "secret": {"secretName": constants.admin_secret_name(fleet.name)},
-    }]
+    }, *_storage_volumes(spec)]
     name = constants.frontend_name(fleet.name)
-    return _pod(fleet, name, constants.ROLE_FRONTEND, container, volumes, dp_size, fleet_generation)
+    return _pod(fleet, name, constants.ROLE_FRONTEND, container, volumes, dp_size, fleet_generation,
+                template=spec.frontend.podTemplate)
 
 
 # ---- services, secret, network policy -----------------------------------------------------------
 def frontend_service(fleet: FleetRef) -> JSON:
-    """The user's endpoint `<fleet>`: HTTP to the frontend pod."""
+    """The user's endpoint `<fleet>`: HTTP to the frontend pod, with the user's labels and annotations
+    (`spec.frontend.service`: a cloud load balancer's settings) under corefleet's."""
+    service = fleet.spec.frontend.service
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(fleet, constants.service_name(fleet.name)),
+        "metadata": _metadata(fleet, constants.service_name(fleet.name), user_labels=service.labels,
+                              annotations=service.annotations),
         "spec": {
             "type": fleet.spec.frontend.service.type,
             "selector": constants.selector_labels(fleet.name, constants.ROLE_FRONTEND),
@@ -486,15 +511,19 @@ def _metadata(
     *,
     labels: Mapping[str, str] | None = None,
     annotations: Mapping[str, str] | None = None,
+    user_labels: Mapping[str, str] | None = None,
 ) -> JSON:
+    """An object's metadata: corefleet's labels plus `labels`, over the user's `user_labels` (corefleet's win
+    on a key both set; the models refuse that anyway)."""
+    merged = {**(user_labels or {}), **_labels(fleet, role, labels)}
     meta: JSON = {
         "name": name,
         "namespace": fleet.namespace,
-        "labels": _labels(fleet, role, labels),
+        "labels": {str(k): str(v) for k, v in merged.items()},
         "ownerReferences": [_owner_reference(fleet)],
     }
     if annotations:
-        meta["annotations"] = dict(annotations)
+        meta["annotations"] = {str(k): str(v) for k, v in annotations.items()}
     return meta
 
 
@@ -525,12 +554,22 @@ def _pod(
     fleet_generation: int,
     labels: Mapping[str, str] | None = None,
     *,
+    template: PodTemplate | None = None,
     grace: int = TERMINATION_GRACE_SECONDS,
 ) -> JSON:
+    """A fleet pod around `container`: PodSecurity `restricted` (non-root, seccomp RuntimeDefault, no
+    privilege escalation, no capabilities), $HOME on an emptyDir, then the role's `template` merged in."""
     annotations = {
         constants.ANNOTATION_SPEC_HASH: fleet_config_hash(fleet.spec),
         constants.ANNOTATION_GENERATION: str(fleet_generation),
     }
+    container = {
+        **container,
+        "volumeMounts": [*container.get("volumeMounts", []),
+                         {"name": HOME_VOLUME, "mountPath": constants.RUNTIME_HOME}],
+        "securityContext": container_security_context(),
+    }
+    volumes = [*volumes, {"name": HOME_VOLUME, "emptyDir": {}}]
     spec: JSON = {
         # Never restarted in place: a fleet process that died cannot rejoin (the operator recreates the fleet).
         "restartPolicy": "Never",
@@ -542,26 +581,148 @@ def _pod(
         # Fleet processes never call the Kubernetes API.
         "automountServiceAccountToken": False,
         "terminationGracePeriodSeconds": grace,
+        "securityContext": pod_security_context(),
         "containers": [container],
         **_scheduling(fleet.spec),
+        "volumes": volumes,
     }
-    volumes = list(volumes)
-    if volumes:
-        spec["volumes"] = volumes
-    return {
+    pod = {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": _metadata(fleet, name, role, labels=labels, annotations=annotations),
         "spec": spec,
     }
+    return merge_template(pod, template) if template is not None else pod
 
 
-def _downward_env() -> list[JSON]:
+def pod_security_context() -> JSON:
+    """Every fleet pod's securityContext: the `restricted` Pod Security Standard's, as the runtime image's user."""
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": constants.RUNTIME_UID,
+        "runAsGroup": constants.RUNTIME_GID,
+        "fsGroup": constants.RUNTIME_FS_GROUP,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def container_security_context() -> JSON:
+    """Every corefleet container's securityContext (the `restricted` Pod Security Standard's)."""
+    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+def merge_template(pod: JSON, template: PodTemplate) -> JSON:
+    """`pod` (as built, not mutated) with a role's podTemplate merged in (models.TemplatePodSpec says how each
+    field merges). The models refuse what would override corefleet's own (its labels, its container's
+    command, probes, ...), so here the template only adds to or replaces what a user may set."""
+    out: JSON = _plain(pod)
+    meta, spec = out["metadata"], out["spec"]
+    tmeta = template.metadata
+    meta["labels"] = {**_plain(tmeta.labels), **meta["labels"]}
+    meta["annotations"] = {**_plain(tmeta.annotations), **meta.get("annotations", {})}
+    t = template.spec
+    replaced = {
+        "imagePullSecrets": t.imagePullSecrets, "serviceAccountName": t.serviceAccountName,
+        "automountServiceAccountToken": t.automountServiceAccountToken, "runtimeClassName": t.runtimeClassName,
+        "topologySpreadConstraints": t.topologySpreadConstraints,
+        "terminationGracePeriodSeconds": t.terminationGracePeriodSeconds, "dnsPolicy": t.dnsPolicy,
+        "dnsConfig": t.dnsConfig, "hostAliases": t.hostAliases, "affinity": t.affinity,
+        "priorityClassName": t.priorityClassName, "initContainers": t.initContainers,
+    }
+    for key, value in replaced.items():
+        if value is not None:
+            spec[key] = _plain(value)
+    if t.securityContext is not None:
+        spec["securityContext"] = {**spec["securityContext"], **_plain(t.securityContext)}
+    if t.nodeSelector:
+        spec["nodeSelector"] = {**spec.get("nodeSelector", {}), **_plain(t.nodeSelector)}
+    if t.tolerations:
+        spec["tolerations"] = [*spec.get("tolerations", []), *_plain(t.tolerations)]
+    if t.volumes:
+        spec["volumes"] = [*spec["volumes"], *_plain(t.volumes)]
+    main = spec["containers"][0]
+    for c in t.containers or ():
+        given: JSON = to_json(c)
+        if c.name != main["name"]:
+            spec["containers"].append(given)  # a sidecar (the models refuse another role's container name)
+            continue
+        for key in ("env", "volumeMounts"):
+            if key in given:
+                main[key] = [*main.get(key, []), *given[key]]
+        if "securityContext" in given:
+            main["securityContext"] = {**main["securityContext"], **given["securityContext"]}
+        for key in ("envFrom", "imagePullPolicy", "workingDir"):
+            if key in given:
+                main[key] = given[key]
+    return out
+
+
+def _fleet_env() -> list[JSON]:
+    """Every fleet container's first variables: the downward API's, and HOME (on the `home` emptyDir: the
+    runtime uid may have no passwd entry in a user's image, and vLLM, torch and the hub cache under it)."""
     return [
         {"name": constants.ENV_POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": constants.ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": constants.ENV_POD_NAMESPACE, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": constants.ENV_HOME, "value": constants.RUNTIME_HOME},
     ]
+
+
+def _storage_volumes(spec: EngineCoreSetSpec) -> list[JSON]:
+    """The model storage's volume (engines and frontend), if any."""
+    storage = spec.storage
+    if storage is None:
+        return []
+    if storage.pvc is not None:
+        source: JSON = {"persistentVolumeClaim": {"claimName": storage.pvc.claimName,
+                                                  "readOnly": storage.pvc.readOnly}}
+    elif storage.hostPath is not None:
+        source = {"hostPath": {"path": storage.hostPath.path, "type": "Directory"}}
+    elif storage.image is not None:
+        source = {"image": {"reference": storage.image.reference, "pullPolicy": storage.image.pullPolicy}}
+    else:
+        hub = storage.hub
+        assert hub is not None  # exactly one source (models)
+        source = ({"persistentVolumeClaim": {"claimName": hub.cache.claimName}} if hub.cache is not None
+                  else {"emptyDir": {}})
+    return [{"name": MODELS_VOLUME, **source}]
+
+
+def _storage_mounts(spec: EngineCoreSetSpec) -> list[JSON]:
+    """The model storage's mount at `storage.mountPath`: read-only but for a hub cache (the download's)."""
+    storage = spec.storage
+    if storage is None:
+        return []
+    mount: JSON = {"name": MODELS_VOLUME, "mountPath": storage.mountPath}
+    if storage.pvc is not None and storage.pvc.subPath:
+        mount["subPath"] = storage.pvc.subPath
+    if storage.hub is None and (storage.pvc is None or storage.pvc.readOnly):
+        mount["readOnly"] = True
+    return [mount]
+
+
+def _storage_env(spec: EngineCoreSetSpec) -> list[JSON]:
+    """A hub cache: HF_HOME at the mount, and HF_TOKEN from its Secret if one is named."""
+    storage = spec.storage
+    if storage is None or storage.hub is None:
+        return []
+    env: list[JSON] = [{"name": constants.ENV_HF_HOME, "value": storage.mountPath}]
+    token = storage.hub.tokenSecret
+    if token is not None:
+        env.append({"name": constants.ENV_HF_TOKEN,
+                    "valueFrom": {"secretKeyRef": {"name": token.name, "key": token.key}}})
+    return env
+
+
+def _served_model_name(spec: EngineCoreSetSpec) -> list[str]:
+    """`--served-model-name <spec.model>` where --model is a path under the storage, so that clients keep
+    using the name in the spec; not if the user's args name it themselves."""
+    if spec.model_path == spec.model:
+        return []
+    for arg in spec.engine.args:
+        if arg.split("=", 1)[0].replace("_", "-") == "--served-model-name":
+            return []
+    return ["--served-model-name", spec.model]
 
 
 def _engine0_address(fleet: FleetRef) -> str | None:

@@ -89,6 +89,38 @@ ENV_POD_NAME: Final = "POD_NAME"
 ENV_POD_NAMESPACE: Final = "POD_NAMESPACE"
 ENV_ADMIN_TOKEN_FILE: Final = "COREFLEET_ADMIN_TOKEN_FILE"
 ENV_SCALE_UP_LAUNCH: Final = commands.ENV_SCALE_UP_LAUNCH  # only on pods added by a live scale-up
+ENV_HOME: Final = "HOME"
+ENV_HF_HOME: Final = "HF_HOME"  # spec.storage.hub: the Hugging Face cache, at the storage's mountPath
+ENV_HF_TOKEN: Final = "HF_TOKEN"  # spec.storage.hub.tokenSecret
+
+# --- The fleet pods' runtime user and volumes (PodSecurity `restricted` by default) ---------------
+# Every fleet pod runs as this uid/gid (images/runtime/Dockerfile's user `corefleet`, home RUNTIME_HOME),
+# non-root, seccomp RuntimeDefault; every corefleet container without privilege escalation and with
+# all capabilities dropped. A user's image may have no passwd entry for the uid: HOME is set to an
+# emptyDir mounted at RUNTIME_HOME (vLLM, torch and Hugging Face write their caches under $HOME/.cache).
+RUNTIME_UID: Final = 1000
+RUNTIME_GID: Final = 1000
+RUNTIME_FS_GROUP: Final = 1000  # group of the pods' volumes (a PVC the uid must read or write)
+RUNTIME_HOME: Final = "/home/corefleet"
+SHM_DIR: Final = "/dev/shm"
+DEFAULT_STORAGE_MOUNT_PATH: Final = "/models"
+# Names of the containers corefleet builds (a podTemplate's container of that name is merged into it).
+CONTAINER_ENGINE: Final = "engine"
+CONTAINER_FRONTEND: Final = "frontend"
+CONTAINER_COORDINATOR: Final = "coordinator"
+CONTAINER_NAMES: Final = (CONTAINER_ENGINE, CONTAINER_FRONTEND, CONTAINER_COORDINATOR)
+# Names of the volumes corefleet adds to fleet pods (a podTemplate may not use them).
+VOLUME_SHM: Final = "dshm"  # engines: /dev/shm in memory
+VOLUME_ADMIN_TOKEN: Final = "admin-token"  # frontend: the admin Secret
+VOLUME_HOME: Final = "home"  # every fleet pod: $HOME (an emptyDir)
+VOLUME_MODELS: Final = "models"  # engines and frontend: spec.storage
+RESERVED_VOLUMES: Final = (VOLUME_SHM, VOLUME_ADMIN_TOKEN, VOLUME_HOME, VOLUME_MODELS)
+# Paths corefleet mounts; spec.storage.mountPath may be neither one of them nor inside one.
+RESERVED_MOUNT_PATHS: Final = (SHM_DIR, RUNTIME_HOME, "/var/run/corefleet")
+# Pod labels and annotations a podTemplate may not set: the fleet's (selectors, the operator's bookkeeping).
+RESERVED_LABEL_PREFIXES: Final = (f"{GROUP}/",)
+RESERVED_LABELS: Final = ("app.kubernetes.io/managed-by",)
+RESERVED_ANNOTATION_PREFIXES: Final = (f"{GROUP}/",)
 
 # --- Names of a fleet's children (derived from the EngineCoreSet's name) ------------------------
 
@@ -181,6 +213,13 @@ MAX_LIST_ITEMS: Final = 64  # tolerations, node-selector entries, resource names
 MAX_STATUS_MESSAGE: Final = 4096  # a condition's, the operation's or the recovery's message (truncated)
 MAX_RANK_MESSAGE: Final = 256  # one rank's message in status.ranks (truncated): 512 of them must fit
 MAX_CONDITIONS: Final = 16  # status.conditions
+# podTemplate lists CEL rules iterate (the API server estimates a rule's cost from these bounds).
+MAX_TEMPLATE_CONTAINERS: Final = 16  # containers and initContainers of one podTemplate
+MAX_TEMPLATE_VOLUMES: Final = 64  # volumes of a podTemplate; volumeMounts of one container
+MAX_METADATA_ENTRIES: Final = 64  # labels or annotations of a podTemplate or the frontend Service
+MAX_LABEL_KEY_LENGTH: Final = 317  # a DNS-subdomain prefix (253), '/', a name (63)
+MAX_LABEL_VALUE_LENGTH: Final = 63
+MAX_ANNOTATION_VALUE_LENGTH: Final = 4096
 
 # --- vLLM engine flags corefleet sets itself (builders), in the spellings vLLM 0.32.0 accepts --------
 # The one source for the operator's validation (models.py) and the CRD's CEL rules (crd.py). vLLM's
@@ -207,4 +246,6 @@ ENGINE_MOE_NEGATIONS: Final = ("--no-enable-expert-parallel", "--no-enable-eplb"
 ENGINE_TENSOR_PARALLEL_FLAGS: Final = ("--tensor-parallel-size", "-tp")  # = spec.engine.tensorParallelSize
 ENGINE_LOAD_FORMAT_FLAGS: Final = ("--load-format",)  # = spec.engine.loadFormat
 # Environment variables corefleet sets in fleet containers.
-RESERVED_ENV: Final = (ENV_POD_IP, ENV_POD_NAME, ENV_POD_NAMESPACE, ENV_SCALE_UP_LAUNCH)
+RESERVED_ENV: Final = (ENV_POD_IP, ENV_POD_NAME, ENV_POD_NAMESPACE, ENV_SCALE_UP_LAUNCH, ENV_HOME)
+# ... and with spec.storage.hub also these (HF_TOKEN only with a tokenSecret).
+RESERVED_HUB_ENV: Final = (ENV_HF_HOME, ENV_HF_TOKEN)

@@ -58,6 +58,21 @@ class K8s:
     class Affinity(dict[str, Any]):
         pass
 
+    class Object(dict[str, Any]):
+        """Any Kubernetes object shape (securityContext, a probe, dnsConfig, ...), kept as given."""
+
+    class ObjectList(list[dict[str, Any]]):
+        """A list of Kubernetes objects (imagePullSecrets, topologySpreadConstraints, ports, ...)."""
+
+    class Volumes(list[dict[str, Any]]):
+        """Pod volumes: each named, the rest of its shape kept as given."""
+
+    class VolumeMounts(list[dict[str, Any]]):
+        """A container's volume mounts: each names its volume and path, the rest kept as given."""
+
+    class Containers(list[dict[str, Any]]):
+        """Init containers: each named, the rest of its shape kept as given."""
+
 
 _QUANTITY: JSON = {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True,
                    "maxLength": 64}
@@ -115,6 +130,19 @@ K8S_SCHEMAS: dict[type, JSON] = {
         },
     },
     K8s.Affinity: {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+    K8s.Object: {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+    K8s.ObjectList: {"type": "array", "maxItems": C.MAX_LIST_ITEMS,
+                     "items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+    K8s.Volumes: {"type": "array", "maxItems": C.MAX_TEMPLATE_VOLUMES, "items": {
+        "type": "object", "required": ["name"], "x-kubernetes-preserve-unknown-fields": True,
+        "properties": {"name": {"type": "string", "maxLength": C.MAX_LABEL_VALUE_LENGTH}}}},
+    K8s.VolumeMounts: {"type": "array", "maxItems": C.MAX_TEMPLATE_VOLUMES, "items": {
+        "type": "object", "required": ["name", "mountPath"], "x-kubernetes-preserve-unknown-fields": True,
+        "properties": {"name": {"type": "string", "maxLength": C.MAX_LABEL_VALUE_LENGTH},
+                       "mountPath": {"type": "string", "maxLength": C.MAX_STRING_LENGTH}}}},
+    K8s.Containers: {"type": "array", "maxItems": C.MAX_TEMPLATE_CONTAINERS, "items": {
+        "type": "object", "required": ["name"], "x-kubernetes-preserve-unknown-fields": True,
+        "properties": {"name": {"type": "string", "maxLength": C.MAX_LABEL_VALUE_LENGTH}}}},
 }
 
 
@@ -183,6 +211,11 @@ def _cel_list(items: Sequence[str]) -> str:
     return "[" + ", ".join(f"'{x}'" for x in items) + "]"
 
 
+def _cel_str(text: str) -> str:
+    """A CEL string literal of `text`."""
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
 def _cel_flag(arg: str) -> str:
     """CEL: the flag name of item `arg` with underscores as dashes (the value after `=` dropped)."""
     return f"{arg}.replace('_', '-').split('=', 2)[0]"
@@ -213,6 +246,352 @@ def _cel_message(args: str, predicate: str, text: str) -> str:
     return f"'engine.args: ' + {args}.filter(a, {predicate})[0] + '{text}'"
 
 
+# ---- pod templates (spec.<role>.podTemplate) ----------------------------------------------------
+# A podTemplate is merged into the pod corefleet builds for its role (builders.merge_template). Fields
+# corefleet owns are declared in the schema (a structural schema prunes what it does not declare, and a
+# pruned field is no refusal) and refused there by CEL, and again by `template_problem` for objects
+# stored before the rules existed.
+_CONTAINER_NAMES = _cel_list(C.CONTAINER_NAMES)
+_RESERVED_VOLUMES = _cel_list(C.RESERVED_VOLUMES)
+_ALLOWED_MAIN_FIELDS = ("env", "envFrom", "volumeMounts", "securityContext", "imagePullPolicy", "workingDir")
+# Fields of corefleet's own container a template may not set, and why.
+_OWNED_CONTAINER_FIELDS: dict[str, str] = {
+    "image": "set spec.image",
+    "command": "corefleet runs the fleet process (vLLM flags go in spec.engine.args)",
+    "args": "corefleet sets the fleet's wiring (vLLM flags go in spec.engine.args)",
+    "ports": "the fleet's ports are fixed by corefleet",
+    "startupProbe": "corefleet's probes say when a rank has joined (spec.scaling.readyTimeoutSeconds sizes it)",
+    "livenessProbe": "corefleet's probes say when a fleet process is broken",
+    "readinessProbe": "corefleet's probes say when a rank serves",
+    "lifecycle": "corefleet sets the preStop hook that drains a rank",
+    "resources": "set spec.<role>.resources (the GPU count is spec.engine.tensorParallelSize)",
+    "resizePolicy": "a fleet container is never resized in place",
+    "restartPolicy": "a fleet process is never restarted in place",
+    "restartPolicyRules": "a fleet process is never restarted in place",
+    "volumeDevices": "not supported on corefleet's container",
+    "terminationMessagePath": "not supported on corefleet's container",
+    "terminationMessagePolicy": "not supported on corefleet's container",
+    "stdin": "not supported on corefleet's container",
+    "stdinOnce": "not supported on corefleet's container",
+    "tty": "not supported on corefleet's container",
+}
+_MAIN_CONTAINER_TEXT = (f"a podTemplate container named {', '.join(C.CONTAINER_NAMES[:-1])} or "
+                        f"{C.CONTAINER_NAMES[-1]} is merged into corefleet's container and may set only "
+                        f"{', '.join(_ALLOWED_MAIN_FIELDS)}")
+_OWNED_POD_FIELDS: dict[str, str] = {
+    "restartPolicy": "corefleet sets Never: a fleet process that died cannot rejoin",
+    "hostname": "corefleet names every pod for the fleet's DNS",
+    "subdomain": "corefleet sets the fleet's headless Service",
+    "enableServiceLinks": "corefleet sets false (a Service named e.g. vllm would set VLLM_PORT and break vLLM)",
+}
+
+
+def _owned_container_rule(name: str, why: str) -> tuple[str, str, str]:
+    return (f"!(self.name in {_CONTAINER_NAMES}) || !has(self.{name})",
+            f"{_MAIN_CONTAINER_TEXT}: {name} is refused ({why})",
+            "'containers[' + self.name + ']' + " + _cel_str(
+                f".{name}: refused on corefleet's container ({why}); it may set only "
+                f"{', '.join(_ALLOWED_MAIN_FIELDS)}"))
+
+
+@dataclass(frozen=True)
+class TemplateContainer:
+    """A container of a podTemplate: merged into corefleet's when named like it, else a sidecar."""
+
+    name: str = field(metadata=meta(
+        f"Container name. Named like corefleet's container of the pod ({', '.join(C.CONTAINER_NAMES)}), it is "
+        "merged into it; any other name adds a sidecar.", minLength=1, maxLength=C.MAX_LABEL_VALUE_LENGTH))
+    image: str | None = field(default=None, metadata=meta("Sidecars only.", maxLength=C.MAX_STRING_LENGTH))
+    command: tuple[str, ...] | None = field(default=None, metadata=meta(
+        "Sidecars only.", maxItems=C.MAX_LIST_ITEMS, items={"maxLength": C.MAX_ENGINE_ARG_LENGTH}))
+    args: tuple[str, ...] | None = field(default=None, metadata=meta(
+        "Sidecars only.", maxItems=C.MAX_ENGINE_ARGS, items={"maxLength": C.MAX_ENGINE_ARG_LENGTH}))
+    workingDir: str | None = field(default=None, metadata=meta("Working directory.", maxLength=C.MAX_STRING_LENGTH))
+    ports: K8s.ObjectList | None = field(default=None, metadata=meta("Sidecars only."))
+    envFrom: K8s.ObjectList | None = field(default=None, metadata=meta("Environment from ConfigMaps and Secrets."))
+    env: K8s.EnvList | None = field(default=None, metadata=meta(
+        "Environment; on corefleet's container appended after its own (which it may not set again)."))
+    resources: K8s.Resources | None = field(default=None, metadata=meta("Sidecars only."))
+    resizePolicy: K8s.ObjectList | None = field(default=None, metadata=meta("Sidecars only."))
+    restartPolicy: str | None = field(default=None, metadata=meta("Sidecars only.", maxLength=32))
+    restartPolicyRules: K8s.ObjectList | None = field(default=None, metadata=meta("Sidecars only."))
+    volumeMounts: K8s.VolumeMounts | None = field(default=None, metadata=meta(
+        "Volume mounts; on corefleet's container appended after its own (not of corefleet's volumes: "
+        f"{', '.join(C.RESERVED_VOLUMES)})."))
+    volumeDevices: K8s.ObjectList | None = field(default=None, metadata=meta("Sidecars only."))
+    livenessProbe: K8s.Object | None = field(default=None, metadata=meta("Sidecars only."))
+    readinessProbe: K8s.Object | None = field(default=None, metadata=meta("Sidecars only."))
+    startupProbe: K8s.Object | None = field(default=None, metadata=meta("Sidecars only."))
+    lifecycle: K8s.Object | None = field(default=None, metadata=meta("Sidecars only."))
+    terminationMessagePath: str | None = field(default=None, metadata=meta("Sidecars only.",
+                                                                         maxLength=C.MAX_STRING_LENGTH))
+    terminationMessagePolicy: str | None = field(default=None, metadata=meta("Sidecars only.", maxLength=32))
+    imagePullPolicy: Literal["Always", "IfNotPresent", "Never"] | None = field(default=None, metadata=meta(
+        "Image pull policy (of corefleet's container: of spec.image)."))
+    securityContext: K8s.Object | None = field(default=None, metadata=meta(
+        "Security context; on corefleet's container merged key by key over corefleet's "
+        "(allowPrivilegeEscalation: false, capabilities: {drop: [ALL]})."))
+    stdin: bool | None = field(default=None, metadata=meta("Sidecars only."))
+    stdinOnce: bool | None = field(default=None, metadata=meta("Sidecars only."))
+    tty: bool | None = field(default=None, metadata=meta("Sidecars only."))
+
+    CEL_RULES: ClassVar[tuple[tuple[str, str, str], ...]] = (
+        *(_owned_container_rule(name, why) for name, why in _OWNED_CONTAINER_FIELDS.items()),
+        (f"!(self.name in {_CONTAINER_NAMES}) || !has(self.volumeMounts) || "
+         f"!self.volumeMounts.exists(m, m.name in {_RESERVED_VOLUMES})",
+         f"volumeMounts of corefleet's container may not mount corefleet's volumes ({', '.join(C.RESERVED_VOLUMES)}): "
+         "it mounts them itself",
+         f"'containers[' + self.name + '].volumeMounts: ' + self.volumeMounts.filter(m, m.name in "
+         f"{_RESERVED_VOLUMES})[0].name + ' is a volume corefleet mounts itself'"),
+    )
+
+
+_FLEET_LABEL = f"k.startsWith('{C.LABEL_PREFIX}') || k == '{C.LABEL_MANAGED_BY}'"  # CEL, over a key k
+
+
+@dataclass(frozen=True)
+class TemplateMetadata:
+    labels: Mapping[str, str] = field(default_factory=dict, metadata=meta(
+        f"Extra pod labels; not the fleet's ({C.LABEL_PREFIX}*, {C.LABEL_MANAGED_BY}).",
+        maxProperties=C.MAX_METADATA_ENTRIES, additionalProperties={"maxLength": C.MAX_LABEL_VALUE_LENGTH}))
+    annotations: Mapping[str, str] = field(default_factory=dict, metadata=meta(
+        f"Extra pod annotations; not corefleet's ({C.LABEL_PREFIX}*).",
+        maxProperties=C.MAX_METADATA_ENTRIES, additionalProperties={"maxLength": C.MAX_ANNOTATION_VALUE_LENGTH}))
+
+    CEL_RULES: ClassVar[tuple[tuple[str, str, str], ...]] = (
+        (f"!has(self.labels) || !self.labels.exists(k, {_FLEET_LABEL})",
+         f"labels: {C.LABEL_PREFIX}* and {C.LABEL_MANAGED_BY} are the fleet's labels (its selectors), set by corefleet",
+         f"'labels: ' + self.labels.filter(k, {_FLEET_LABEL})[0] + "
+         "' is a fleet label (its selectors), set by corefleet'"),
+        (f"!has(self.annotations) || !self.annotations.exists(k, k.startsWith('{C.LABEL_PREFIX}'))",
+         f"annotations: {C.LABEL_PREFIX}* are corefleet's annotations (the operator's bookkeeping)",
+         f"'annotations: ' + self.annotations.filter(k, k.startsWith('{C.LABEL_PREFIX}'))[0] + "
+         + _cel_str(" is corefleet's annotation (the operator's bookkeeping)")),
+    )
+
+
+@dataclass(frozen=True)
+class TemplatePodSpec:
+    imagePullSecrets: K8s.ObjectList | None = field(default=None, metadata=meta("Pull secrets (of spec.image too)."))
+    serviceAccountName: str | None = field(default=None, metadata=meta(
+        "ServiceAccount of the pod (fleet processes never call the Kubernetes API).", maxLength=C.MAX_NAME_LENGTH))
+    automountServiceAccountToken: bool | None = field(default=None, metadata=meta(
+        "Mount the ServiceAccount's token (corefleet: false)."))
+    runtimeClassName: str | None = field(default=None, metadata=meta(
+        "RuntimeClass (GPU runtimes often need one, e.g. nvidia).", maxLength=C.MAX_NAME_LENGTH))
+    topologySpreadConstraints: K8s.ObjectList | None = field(default=None, metadata=meta(
+        "Topology spread constraints."))
+    volumes: K8s.Volumes | None = field(default=None, metadata=meta(
+        f"Extra volumes, after corefleet's (not named {', '.join(C.RESERVED_VOLUMES)})."))
+    initContainers: K8s.Containers | None = field(default=None, metadata=meta(
+        f"Init containers (not named {', '.join(C.CONTAINER_NAMES)})."))
+    containers: tuple[TemplateContainer, ...] | None = field(default=None, metadata=meta(
+        "Merged into corefleet's container where named like it; every other container is a sidecar, "
+        "appended after it.", maxItems=C.MAX_TEMPLATE_CONTAINERS))
+    securityContext: K8s.Object | None = field(default=None, metadata=meta(
+        f"Pod security context, merged key by key over corefleet's (runAsNonRoot, runAsUser/runAsGroup/fsGroup "
+        f"{C.RUNTIME_UID}, seccompProfile RuntimeDefault)."))
+    terminationGracePeriodSeconds: int | None = field(default=None, metadata=meta(
+        "Grace period of the pod's deletion.", minimum=0, maximum=86400))
+    dnsPolicy: Literal["ClusterFirst", "ClusterFirstWithHostNet", "Default", "None"] | None = field(
+        default=None, metadata=meta("DNS policy (fleet pods find each other through cluster DNS)."))
+    dnsConfig: K8s.Object | None = field(default=None, metadata=meta("DNS configuration."))
+    hostAliases: K8s.ObjectList | None = field(default=None, metadata=meta("Extra /etc/hosts entries."))
+    nodeSelector: Mapping[str, str] | None = field(default=None, metadata=meta(
+        "Merged with spec.scheduling.nodeSelector (this one wins on a key both set).",
+        maxProperties=C.MAX_LIST_ITEMS, additionalProperties={"maxLength": C.MAX_NAME_LENGTH}))
+    tolerations: K8s.Tolerations | None = field(default=None, metadata=meta(
+        "Appended to spec.scheduling.tolerations."))
+    affinity: K8s.Affinity | None = field(default=None, metadata=meta(
+        "Replaces spec.scheduling.affinity for this role's pods."))
+    priorityClassName: str | None = field(default=None, metadata=meta(
+        "Replaces spec.scheduling.priorityClassName for this role's pods.", maxLength=C.MAX_NAME_LENGTH))
+    restartPolicy: str | None = field(default=None, metadata=meta("Refused: corefleet sets it.", maxLength=32))
+    hostname: str | None = field(default=None, metadata=meta("Refused: corefleet sets it.",
+                                                             maxLength=C.MAX_LABEL_VALUE_LENGTH))
+    subdomain: str | None = field(default=None, metadata=meta("Refused: corefleet sets it.",
+                                                              maxLength=C.MAX_LABEL_VALUE_LENGTH))
+    enableServiceLinks: bool | None = field(default=None, metadata=meta("Refused: corefleet sets it."))
+
+    CEL_RULES: ClassVar[tuple[tuple[str, str, str], ...]] = (
+        *((f"!has(self.{name})", f"{name} is refused: {why}", "") for name, why in _OWNED_POD_FIELDS.items()),
+        (f"!has(self.volumes) || !self.volumes.exists(v, v.name in {_RESERVED_VOLUMES})",
+         # (no messageExpression naming the item: its estimated cost over unknown-field items is too high)
+         f"volumes: {', '.join(C.RESERVED_VOLUMES)} are the names of volumes corefleet adds: rename yours", ""),
+        (f"!has(self.initContainers) || !self.initContainers.exists(c, c.name in {_CONTAINER_NAMES})",
+         f"initContainers: {', '.join(C.CONTAINER_NAMES)} are the names of corefleet's containers: rename yours",
+         ""),
+    )
+
+
+@dataclass(frozen=True)
+class PodTemplate:
+    metadata: TemplateMetadata = field(default_factory=TemplateMetadata, metadata=meta(
+        "Labels and annotations added to the pods."))
+    spec: TemplatePodSpec = field(default_factory=TemplatePodSpec, metadata=meta(
+        "Pod spec fields merged into what corefleet builds."))
+
+
+def _template_doc(role: str) -> str:
+    return (f"Pod template merged into the {role} pod{'s' if role == 'engine' else ''} corefleet builds: labels, "
+            "annotations, imagePullSecrets, serviceAccountName, runtimeClassName, topology spread, volumes, init "
+            f"containers, sidecars, env and mounts of corefleet's container (named {role}), security contexts, DNS, "
+            "node selector, tolerations, affinity, priority. Fields corefleet owns (its container's command, args, "
+            "ports, probes, lifecycle, image, resources; the pod's restartPolicy, hostname, subdomain; the fleet's "
+            "labels) are refused.")
+
+
+def _other_roles_rule(container: str) -> tuple[str, str, str]:
+    """CEL on a role's spec: its podTemplate names no other role's container (its pods have none)."""
+    others = [n for n in C.CONTAINER_NAMES if n != container]
+    path = "self.podTemplate.spec.containers"
+    return (f"!has(self.podTemplate) || !has({path}) || !{path}.exists(c, c.name in {_cel_list(others)})",
+            f"podTemplate.spec.containers: these pods have no {' or '.join(others)} container (corefleet's "
+            f"container here is {container}): rename the sidecar", "")
+
+
+def template_problem(template: PodTemplate, container: str, path: str, *,
+                     reserved_env: Sequence[str], mount_paths: Sequence[str]) -> SpecError | None:
+    """What the CEL rules refuse in a role's podTemplate (and what they cannot see: env corefleet sets,
+    mount paths it uses), as a SpecError naming the field; None if nothing. `container` is the role's
+    container name; `reserved_env` the env it sets; `mount_paths` the paths it mounts there."""
+    meta_ = template.metadata
+    for key in meta_.labels:
+        if key.startswith(C.RESERVED_LABEL_PREFIXES) or key in C.RESERVED_LABELS:
+            return SpecError(f"{path}.metadata.labels[{key}]", "a fleet label (its selectors), set by corefleet")
+    for key in meta_.annotations:
+        if key.startswith(C.RESERVED_ANNOTATION_PREFIXES):
+            return SpecError(f"{path}.metadata.annotations[{key}]",
+                             "corefleet's annotation (the operator's bookkeeping)")
+    spec = template.spec
+    for name, why in _OWNED_POD_FIELDS.items():
+        if getattr(spec, name) is not None:
+            return SpecError(f"{path}.spec.{name}", f"refused: {why}")
+    for i, volume in enumerate(spec.volumes or ()):
+        if volume.get("name") in C.RESERVED_VOLUMES:
+            return SpecError(f"{path}.spec.volumes[{i}].name",
+                             f"{volume['name']} is the name of a volume corefleet adds")
+    for i, init in enumerate(spec.initContainers or ()):
+        if init.get("name") in C.CONTAINER_NAMES:
+            return SpecError(f"{path}.spec.initContainers[{i}].name",
+                             f"{init['name']} is the name of a corefleet container")
+    for i, c in enumerate(spec.containers or ()):
+        where = f"{path}.spec.containers[{i}]"
+        if c.name not in C.CONTAINER_NAMES:
+            continue
+        if c.name != container:
+            return SpecError(f"{where}.name", f"these pods have no {c.name} container (corefleet's container here "
+                                              f"is {container}): rename the sidecar")
+        for name, why in _OWNED_CONTAINER_FIELDS.items():
+            if getattr(c, name) is not None:
+                return SpecError(f"{where}.{name}", f"refused on corefleet's container ({why}); it may set only "
+                                                    f"{', '.join(_ALLOWED_MAIN_FIELDS)}")
+        for j, var in enumerate(c.env or ()):
+            if var.get("name") in reserved_env:
+                return SpecError(f"{where}.env[{j}].name", f"{var['name']} is set by corefleet")
+        for j, mount in enumerate(c.volumeMounts or ()):
+            if mount.get("name") in C.RESERVED_VOLUMES:
+                return SpecError(f"{where}.volumeMounts[{j}].name",
+                                 f"{mount['name']} is a volume corefleet mounts itself")
+            if str(mount.get("mountPath", "")).rstrip("/") in mount_paths:
+                return SpecError(f"{where}.volumeMounts[{j}].mountPath",
+                                 f"{mount['mountPath']} is where corefleet mounts one of its volumes")
+    return None
+
+
+# ---- model storage (spec.storage) -----------------------------------------------------------------
+@dataclass(frozen=True)
+class PvcStorage:
+    claimName: str = field(metadata=meta("The PersistentVolumeClaim (in the fleet's namespace) holding the weights.",
+                                         minLength=1, maxLength=C.MAX_NAME_LENGTH))
+    subPath: str = field(default="", metadata=meta(
+        "Directory inside the volume mounted at mountPath (the whole volume if empty).",
+        maxLength=C.MAX_STRING_LENGTH, pattern=r"^$|^[^/]"))
+    readOnly: bool = field(default=True, metadata=meta(
+        "Mount it read-only (every rank shares it: a ReadOnlyMany or ReadWriteMany claim, or ReadWriteOnce "
+        "with every fleet pod on one node)."))
+
+
+@dataclass(frozen=True)
+class HostPathStorage:
+    path: str = field(metadata=meta(
+        "A directory on every node that may run a fleet pod (a hostPath volume of type Directory, mounted "
+        "read-only). hostPath volumes are refused in namespaces that enforce the baseline or restricted "
+        "Pod Security Standard.", minLength=2, maxLength=C.MAX_STRING_LENGTH, pattern=r"^(/[^/]+)+/?$"))
+
+
+@dataclass(frozen=True)
+class ImageStorage:
+    reference: str = field(metadata=meta("The OCI image or artifact holding the weights.", minLength=1,
+                                         maxLength=C.MAX_STRING_LENGTH))
+    pullPolicy: Literal["Always", "IfNotPresent", "Never"] = field(default="IfNotPresent", metadata=meta(
+        "When the kubelet pulls it."))
+
+
+@dataclass(frozen=True)
+class ClaimRef:
+    claimName: str = field(metadata=meta("A PersistentVolumeClaim in the fleet's namespace.", minLength=1,
+                                         maxLength=C.MAX_NAME_LENGTH))
+
+
+@dataclass(frozen=True)
+class SecretKeyRef:
+    name: str = field(metadata=meta("A Secret in the fleet's namespace.", minLength=1, maxLength=C.MAX_NAME_LENGTH))
+    key: str = field(default="token", metadata=meta("Its key holding the token.", minLength=1,
+                                                    maxLength=C.MAX_NAME_LENGTH))
+
+
+@dataclass(frozen=True)
+class HubStorage:
+    cache: ClaimRef | None = field(default=None, metadata=meta(
+        "A ReadWriteMany claim shared by every pod as the Hugging Face cache (HF_HOME), so the model is "
+        "downloaded once; without it each pod downloads into an emptyDir at every start."))
+    tokenSecret: SecretKeyRef | None = field(default=None, metadata=meta(
+        "The hub token (HF_TOKEN) for gated or private models."))
+
+
+_STORAGE_SOURCES = ("pvc", "hostPath", "image", "hub")
+
+
+@dataclass(frozen=True)
+class StorageSpec:
+    pvc: PvcStorage | None = field(default=None, metadata=meta(
+        "Weights on a PersistentVolumeClaim shared read-only by every rank."))
+    hostPath: HostPathStorage | None = field(default=None, metadata=meta("Weights in a node-local directory."))
+    image: ImageStorage | None = field(default=None, metadata=meta(
+        "Weights in an OCI image, mounted as a Kubernetes image volume (read-only). Needs Kubernetes 1.31+ with "
+        "the ImageVolume feature gate: alpha in 1.31-1.32, beta but off by default in 1.33-1.34, on by default "
+        "from 1.35; and a container runtime that supports it (containerd 2.1+, CRI-O 1.31+)."))
+    hub: HubStorage | None = field(default=None, metadata=meta(
+        "Weights downloaded from the Hugging Face hub (model stays a hub id) into a cache at mountPath "
+        "(HF_HOME)."))
+    mountPath: str = field(default=C.DEFAULT_STORAGE_MOUNT_PATH, metadata=meta(
+        f"Where the weights are mounted in the engine and frontend containers (not the coordinator's). A "
+        f"relative model is read from <mountPath>/<model>, and served under the name in spec.model. Neither "
+        f"/ nor one of corefleet's paths ({', '.join(C.RESERVED_MOUNT_PATHS)}).",
+        maxLength=256, pattern=r"^(/[^/]+)+$"))
+
+    CEL_RULES: ClassVar[tuple[tuple[str, str, str], ...]] = (
+        ("[" + ", ".join(f"has(self.{s})" for s in _STORAGE_SOURCES) + "].filter(x, x).size() == 1",
+         f"storage: set exactly one of {', '.join(_STORAGE_SOURCES)}", ""),
+        (f"!(self.mountPath in {_cel_list(C.RESERVED_MOUNT_PATHS)}) && "
+         f"!{_cel_list(C.RESERVED_MOUNT_PATHS)}.exists(p, self.mountPath.startsWith(p + '/')) && "
+         "!self.mountPath.split('/').exists(s, s == '..' || s == '.')",
+         f"storage.mountPath must not be one of corefleet's paths ({', '.join(C.RESERVED_MOUNT_PATHS)}) or inside "
+         "one, nor contain . or .. segments", ""),
+    )
+
+    @property
+    def source(self) -> str:
+        """The source set: pvc, hostPath, image or hub."""
+        return next(s for s in _STORAGE_SOURCES if getattr(self, s) is not None)
+
+    @property
+    def holds_weights(self) -> bool:
+        """The weights are files under mountPath (pvc, hostPath, image), not a hub cache."""
+        return self.hub is None
+
+
 # ---- spec -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class EngineSpec:
@@ -239,9 +618,11 @@ class EngineSpec:
     shmSize: str = field(default="16Gi", metadata=meta(
         "Size of the /dev/shm memory volume of each engine pod.", pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti)?$",
         maxLength=32))
+    podTemplate: PodTemplate | None = field(default=None, metadata=meta(_template_doc("engine")))
 
     # CEL rules the API server checks on spec.engine: (rule, message, messageExpression).
     CEL_RULES: ClassVar[tuple[tuple[str, str, str], ...]] = (
+        _other_roles_rule(C.CONTAINER_ENGINE),
         (f"!has(self.args) || !self.args.exists(a, {_CEL_WIRING})",
          "engine.args must not set the fleet's wiring (--data-parallel-*, --headless, --api-server-count, "
          "--elastic-ep-max-dp-size, --nnodes, --node-rank, --master-addr, --master-port, --port, --host, "
@@ -255,6 +636,14 @@ class EngineSpec:
 class ServiceSpec:
     type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = field(default="ClusterIP", metadata=meta(
         "Type of the Service in front of the frontend."))
+    annotations: Mapping[str, str] = field(default_factory=dict, metadata=meta(
+        f"Annotations of the Service (a cloud load balancer's settings); not corefleet's ({C.LABEL_PREFIX}*).",
+        maxProperties=C.MAX_METADATA_ENTRIES, additionalProperties={"maxLength": C.MAX_ANNOTATION_VALUE_LENGTH}))
+    labels: Mapping[str, str] = field(default_factory=dict, metadata=meta(
+        f"Extra labels of the Service; not the fleet's ({C.LABEL_PREFIX}*, {C.LABEL_MANAGED_BY}).",
+        maxProperties=C.MAX_METADATA_ENTRIES, additionalProperties={"maxLength": C.MAX_LABEL_VALUE_LENGTH}))
+
+    CEL_RULES: ClassVar[tuple[tuple[str, str, str], ...]] = TemplateMetadata.CEL_RULES
 
 
 @dataclass(frozen=True)
@@ -267,6 +656,9 @@ class FrontendSpec:
         "without a CPU request it is starved on a shared node. No CPU limit by default (throttling "
         "stalls every stream)."))
     service: ServiceSpec = field(default_factory=ServiceSpec, metadata=meta("The frontend Service."))
+    podTemplate: PodTemplate | None = field(default=None, metadata=meta(_template_doc("frontend")))
+
+    CEL_RULES: ClassVar[tuple[tuple[str, str, str], ...]] = (_other_roles_rule(C.CONTAINER_FRONTEND),)
 
 
 @dataclass(frozen=True)
@@ -274,6 +666,9 @@ class CoordinatorSpec:
     resources: K8s.Resources = field(default_factory=K8s.Resources, metadata=meta(
         "Resources of the coordinator container. Unless set here (a request or a limit), it "
         "requests cpu 250m and memory 1Gi."))
+    podTemplate: PodTemplate | None = field(default=None, metadata=meta(_template_doc("coordinator")))
+
+    CEL_RULES: ClassVar[tuple[tuple[str, str, str], ...]] = (_other_roles_rule(C.CONTAINER_COORDINATOR),)
 
 
 @dataclass(frozen=True)
@@ -307,8 +702,9 @@ class ScalingSpec:
 @dataclass(frozen=True)
 class EngineCoreSetSpec:
     model: str = field(metadata=meta(
-        "Model served by every rank (a Hugging Face id or a path inside the image).", minLength=1,
-        maxLength=C.MAX_STRING_LENGTH))
+        "Model served by every rank: a Hugging Face id, or a path inside the image; with spec.storage (pvc, "
+        "hostPath, image) a path relative to storage.mountPath (or an absolute path under it), served under "
+        "this name.", minLength=1, maxLength=C.MAX_STRING_LENGTH))
     image: str = field(metadata=meta("Container image with vLLM 0.32.0 and corefleet's runtime.", minLength=1,
                                      maxLength=C.MAX_STRING_LENGTH))
     replicas: int = field(default=1, metadata=meta(
@@ -327,6 +723,10 @@ class EngineCoreSetSpec:
     scheduling: SchedulingSpec = field(default_factory=SchedulingSpec, metadata=meta(
         "Placement of every fleet pod."))
     scaling: ScalingSpec = field(default_factory=ScalingSpec, metadata=meta("Resize timeouts."))
+    storage: StorageSpec | None = field(default=None, metadata=meta(
+        "Where the weights come from: exactly one of a PersistentVolumeClaim, a node-local path, an OCI image "
+        "volume, or the Hugging Face hub with a shared cache. Mounted at mountPath in every engine and the "
+        "frontend (it needs the tokenizer). Without it, model is a hub id or a path inside the image."))
     networkPolicy: bool = field(default=False, metadata=meta(
         "Create a NetworkPolicy that lets fleet pods reach each other on any TCP port (vLLM's data-plane "
         "ports are ephemeral), lets anyone reach the frontend's HTTP port, and only the operator its admin "
@@ -354,6 +754,11 @@ class EngineCoreSetSpec:
         (_cel_disagrees(C.ENGINE_LOAD_FORMAT_FLAGS, "self.engine.loadFormat"),
          "engine.args: --load-format must equal engine.loadFormat (corefleet sets it from there): set "
          "engine.loadFormat instead", ""),
+        ("!has(self.storage) || has(self.storage.hub) || !self.model.startsWith('/') || "
+         "self.model.startsWith(self.storage.mountPath + '/')",
+         "model: an absolute path must lie under storage.mountPath (or write it relative to it)", ""),
+        ("!has(self.storage) || has(self.storage.hub) || !self.model.split('/').exists(s, s == '..')",
+         "model: a path in storage must not contain .. segments", ""),
     )
     # CEL rules on the whole object (metadata.name becomes part of child names and DNS labels).
     OBJECT_CEL_RULES: ClassVar[tuple[tuple[str, str], ...]] = (
@@ -386,9 +791,64 @@ class EngineCoreSetSpec:
             raise SpecError(f"spec.engine.args[{problem[0]}]", problem[1])
         if self.frontend.port in RESERVED_PORTS:
             raise SpecError("spec.frontend.port", f"port {self.frontend.port} is reserved for fleet traffic")
+        reserved_env = self.reserved_env
         for i, var in enumerate(self.engine.env):
-            if var.get("name") in RESERVED_ENV:
+            if var.get("name") in reserved_env:
                 raise SpecError(f"spec.engine.env[{i}].name", f"{var['name']} is set by corefleet")
+        storage = self.storage
+        if storage is not None:
+            self._validate_storage(storage)
+        fixed = (C.RUNTIME_HOME, C.ADMIN_TOKEN_DIR, C.SHM_DIR)
+        models = (storage.mountPath,) if storage is not None else ()
+        for role, container, template, env, paths in (
+                ("engine", C.CONTAINER_ENGINE, self.engine.podTemplate, reserved_env, (*fixed, *models)),
+                ("frontend", C.CONTAINER_FRONTEND, self.frontend.podTemplate, reserved_env, (*fixed, *models)),
+                ("coordinator", C.CONTAINER_COORDINATOR, self.coordinator.podTemplate, RESERVED_ENV, fixed)):
+            if template is not None:
+                refused = template_problem(template, container, f"spec.{role}.podTemplate", reserved_env=env,
+                                           mount_paths=paths)
+                if refused is not None:
+                    raise refused
+        service = self.frontend.service
+        for key in service.labels:
+            if key.startswith(C.RESERVED_LABEL_PREFIXES) or key in C.RESERVED_LABELS:
+                raise SpecError(f"spec.frontend.service.labels[{key}]", "a fleet label, set by corefleet")
+        for key in service.annotations:
+            if key.startswith(C.RESERVED_ANNOTATION_PREFIXES):
+                raise SpecError(f"spec.frontend.service.annotations[{key}]", "corefleet's annotation")
+
+    def _validate_storage(self, storage: StorageSpec) -> None:
+        sources = [s for s in _STORAGE_SOURCES if getattr(storage, s) is not None]
+        if len(sources) != 1:
+            raise SpecError("spec.storage", f"set exactly one of {', '.join(_STORAGE_SOURCES)}"
+                                            + (f", not {' and '.join(sources)}" if sources else ""))
+        mount = storage.mountPath
+        segments = mount.split("/")
+        if mount in C.RESERVED_MOUNT_PATHS or any(mount.startswith(p + "/") for p in C.RESERVED_MOUNT_PATHS) \
+                or "." in segments or ".." in segments:
+            raise SpecError("spec.storage.mountPath", f"{mount} is one of corefleet's paths "
+                                                      f"({', '.join(C.RESERVED_MOUNT_PATHS)}), inside one, or has "
+                                                      ". or .. segments")
+        if storage.holds_weights:
+            if self.model.startswith("/") and not self.model.startswith(mount + "/"):
+                raise SpecError("spec.model", f"{self.model} is not under storage.mountPath {mount}")
+            if ".." in self.model.split("/"):
+                raise SpecError("spec.model", "a path in storage must not contain .. segments")
+
+    @property
+    def reserved_env(self) -> tuple[str, ...]:
+        """Env names corefleet sets in the engine and frontend containers."""
+        if self.storage is not None and self.storage.hub is not None:
+            return (*RESERVED_ENV, C.ENV_HF_HOME, *((C.ENV_HF_TOKEN,) if self.storage.hub.tokenSecret else ()))
+        return tuple(RESERVED_ENV)
+
+    @property
+    def model_path(self) -> str:
+        """What vLLM's --model gets: spec.model, or with storage holding the weights its path under mountPath."""
+        storage = self.storage
+        if storage is None or not storage.holds_weights or self.model.startswith("/"):
+            return self.model
+        return f"{storage.mountPath}/{self.model}"
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from corefleet_operator.models import (
     RecoveryStatus,
     SpecError,
 )
+from factories import full_pod_template
 
 REPO = Path(__file__).resolve().parents[2]
 CRD = REPO / "manifests" / "crd.yaml"
@@ -206,3 +207,112 @@ def test_a_flag_cel_cannot_see_is_left_to_the_operator(k8s: LocalControlPlane, n
     assert apply(k8s, namespace, obj).returncode == 0
     with pytest.raises(SpecError, match=r"--headl abbreviates --headless"):
         EngineCoreSetSpec.parse(obj["spec"])
+
+
+# ---- issue 27: pod templates and storage ----------------------------------------------------------
+# Each field of corefleet's own container a podTemplate may not set, refused at apply with its name.
+OWNED_CONTAINER_FIELDS: dict[str, Any] = {
+    "image": "x", "command": ["sh"], "args": ["-c"], "ports": [{"containerPort": 1}],
+    "startupProbe": {"exec": {"command": ["true"]}}, "livenessProbe": {"exec": {"command": ["true"]}},
+    "readinessProbe": {"exec": {"command": ["true"]}}, "lifecycle": {"preStop": {"sleep": {"seconds": 1}}},
+    "resources": {"limits": {"cpu": "1"}}, "tty": True, "stdin": True,
+}
+
+
+@pytest.mark.parametrize("role", ["engine", "frontend", "coordinator"])
+@pytest.mark.parametrize("field", list(OWNED_CONTAINER_FIELDS))
+def test_each_owned_container_field_is_refused_at_apply(k8s: LocalControlPlane, namespace: str, ecs_crd: str,
+                                                        role: str, field: str) -> None:
+    obj = ecs(f"{role}-{field.lower()}")
+    obj["spec"].setdefault(role, {})["podTemplate"] = {
+        "spec": {"containers": [{"name": role, field: OWNED_CONTAINER_FIELDS[field]}]}}
+    r = apply(k8s, namespace, obj)
+    assert r.returncode != 0
+    assert f"containers[{role}].{field}: refused on corefleet's container" in r.stderr, r.stderr
+    assert not model_accepts(obj)
+
+
+POD_REFUSALS: dict[str, tuple[dict[str, Any], str]] = {
+    "restart-policy": ({"spec": {"restartPolicy": "Always"}}, "restartPolicy is refused: corefleet sets Never"),
+    "hostname": ({"spec": {"hostname": "h"}}, "hostname is refused"),
+    "subdomain": ({"spec": {"subdomain": "s"}}, "subdomain is refused"),
+    "service-links": ({"spec": {"enableServiceLinks": True}}, "enableServiceLinks is refused"),
+    "fleet-label": ({"metadata": {"labels": {"corefleet.io/fleet": "other"}}},
+                    "labels: corefleet.io/fleet is a fleet label"),
+    "managed-by": ({"metadata": {"labels": {"app.kubernetes.io/managed-by": "me"}}},
+                   "labels: app.kubernetes.io/managed-by is a fleet label"),
+    "annotation": ({"metadata": {"annotations": {"corefleet.io/spec-hash": "x"}}},
+                   "annotations: corefleet.io/spec-hash is corefleet's annotation"),
+    "volume-name": ({"spec": {"volumes": [{"name": "dshm", "emptyDir": {}}]}},
+                    "are the names of volumes corefleet adds"),
+    "init-name": ({"spec": {"initContainers": [{"name": "engine", "image": "x"}]}},
+                  "are the names of corefleet's containers"),
+    "mount-name": ({"spec": {"containers": [
+        {"name": "engine", "volumeMounts": [{"name": "home", "mountPath": "/x"}]}]}},
+                   "containers[engine].volumeMounts: home is a volume corefleet mounts itself"),
+    "other-role": ({"spec": {"containers": [{"name": "frontend"}]}}, "these pods have no frontend or coordinator"),
+    "unknown-pod-field": ({"spec": {"hostNetwork": True}},
+                          'unknown field "spec.engine.podTemplate.spec.hostNetwork"'),
+}
+
+
+@pytest.mark.parametrize("case", list(POD_REFUSALS))
+def test_owned_pod_fields_and_fleet_labels_are_refused_at_apply(k8s: LocalControlPlane, namespace: str,
+                                                                ecs_crd: str, case: str) -> None:
+    template, refusal = POD_REFUSALS[case]
+    obj = ecs(case, engine={"podTemplate": template})
+    r = apply(k8s, namespace, obj)
+    assert r.returncode != 0
+    assert refusal in r.stderr, r.stderr
+    assert not model_accepts(obj)
+
+
+def test_a_full_template_for_every_role_and_service_metadata_are_accepted(k8s: LocalControlPlane, namespace: str,
+                                                                         ecs_crd: str) -> None:
+    obj = ecs("full", storage={"pvc": {"claimName": "weights"}}, model="qwen3-8b")
+    for role in ("engine", "frontend", "coordinator"):
+        obj["spec"].setdefault(role, {})["podTemplate"] = full_pod_template(role)
+    obj["spec"]["frontend"]["service"] = {"type": "LoadBalancer", "labels": {"team": "t"},
+                                          "annotations": {"cloud.example.com/lb-internal": "1"}}
+    r = apply(k8s, namespace, obj)
+    assert r.returncode == 0, r.stderr
+    stored = json.loads(k8s.kubectl("get", "ecs", "full", "-n", namespace, "-o", "json").stdout)["spec"]
+    for role in ("engine", "frontend", "coordinator"):
+        assert stored[role]["podTemplate"] == full_pod_template(role)  # nothing pruned
+    assert stored["storage"] == {"pvc": {"claimName": "weights", "readOnly": True}, "mountPath": "/models"}
+    assert EngineCoreSetSpec.parse(stored) == EngineCoreSetSpec.parse(obj["spec"])
+
+
+STORAGE_REFUSALS: dict[str, tuple[dict[str, Any], str, str]] = {
+    "two-sources": ({"pvc": {"claimName": "w"}, "hub": {}}, "m",
+                    "storage: set exactly one of pvc, hostPath, image, hub"),
+    "no-source": ({"mountPath": "/w"}, "m", "storage: set exactly one of"),
+    "mount-in-home": ({"pvc": {"claimName": "w"}, "mountPath": "/home/corefleet/w"}, "m",
+                      "storage.mountPath must not be one of corefleet's paths"),
+    "model-outside": ({"image": {"reference": "r"}}, "/etc/m",
+                      "model: an absolute path must lie under storage.mountPath"),
+    "model-dotdot": ({"hostPath": {"path": "/d"}}, "../m", "model: a path in storage must not contain .. segments"),
+}
+
+
+@pytest.mark.parametrize("case", list(STORAGE_REFUSALS))
+def test_storage_that_cannot_work_is_refused_at_apply(k8s: LocalControlPlane, namespace: str, ecs_crd: str,
+                                                      case: str) -> None:
+    storage, model, refusal = STORAGE_REFUSALS[case]
+    obj = ecs(case, storage=storage, model=model)
+    r = apply(k8s, namespace, obj)
+    assert r.returncode != 0
+    assert refusal in r.stderr, r.stderr
+    assert not model_accepts(obj)
+
+
+@pytest.mark.parametrize("storage", [{"pvc": {"claimName": "w", "subPath": "hf"}}, {"hostPath": {"path": "/d"}},
+                                     {"image": {"reference": "r/m:1"}, "mountPath": "/w"},
+                                     {"hub": {"cache": {"claimName": "c"}, "tokenSecret": {"name": "hf"}}}],
+                         ids=["pvc", "hostpath", "image", "hub"])
+def test_each_storage_kind_is_accepted(k8s: LocalControlPlane, namespace: str, ecs_crd: str,
+                                       storage: dict[str, Any]) -> None:
+    obj = ecs(f"s-{next(iter(storage)).lower()}", storage=storage, model="m")
+    r = apply(k8s, namespace, obj)
+    assert r.returncode == 0, r.stderr
+    assert model_accepts(obj)

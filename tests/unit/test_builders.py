@@ -24,7 +24,7 @@ import yaml
 
 from corefleet_operator import builders, constants
 from corefleet_operator.models import FleetRef
-from factories import EcsFactory, make_ecs
+from factories import EcsFactory, full_pod_template, make_ecs
 
 GOLDEN_DIR = Path(__file__).resolve().parent.parent / "golden"
 UPDATE_ENV = "COREFLEET_UPDATE_GOLDEN"
@@ -86,7 +86,51 @@ def _moe() -> EcsFactory:
     )
 
 
+def _templated() -> EcsFactory:
+    """A fleet with a full podTemplate for every role, over spec.scheduling (to show how they merge)."""
+    return (
+        _rich()
+        .set("scheduling", {"nodeSelector": {"pool": "gpu"},
+                            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                            "priorityClassName": "inference"})
+        .pod_template("engine", full_pod_template(constants.CONTAINER_ENGINE))
+        .pod_template("frontend", full_pod_template(constants.CONTAINER_FRONTEND))
+        .pod_template("coordinator", full_pod_template(constants.CONTAINER_COORDINATOR))
+    )
+
+
+STORAGE: dict[str, dict[str, Any]] = {
+    "pvc": {"pvc": {"claimName": "weights", "subPath": "hf"}},
+    "hostpath": {"hostPath": {"path": "/mnt/models"}, "mountPath": "/weights"},
+    "image": {"image": {"reference": "registry.example.com/models/qwen3-8b:1", "pullPolicy": "Always"}},
+    "hub": {"hub": {"cache": {"claimName": "hf-cache"}, "tokenSecret": {"name": "hf"}}},
+}
+
+
+def _stored(kind: str) -> EcsFactory:
+    model = "Qwen/Qwen3-8B" if kind == "hub" else "qwen3-8b"
+    return make_ecs("a").replicas(2).model(model).storage(**STORAGE[kind])
+
+
+def _stored_engine(kind: str) -> Callable[[], Any]:
+    return lambda: builders.engine_pod(_stored(kind).obj(), 0, dp_size=2, frontend_address=FRONTEND_DNS)
+
+
 GOLDEN_CASES: dict[str, Callable[[], Any]] = {
+    "engine-pod-template.yaml": lambda: builders.engine_pod(
+        _templated().obj(), 1, dp_size=2, frontend_address=FRONTEND_DNS, fleet_generation=3),
+    "frontend-pod-template.yaml": lambda: builders.frontend_pod(
+        _templated().obj(), dp_size=2, coordinator_address=COORDINATOR_DNS, fleet_generation=3),
+    "coordinator-pod-template.yaml": lambda: builders.coordinator_pod(_templated().obj(), dp_size=2,
+                                                                      fleet_generation=3),
+    **{f"engine-pod-storage-{kind}.yaml": _stored_engine(kind) for kind in STORAGE},
+    "frontend-pod-storage-pvc.yaml": lambda: builders.frontend_pod(
+        _stored("pvc").obj(), dp_size=2, coordinator_address=COORDINATOR_DNS),
+    "frontend-service-annotated.yaml": lambda: builders.frontend_service(
+        make_ecs("a").set("frontend.service", {
+            "type": "LoadBalancer",
+            "annotations": {"service.beta.kubernetes.io/aws-load-balancer-scheme": "internal"},
+            "labels": {"team": "search"}}).obj()),
     "engine-pod-rank1.yaml": lambda: builders.engine_pod(
         _rich().obj(), 1, dp_size=2, frontend_address=FRONTEND_DNS, fleet_generation=3),
     "engine-pod-scaleup.yaml": lambda: builders.engine_pod(
@@ -227,7 +271,8 @@ def test_env_order_downward_api_then_scale_up_then_user() -> None:
     pod = builders.engine_pod(make_ecs("a").env("POD_IP_COPY", "x").env("B", "2").obj(), 0, dp_size=1,
                               frontend_address="f", scale_up=True)
     names = [e["name"] for e in _container(pod)["env"]]
-    assert names == ["POD_IP", "POD_NAME", "POD_NAMESPACE", constants.ENV_SCALE_UP_LAUNCH, "POD_IP_COPY", "B"]
+    assert names == ["POD_IP", "POD_NAME", "POD_NAMESPACE", "HOME", constants.ENV_SCALE_UP_LAUNCH, "POD_IP_COPY",
+                     "B"]
     downward = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in _container(pod)["env"][:3]}
     assert downward == {"POD_IP": "status.podIP", "POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace"}
 
@@ -405,8 +450,8 @@ def test_frontend_mounts_the_admin_token_it_is_told_to_read() -> None:
     pod = builders.frontend_pod(make_ecs("a").obj(), dp_size=1, coordinator_address="c")
     args = _container(pod)["args"]
     token_file = args[args.index("--admin-token-file") + 1]
-    (mount,) = _container(pod)["volumeMounts"]
-    (volume,) = pod["spec"]["volumes"]
+    (mount,) = [m for m in _container(pod)["volumeMounts"] if m["name"] == builders.ADMIN_TOKEN_VOLUME]
+    (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == builders.ADMIN_TOKEN_VOLUME]
     assert token_file == f"{mount['mountPath']}/{constants.ADMIN_TOKEN_KEY}"
     assert mount["readOnly"] is True
     assert volume == {"name": mount["name"], "secret": {"secretName": "a-admin"}}

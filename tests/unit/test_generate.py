@@ -113,7 +113,7 @@ def test_crd_carries_the_recovery_budget_and_the_recovery_status() -> None:
 def test_crd_cel_rules_come_from_the_constants_flag_lists() -> None:
     """One source for the flags corefleet sets: the CEL rules are built from constants.ENGINE_*_FLAGS."""
     spec = _crd_schema()["properties"]["spec"]
-    [wiring] = spec["properties"]["engine"]["x-kubernetes-validations"]
+    [wiring] = [r for r in spec["properties"]["engine"]["x-kubernetes-validations"] if "wiring" in r["message"]]
     for flag in constants.ENGINE_WIRING_FLAGS:
         assert f"'{flag}'" in wiring["rule"], flag
     assert "is set by corefleet" in wiring["messageExpression"]
@@ -222,8 +222,9 @@ def test_annotate_refuses_a_missing_or_ambiguous_line() -> None:
 
 
 # ---- samples --------------------------------------------------------------------------------------
-def test_there_is_a_dense_and_an_moe_sample() -> None:
-    assert [p.name for p in SAMPLES] == ["enginecoreset-moe.yaml", "enginecoreset.yaml"]
+def test_there_is_a_dense_and_an_moe_sample_and_one_per_storage_kind() -> None:
+    assert [p.name for p in SAMPLES] == ["enginecoreset-moe.yaml", "enginecoreset.yaml", "storage-hostpath.yaml",
+                                         "storage-hub.yaml", "storage-image.yaml", "storage-pvc.yaml"]
 
 
 @pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.name)
@@ -233,6 +234,11 @@ def test_samples_parse_into_the_typed_model(path: Path) -> None:
     assert obj["kind"] == constants.KIND
     spec = EngineCoreSetSpec.parse(obj["spec"])
     assert spec.replicas == 2
+    assert path.read_text().count("\n#") + path.read_text().count("  #") >= 5  # it explains its fields
+    if path.name.startswith("storage-"):
+        assert spec.storage is not None
+        assert spec.storage.source.lower() == path.stem.removeprefix("storage-")
+        return
     assert spec.max_replicas == 4
     assert spec.engine.tensorParallelSize == (2 if spec.expertParallel else 1)
     assert spec.engine.args
