@@ -33,8 +33,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -48,7 +50,8 @@ from corefleet_client.admin import RankState
 from corefleet_harness.localcluster import LocalControlPlane
 from corefleet_harness.localnode import LocalNode
 from corefleet_harness.support import wait_until
-from corefleet_operator import constants
+from corefleet_harness.tinymodel import write_tiny_model
+from corefleet_operator import builders, constants
 from corefleet_operator.generate import OPERATOR_IMAGE
 from fleettest import FleetView, Load, PinnedStream, ResizeWatch, ecs_engine_args
 from nodetest import RealNode
@@ -59,7 +62,12 @@ ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "corefleet"
 SAMPLE = ROOT / "manifests" / "samples" / "enginecoreset.yaml"
 RELEASE, SYSTEM, NS, EMU_NS = "corefleet", "corefleet-system", "llm", "emu"
-MODEL, SERVED = "/models/tiny-llama", "tiny"  # tests/images/runtime-test
+MODEL, SERVED = "/models/tiny-llama", "tiny"  # tests/images/runtime-test (the emulator fleet's)
+# The real vLLM fleet's weights: a PersistentVolumeClaim on a hostPath PersistentVolume (the node is this host)
+# holding the tiny model under a name the image does not have, mounted at /models over the image's own.
+PVC_MODEL, CLAIM, VOLUME = "tiny-pvc", "models", "corefleet-test-models"
+RESTRICTED = {"pod-security.kubernetes.io/enforce": "restricted",
+              "pod-security.kubernetes.io/enforce-version": "latest"}
 TEST_IMAGE_PREFIX = "corefleet.local/runtime-test:"
 CONTEXT = 8192  # the test image's tiny model
 # Long requests pinned to the leaving rank, as long as the context allows, three at once (a batch is slower per
@@ -77,6 +85,8 @@ def sample(image: str, *, emulator: bool = False) -> dict[str, Any]:
     spec = ecs["spec"]
     small = {"requests": {"cpu": "100m", "memory": "512Mi"}}
     spec.update(image=image, model=MODEL, replicas=2, maxReplicas=3)
+    if not emulator:
+        spec.update(model=PVC_MODEL, storage={"pvc": {"claimName": CLAIM}})
     spec["engine"].update(args=ecs_engine_args(SERVED, CONTEXT), loadFormat="dummy", resources=small, shmSize="1Gi")
     if emulator:
         spec["engine"]["env"] = [{"name": "COREFLEET_TEST_ENGINE", "value": "emulator"},
@@ -136,10 +146,35 @@ def node_state(cp: LocalControlPlane) -> str:
     return cp.kubectl("get", "pods", "-A", "-o", "wide", check=False).stdout
 
 
+def restricted_namespace(cp: LocalControlPlane, name: str) -> None:
+    """A namespace that enforces the PodSecurity `restricted` standard (the API server's built-in admission)."""
+    cp.kubectl("create", "namespace", name)
+    cp.kubectl("label", "namespace", name, *(f"{k}={v}" for k, v in RESTRICTED.items()))
+
+
+def model_volume(cp: LocalControlPlane, directory: Path) -> None:
+    """The tiny model on a hostPath PersistentVolume, bound to the claim CLAIM in NS (read-only, every rank)."""
+    write_tiny_model(directory / PVC_MODEL, context=CONTEXT)
+    for path in (directory, *directory.rglob("*")):  # readable by the fleet's uid 1000
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    pv = {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": VOLUME},
+          "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"],
+                   "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "corefleet-test",
+                   "hostPath": {"path": str(directory), "type": "Directory"}}}
+    pvc = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": CLAIM},
+           "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "corefleet-test", "volumeName": VOLUME,
+                    "resources": {"requests": {"storage": "1Gi"}}}}
+    cp.kubectl("apply", "-f", "-", input=json.dumps(pv))
+    cp.kubectl("apply", "-n", NS, "-f", "-", input=json.dumps(pvc))
+
+
 @pytest.fixture(scope="module")
 def setup(real_node: RealNode, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     tmp = tmp_path_factory.mktemp("node-fleet")
     cp, node = real_node.cp, real_node.node
+    # Outside pytest's temporary directory, which only root may enter.
+    models = Path(tempfile.mkdtemp(prefix="corefleet-test-models-", dir="/var/tmp"))
+    restricted_namespace(cp, SYSTEM)
     [image] = [n for n in node.ctr("images", "list", "--quiet").stdout.split() if n.startswith(TEST_IMAGE_PREFIX)]
     env = {**cp.env(), **{v: str(tmp / "helm" / v.lower()) for v in
                           ("HELM_CACHE_HOME", "HELM_CONFIG_HOME", "HELM_DATA_HOME")}}
@@ -157,7 +192,8 @@ def setup(real_node: RealNode, tmp_path_factory: pytest.TempPathFactory) -> Iter
 
     wait_until(operator_ready, 120, "the operator's container Ready", interval=0.5,
                diagnose=lambda: cp.kubectl("logs", "-n", SYSTEM, operator_pod, "--tail=40", check=False).stdout)
-    cp.kubectl("create", "namespace", NS)
+    restricted_namespace(cp, NS)
+    model_volume(cp, models)
     ecs = sample(image)
     cp.kubectl("apply", "-n", NS, "-f", "-", input=json.dumps(ecs))  # schema and CEL accept it
     s = Setup(cp, node, FleetView(cp, NS, ecs["metadata"]["name"], None, SERVED), operator_pod, image)
@@ -169,6 +205,8 @@ def setup(real_node: RealNode, tmp_path_factory: pytest.TempPathFactory) -> Iter
             cp.kubectl("delete", "pods", "--all", "-n", ns, "--grace-period=0", "--force", "--wait=false",
                        check=False)
             cp.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+        cp.kubectl("delete", "pv", VOLUME, "--wait=false", check=False)
+        shutil.rmtree(models, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +215,7 @@ def emu(setup: Setup) -> FleetView:
     real vLLM fleet: made by the first test that asks for it, kept for the module."""
     s = setup
     ecs = sample(s.image, emulator=True)
-    s.cp.kubectl("create", "namespace", EMU_NS)
+    restricted_namespace(s.cp, EMU_NS)
     s.cp.kubectl("apply", "-n", EMU_NS, "-f", "-", input=json.dumps(ecs))
     fleet = FleetView(s.cp, EMU_NS, ecs["metadata"]["name"], None, SERVED)
     fleet.wait_settled(2, 300, interval=0.5)
@@ -224,6 +262,25 @@ def test_sample_fleet_runs_as_containers_and_serves_through_its_cluster_ip(setup
         assert s.container_id(pod) in ids, pod
     wide = s.cp.kubectl("get", "pods", "-n", NS, "-o", "wide").stdout
     assert wide.count(" Running ") == 4, wide
+    # In a namespace that enforces PodSecurity `restricted`, every process of every fleet container runs as the
+    # runtime image's non-root user.
+    labels = s.cp.request("GET", f"/api/v1/namespaces/{NS}")["metadata"]["labels"]
+    assert RESTRICTED.items() <= labels.items(), labels
+    for pod in pods:
+        for pid in s.container_pids(pod):
+            with open(f"/proc/{pid}/status") as f:
+                uids = next(line.split()[1:] for line in f if line.startswith("Uid:"))
+            assert set(uids) == {str(constants.RUNTIME_UID)}, (pod, pid, uids)
+    # The weights come from the claim, mounted read-only at /models in every engine and the frontend: the model
+    # exists nowhere else (the image has /models/tiny-llama only, and the mount hides even that).
+    for pod in pods:
+        mounts = {v["name"]: v for v in pods[pod]["spec"].get("volumes", [])}
+        container = pods[pod]["spec"]["containers"][0]
+        if pod == constants.coordinator_name(name):
+            assert constants.VOLUME_MODELS not in mounts
+            continue
+        assert mounts[constants.VOLUME_MODELS]["persistentVolumeClaim"] == {"claimName": CLAIM, "readOnly": True}
+        assert f"/models/{PVC_MODEL}" in container["args"], container["args"]
     st = s.fleet.status()
     assert (st["phase"], st["replicas"], st["readyReplicas"], st["recoveries"]) == ("Running", 2, 2, 0), st
     assert s.fleet.get_ecs().split("\n")[1].split()[:4] == [name, "2", "2", "Running"]
@@ -238,8 +295,10 @@ def test_sample_fleet_runs_as_containers_and_serves_through_its_cluster_ip(setup
               " data=body, headers={'Content-Type': 'application/json'})\n"
               "print(json.load(urllib.request.urlopen(req, timeout=60))['usage']['completion_tokens'])\n")
     client = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "client"},
-              "spec": {"restartPolicy": "Never", "containers": [
-                  {"name": "c", "image": s.image, "imagePullPolicy": "Never", "command": ["python", "-c", script]}]}}
+              "spec": {"restartPolicy": "Never", "securityContext": builders.pod_security_context(),
+                       "containers": [{"name": "c", "image": s.image, "imagePullPolicy": "Never",
+                                       "command": ["python", "-c", script],
+                                       "securityContext": builders.container_security_context()}]}}
     s.cp.kubectl("apply", "-n", NS, "-f", "-", input=json.dumps(client))
 
     def done() -> bool:
