@@ -84,10 +84,55 @@ def fleet_config_hash(spec: EngineCoreSetSpec) -> str:
     only where set, so that a fleet that does not use them keeps its hash across an operator upgrade
     (and is not recreated by it).
     """
-    payload = {
+    blob = json.dumps(_config_payload(spec), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+# The configuration's parts as a user names them (the keys of `_config_payload`).
+CONFIG_SECTION_NAMES: Mapping[str, str] = {
+    "model": "model", "image": "image", "engine": "engine", "expertParallel": "expertParallel",
+    "maxReplicas": "maxReplicas", "scheduling": "scheduling", "frontendPort": "frontend.port",
+    "frontendResources": "frontend.resources", "coordinatorResources": "coordinator.resources",
+    "readyTimeoutSeconds": "scaling.readyTimeoutSeconds", "storage": "storage",
+    "engineTemplate": "engine.podTemplate", "frontendTemplate": "frontend.podTemplate",
+    "coordinatorTemplate": "coordinator.podTemplate",
+}
+
+
+def config_sections(spec: EngineCoreSetSpec) -> dict[str, str]:
+    """8 hex digits of sha256 of each part of `fleet_config_hash`'s payload (absent optional parts left out): pods
+    carry them (ANNOTATION_CONFIG_SECTIONS), so that a fleet recreated for a new configuration can say which part
+    changed (`changed_sections`)."""
+    return {key: hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:8]
+            for key, value in sorted(_config_payload(spec).items())}
+
+
+def format_sections(sections: Mapping[str, str]) -> str:
+    return ",".join(f"{key}={value}" for key, value in sorted(sections.items()))
+
+
+def parse_sections(annotation: str) -> dict[str, str]:
+    """`format_sections`'s text as a mapping ({} for an empty or broken one)."""
+    pairs = [item.partition("=") for item in annotation.split(",") if item]
+    return {key: value for key, sep, value in pairs if sep and key and value}
+
+
+def changed_sections(spec: EngineCoreSetSpec, built: Mapping[str, str]) -> list[str]:
+    """The parts of the configuration (user-facing names) in which `spec` differs from the one a pod with the
+    sections `built` was built from; [] if the pod carries none (built by an older operator)."""
+    if not built:
+        return []
+    now = config_sections(spec)
+    return [CONFIG_SECTION_NAMES.get(key, key) for key in sorted(set(now) | set(built))
+            if now.get(key) != built.get(key)]
+
+
+def _config_payload(spec: EngineCoreSetSpec) -> dict[str, Any]:
+    """What `fleet_config_hash` covers, by part."""
+    payload: dict[str, Any] = {
         "model": spec.model,
         "image": spec.image,
-        "engine": to_json(spec.engine),
+        "engine": {k: v for k, v in to_json(spec.engine).items() if k != "podTemplate"},  # its own part
         "expertParallel": spec.expertParallel,
         "maxReplicas": spec.max_replicas if spec.expertParallel else None,
         "scheduling": to_json(spec.scheduling),
@@ -103,8 +148,7 @@ def fleet_config_hash(spec: EngineCoreSetSpec) -> str:
         "coordinatorTemplate": spec.coordinator.podTemplate,
     }
     payload.update({key: to_json(value) for key, value in optional.items() if value is not None})
-    blob = json.dumps(payload, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+    return payload
 
 
 # ---- pods ---------------------------------------------------------------------------------------
@@ -562,6 +606,7 @@ def _pod(
     annotations = {
         constants.ANNOTATION_SPEC_HASH: fleet_config_hash(fleet.spec),
         constants.ANNOTATION_GENERATION: str(fleet_generation),
+        constants.ANNOTATION_CONFIG_SECTIONS: format_sections(config_sections(fleet.spec)),
     }
     container = {
         **container,

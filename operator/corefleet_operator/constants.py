@@ -57,6 +57,8 @@ ENGINE_CORE_CPUS: Final = 1  # the engine core's busy loop; plus one per tensor-
 
 ANNOTATION_SPEC_HASH: Final = f"{GROUP}/spec-hash"  # hash of the fleet-wide config a pod was built from
 ANNOTATION_GENERATION: Final = f"{GROUP}/fleet-generation"  # which incarnation of the fleet a pod belongs to
+# The spec-hash's parts, `section=hash,...`: which part of the configuration changed, told when a fleet is recreated.
+ANNOTATION_CONFIG_SECTIONS: Final = f"{GROUP}/config-sections"
 
 # --- Ports (fixed, so names and addresses are derived, not discovered) -------------------------
 FRONTEND_HTTP_PORT: Final = 8000  # default of spec.frontend.port

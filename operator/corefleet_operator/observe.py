@@ -37,6 +37,7 @@ class PodObs:
     ready: bool = False
     terminating: bool = False
     spec_hash: str = ""
+    config_sections: str = ""  # ANNOTATION_CONFIG_SECTIONS: the spec hash's parts (builders.format_sections)
     fleet_generation: int = 0
     node: str = ""
     ip: str = ""
@@ -171,6 +172,7 @@ def pod_obs(name: str, meta: Mapping[str, Any], spec: Mapping[str, Any], status:
         ready=ready,
         terminating=bool(meta.get("deletionTimestamp")),
         spec_hash=str(annotations.get(constants.ANNOTATION_SPEC_HASH, "")),
+        config_sections=str(annotations.get(constants.ANNOTATION_CONFIG_SECTIONS, "")),
         fleet_generation=generation,
         node=str(spec.get("nodeName") or ""),
         ip=str(status.get("podIP") or ""),

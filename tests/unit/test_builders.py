@@ -370,7 +370,15 @@ def test_pods_carry_hash_and_generation() -> None:
     for obj in _children(fleet, 2, fleet_generation=7):
         if obj["kind"] == "Pod":
             assert obj["metadata"]["annotations"] == {
-                constants.ANNOTATION_SPEC_HASH: expected, constants.ANNOTATION_GENERATION: "7"}
+                constants.ANNOTATION_SPEC_HASH: expected, constants.ANNOTATION_GENERATION: "7",
+                constants.ANNOTATION_CONFIG_SECTIONS: builders.format_sections(builders.config_sections(fleet.spec))}
+    # The parts name what changed, and read back as written.
+    sections = builders.config_sections(fleet.spec)
+    assert builders.parse_sections(builders.format_sections(sections)) == sections
+    assert builders.changed_sections(fleet.spec, sections) == []
+    assert builders.changed_sections(make_ecs("a").replicas(5).obj().spec, sections) == []  # replicas: in place
+    assert builders.changed_sections(make_ecs("a").image("x:2").obj().spec, sections) == ["image"]
+    assert builders.changed_sections(fleet.spec, {}) == []  # a pod of an older operator: nothing to tell
 
 
 def test_network_policy_absent_by_default() -> None:

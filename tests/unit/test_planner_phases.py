@@ -21,7 +21,7 @@ from corefleet_operator.models import (
     RankStatus,
     RecoveryStatus,
 )
-from corefleet_operator.observe import FleetObs, FrontendObs, Observed, PodObs, RankObs, ResizeObs
+from corefleet_operator.observe import FleetObs, FrontendObs, Observed, PodObs, RankObs, ResizeObs, pod_obs
 from corefleet_operator.planner import Plan, PlanSettings, plan
 from corefleet_operator.planner.basis import Basis, begin
 from corefleet_operator.planner.children import child_actions, wanted_pods
@@ -694,3 +694,26 @@ def test_the_requeue_adds_the_readiness_deadlines_and_the_frontends_view() -> No
     assert requeue_after(FLEET, step, serving(phase="Starting"), unready, None, NOW) == 11
     assert requeue_after(FLEET, step, serving(), (), None, NOW) == 15
     assert requeue_after(FLEET, step, serving(), (), 1.0, NOW) == 1
+
+
+@pytest.mark.parametrize(("change", "told"), [
+    ({"storage": {"pvc": {"claimName": "weights"}}, "model": "m"}, "model, storage"),
+    ({"engine": {"podTemplate": {"spec": {"runtimeClassName": "nvidia"}}}}, "engine.podTemplate"),
+    ({"image": "other:2"}, "image"),
+])
+def test_a_fleet_recreated_for_a_new_configuration_says_which_part_changed(change: dict[str, Any], told: str) -> None:
+    """The pods carry their configuration's parts (ANNOTATION_CONFIG_SECTIONS): the Restarting event names the
+    ones that differ (storage, a role's pod template, ...), as a platform team needs to know why every rank
+    restarts."""
+    old = make_ecs("f").replicas(3)
+    built = [c for c in builders.fleet_children(old.obj(), dp_size=3, admin_token="t", fleet_generation=1)
+             if c["kind"] == "Pod"]
+    pods = [replace(pod_obs(p["metadata"]["name"], {**p["metadata"], "uid": f"u{i}"}, {**p["spec"], "nodeName": "n"},
+                            {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}))
+            for i, p in enumerate(built)]
+    new = make_ecs("f").replicas(3)
+    for key, value in change.items():
+        new = new.set(key, value)
+    out = plan(new.obj(), observed(serving(), pods), NOW)
+    (restarting,) = [e for e in out.events if e.reason == "Restarting"]
+    assert restarting.message.startswith(f"spec changed ({told}): recreating all ranks at 3"), restarting.message

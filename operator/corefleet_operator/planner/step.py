@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from corefleet_operator import constants
+from corefleet_operator import builders, constants
 from corefleet_operator.actions import Event
 from corefleet_operator.models import FleetPhase, FleetRef, OperationStatus, RecoveryStatus
 from corefleet_operator.observe import Observed
@@ -190,9 +190,12 @@ def removed(fleet: FleetRef, observed: Observed, basis: Basis, losses: Losses) -
 def _restart_changed(fleet: FleetRef, basis: Basis, step: Step, now: str) -> Step:
     """A configuration change: the fleet is recreated at the new spec, superseding any operation in flight."""
     desired = fleet.spec.replicas
+    changed = sorted({section for p in basis.current.values() if p.spec_hash != basis.config_hash
+                      for section in builders.changed_sections(fleet.spec, builders.parse_sections(p.config_sections))})
+    what = ", ".join(changed) if changed else "configuration"
     step = _recreate(step, "Restarting", desired, step.recovery, Event(
-        "Normal", "Restarting", f"spec changed (configuration): recreating all ranks at {desired} (incarnation "
-                                f"{step.generation + 1})"))
+        "Normal", "Restarting", f"spec changed ({what}): recreating all ranks at {desired} (incarnation "
+                                f"{step.generation + 1}): running pods cannot change it in place"))
     step = _fail_running(basis.running, step, "superseded by a configuration change (the fleet is recreated)",
                          "resize", now)
     return replace(step, resize=None)
