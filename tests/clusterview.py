@@ -1,16 +1,33 @@
 # SPDX-License-Identifier: Apache-2.0
 """Reads and writes of a test namespace on the real API server, for the operator's integration tests
-(through the admin kubeconfig of `LocalControlPlane`)."""
+(through the admin kubeconfig of `LocalControlPlane`), and the operator run in-process for one namespace
+(`running_operator`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
+
+from kopf.testing import KopfRunner
 
 from corefleet_harness.localcluster import LocalControlPlane
 from corefleet_harness.support import wait_until
 from factories import EcsFactory, make_ecs
+
+OPERATOR_ARGS = ["run", "--standalone", "-m", "corefleet_operator.handlers"]
+
+
+@contextlib.contextmanager
+def running_operator(namespace: str) -> Iterator[KopfRunner]:
+    """The operator (kopf, in this process) for one namespace; on exit, it must have raised nothing and logged no
+    traceback."""
+    with KopfRunner([*OPERATOR_ARGS, f"--namespace={namespace}"], timeout=60) as runner:
+        yield runner
+    assert runner.exception is None, runner.exception
+    assert runner.exit_code == 0, runner.output
+    assert "Traceback" not in runner.output, runner.output
 
 
 class ClusterView:

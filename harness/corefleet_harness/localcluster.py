@@ -62,8 +62,9 @@ DISABLED_CONTROLLERS = (
     "ttl-controller",
 )
 # The controllers among those that a real node needs (`LocalControlPlane.node_ip`): the node
-# lifecycle controller lifts the not-ready taint that admission puts on a new node.
-NODE_CONTROLLERS = ("node-lifecycle-controller", "ttl-controller")
+# lifecycle controller lifts the not-ready taint that admission puts on a new node; the volume binder
+# binds a PersistentVolumeClaim to its PersistentVolume (a fleet's model storage).
+NODE_CONTROLLERS = ("node-lifecycle-controller", "ttl-controller", "persistentvolume-binder-controller")
 SERVICE_CIDR = "10.96.0.0/16"
 KUBERNETES_SERVICE_IP = "10.96.0.1"  # the first address of SERVICE_CIDR: the `kubernetes` Service
 

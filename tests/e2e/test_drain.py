@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import pytest
@@ -110,62 +111,63 @@ def replaced_event(fleet: FleetView, rank: int, before: int) -> str | None:
     return next((m for reason, m in fleet.events()[before:] if reason == "RankReplaced" and f"rank {rank}" in m), None)
 
 
-def test_kubectl_drain_of_the_node_holding_rank_1_completes_under_load_and_loses_nothing(setup: Setup) -> None:
-    s, fleet = setup, setup.fleet
-    engine0, engine1 = constants.engine_name(NAME, 0), constants.engine_name(NAME, 1)
-    uids, pid0, events = fleet.uids(), fleet.engine_pid(0), len(fleet.events())
+def remove_under_load(s: Setup, rank: int, remove: Callable[[], object],
+                      record_property: Callable[[str, object], None]) -> None:
+    """Under load through the frontend: `remove` the rank's pod, wait until it is replaced in place and the fleet
+    serves at 2 again; then no request failed, only the rank's pod is new, the other engine's process is the same,
+    and the removal was a drain (RankRemoved), not a loss: no recovery counted."""
+    fleet = s.fleet
+    engine, other = constants.engine_name(NAME, rank), 1 - rank
+    fleet.wait_settled(2, SETTLE)
+    uids, pid, events = fleet.uids(), fleet.engine_pid(other), len(fleet.events())
     load = s.load()
     try:
         wait_until(lambda: len(load.outcomes) >= 10, 120, "the load to run", diagnose=load.summary)
-        drain = subprocess.run(
+        started = time.monotonic()
+        remove()
+        wait_until(lambda: replaced_event(fleet, rank, events), READY_TIMEOUT, f"rank {rank} replaced (RankReplaced)",
+                   diagnose=fleet.describe)
+        fleet.wait_settled(2, SETTLE)
+        record_property("seconds_to_replaced", round(time.monotonic() - started, 1))
+        n = len(load.outcomes)
+        wait_until(lambda: len(load.outcomes) >= n + 10, 120, "requests served after the replacement",
+                   diagnose=load.summary)
+    finally:
+        load.stop()
+    record_property("requests", len(load.outcomes))
+    assert not load.failures(), load.summary()
+    after = fleet.uids()
+    assert after[engine] != uids[engine]
+    assert {n: u for n, u in after.items() if n != engine} == {n: u for n, u in uids.items() if n != engine}
+    assert fleet.engine_pid(other) == pid
+    assert fleet.status()["recoveries"] == 0, fleet.describe()
+    told = [reason for reason, _ in fleet.events()[events:]]
+    assert "RankRemoved" in told, told
+    assert "RankLost" not in told, told
+
+
+def test_kubectl_drain_of_the_node_holding_rank_1_completes_under_load_and_loses_nothing(
+        setup: Setup, record_property: Callable[[str, object], None]) -> None:
+    s = setup
+    engine0, engine1 = constants.engine_name(NAME, 0), constants.engine_name(NAME, 1)
+
+    def drain() -> None:
+        done = subprocess.run(
             [str(s.k8s.binary("kubectl")), "drain", s.node_a, "--ignore-daemonsets", "--delete-emptydir-data",
              f"--pod-selector={constants.LABEL_FLEET}={NAME}", "--timeout=300s"],
             env=s.k8s.env(), capture_output=True, text=True, timeout=330, check=False)
-        assert drain.returncode == 0, f"{drain.stdout}\n{drain.stderr}\n{fleet.describe()}"
-        assert f"evicting pod {s.ns}/{engine1}" in drain.stdout + drain.stderr, drain.stdout + drain.stderr
-        # Rank 1 serves again, on B (A is cordoned), in a new pod; rank 0 was never touched.
-        wait_until(lambda: replaced_event(fleet, 1, events), READY_TIMEOUT, "rank 1 replaced (RankReplaced)",
-                   diagnose=fleet.describe)
-        fleet.wait_settled(2, SETTLE)
-        n = len(load.outcomes)
-        wait_until(lambda: len(load.outcomes) >= n + 10, 120, "requests served after the replacement",
-                   diagnose=load.summary)
-    finally:
-        load.stop()
-    assert not load.failures(), load.summary()
-    after = fleet.uids()
-    assert after[engine1] != uids[engine1]
+        assert done.returncode == 0, f"{done.stdout}\n{done.stderr}\n{s.fleet.describe()}"
+        assert f"evicting pod {s.ns}/{engine1}" in done.stdout + done.stderr, done.stdout + done.stderr
+
+    remove_under_load(s, 1, drain, record_property)
+    # Rank 1 serves again on B (A is cordoned); rank 0 never moved.
     assert s.node_of(engine1) == s.node_b
-    assert {n: u for n, u in after.items() if n != engine1} == {n: u for n, u in uids.items() if n != engine1}
-    assert fleet.engine_pid(0) == pid0
     assert s.node_of(engine0) == s.node_b
-    assert fleet.status()["recoveries"] == 0, fleet.describe()
-    # The frontend drained the rank before its engine stopped: the replacement said so.
-    story = [m for reason, m in fleet.events()[events:] if reason == "RankReplaced"]
-    assert story, fleet.events()
 
 
-def test_a_deleted_engine_pod_is_drained_within_its_grace_period_and_replaced_under_load(setup: Setup) -> None:
+def test_a_deleted_engine_pod_is_drained_within_its_grace_period_and_replaced_under_load(
+        setup: Setup, record_property: Callable[[str, object], None]) -> None:
     """A preemption or a manual `kubectl delete pod` (with the pod's grace period): no request fails."""
-    s, fleet = setup, setup.fleet
-    fleet.wait_settled(2, SETTLE)
-    engine0 = constants.engine_name(NAME, 0)
-    uids, pid1, events = fleet.uids(), fleet.engine_pid(1), len(fleet.events())
-    load = s.load()
-    try:
-        wait_until(lambda: len(load.outcomes) >= 10, 120, "the load to run", diagnose=load.summary)
-        s.k8s.kubectl("delete", "pod", "-n", s.ns, engine0, "--wait=false")
-        wait_until(lambda: replaced_event(fleet, 0, events), READY_TIMEOUT, "rank 0 replaced (RankReplaced)",
-                   diagnose=fleet.describe)
-        fleet.wait_settled(2, SETTLE)
-        n = len(load.outcomes)
-        wait_until(lambda: len(load.outcomes) >= n + 10, 120, "requests served after the replacement",
-                   diagnose=load.summary)
-    finally:
-        load.stop()
-    assert not load.failures(), load.summary()
-    after = fleet.uids()
-    assert after[engine0] != uids[engine0]
-    assert {n: u for n, u in after.items() if n != engine0} == {n: u for n, u in uids.items() if n != engine0}
-    assert fleet.engine_pid(1) == pid1
-    assert fleet.status()["recoveries"] == 0, fleet.describe()
+    s = setup
+    remove_under_load(s, 0, lambda: s.k8s.kubectl("delete", "pod", "-n", s.ns, constants.engine_name(NAME, 0),
+                                                  "--wait=false"), record_property)

@@ -12,9 +12,8 @@ from __future__ import annotations
 import copy
 import itertools
 import json
-import os
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +22,13 @@ import yaml
 
 from corefleet_harness.localcluster import LocalControlPlane
 from corefleet_operator import constants, rbac
+from helmrun import Helm, helm_runner
 
 REPO = Path(__file__).resolve().parents[2]
 MANIFESTS = REPO / "manifests"
 CHART = REPO / "charts" / "corefleet"
 DENSE = MANIFESTS / "samples" / "enginecoreset.yaml"
 MOE = MANIFESTS / "samples" / "enginecoreset-moe.yaml"
-Helm = Callable[..., subprocess.CompletedProcess[str]]
 OPERATOR_SA = f"system:serviceaccount:{constants.OPERATOR_NAMESPACE}:{constants.OPERATOR_NAME}"
 
 
@@ -70,15 +69,7 @@ def ecs_crd(k8s: LocalControlPlane) -> str:
 @pytest.fixture
 def helm(k8s: LocalControlPlane, tmp_path: Path) -> Helm:
     """Run the project's helm with its state under the test's temp dir, never in $HOME."""
-    env = {**os.environ, "KUBECONFIG": str(k8s.kubeconfig)}
-    for var in ("HELM_CACHE_HOME", "HELM_CONFIG_HOME", "HELM_DATA_HOME"):
-        env[var] = str(tmp_path / var.lower())
-
-    def run(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([k8s.binary("helm"), *args], env=env, capture_output=True, text=True,
-                              check=False, timeout=120)
-
-    return run
+    return helm_runner(k8s, tmp_path, timeout=120)
 
 
 # ---- the CRD and the samples --------------------------------------------------------------------

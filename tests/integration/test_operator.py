@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from kopf.testing import KopfRunner
 
-from clusterview import ClusterView
+from clusterview import ClusterView, running_operator
 from corefleet_harness.localcluster import KubeletStandIn, LocalControlPlane, fail_pod
 from corefleet_operator import crd
 
@@ -33,12 +33,8 @@ def ecs_crd(k8s: LocalControlPlane) -> None:
 @pytest.fixture
 def operator(k8s: LocalControlPlane, ecs_crd: None, namespace: str,
              kubelet: KubeletStandIn) -> Iterator[KopfRunner]:
-    args = ["run", "--standalone", f"--namespace={namespace}", "-m", "corefleet_operator.handlers"]
-    with KopfRunner(args, timeout=60) as runner:
+    with running_operator(namespace) as runner:
         yield runner
-    assert runner.exception is None, runner.exception
-    assert runner.exit_code == 0, runner.output
-    assert "Traceback" not in runner.output, runner.output
 
 
 class Cluster(ClusterView):

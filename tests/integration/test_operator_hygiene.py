@@ -19,7 +19,6 @@ The operator runs in-process (kopf) against the real control plane, each test in
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
 import threading
 import urllib.error
@@ -29,7 +28,7 @@ from typing import Any
 import pytest
 from kopf.testing import KopfRunner
 
-from clusterview import ClusterView
+from clusterview import ClusterView, running_operator
 from corefleet_harness.localcluster import (
     KubeletStandIn,
     LocalControlPlane,
@@ -39,23 +38,11 @@ from corefleet_harness.localcluster import (
 )
 from corefleet_operator import constants, crd, executor
 
-OPERATOR_ARGS = ["run", "--standalone", "-m", "corefleet_operator.handlers"]
-
 
 @pytest.fixture(scope="module")
 def ecs_crd(k8s: LocalControlPlane) -> None:
     k8s.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(crd.crd()))
     k8s.kubectl("wait", "--for=condition=Established", "crd/enginecoresets.corefleet.io", "--timeout=60s")
-
-
-@contextlib.contextmanager
-def running_operator(namespace: str) -> Iterator[KopfRunner]:
-    """The operator for one namespace; on exit, it must have raised nothing and logged no traceback."""
-    with KopfRunner([*OPERATOR_ARGS, f"--namespace={namespace}"], timeout=60) as runner:
-        yield runner
-    assert runner.exception is None, runner.exception
-    assert runner.exit_code == 0, runner.output
-    assert "Traceback" not in runner.output, runner.output
 
 
 @pytest.fixture

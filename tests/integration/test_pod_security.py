@@ -7,24 +7,22 @@ into such a namespace gets its operator pod created by the ReplicaSet controller
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from kopf.testing import KopfRunner
 
-from clusterview import ClusterView
+from clusterview import ClusterView, running_operator
 from corefleet_harness.localcluster import KubeletStandIn, LocalControlPlane
 from corefleet_operator import constants, crd
+from helmrun import Helm, helm_runner
 
 pytestmark = pytest.mark.integration
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "corefleet"
 ENFORCE = "pod-security.kubernetes.io/enforce"
-Helm = Callable[..., subprocess.CompletedProcess[str]]
 
 
 @pytest.fixture
@@ -43,12 +41,8 @@ def ecs_crd(k8s: LocalControlPlane) -> None:
 @pytest.fixture
 def operator(k8s: LocalControlPlane, ecs_crd: None, restricted: str,
              kubelet: KubeletStandIn) -> Iterator[KopfRunner]:
-    args = ["run", "--standalone", f"--namespace={restricted}", "-m", "corefleet_operator.handlers"]
-    with KopfRunner(args, timeout=60) as runner:
+    with running_operator(restricted) as runner:
         yield runner
-    assert runner.exception is None, runner.exception
-    assert runner.exit_code == 0, runner.output
-    assert "Traceback" not in runner.output, runner.output
 
 
 def _events(k8s: LocalControlPlane, namespace: str) -> list[dict[str, Any]]:
@@ -91,16 +85,8 @@ def test_a_fleet_in_a_restricted_namespace_gets_every_pod(k8s: LocalControlPlane
 
 @pytest.fixture
 def helm(k8s: LocalControlPlane, tmp_path: Path) -> Helm:
-    """The project's helm against this server, its state under the test's temp dir."""
-    env = {**os.environ, "KUBECONFIG": str(k8s.kubeconfig)}
-    for var in ("HELM_CACHE_HOME", "HELM_CONFIG_HOME", "HELM_DATA_HOME"):
-        env[var] = str(tmp_path / var.lower())
-
-    def run(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([k8s.binary("helm"), *args], env=env, capture_output=True, text=True,
-                              check=False, timeout=180)
-
-    return run
+    """Run the project's helm with its state under the test's temp dir, never in $HOME."""
+    return helm_runner(k8s, tmp_path, timeout=180)
 
 
 def test_helm_install_into_a_restricted_namespace_creates_the_operator_pod(
