@@ -219,8 +219,12 @@ def engine_pod(
         # The launcher answers /livez as soon as it runs; /readyz once its engine joined the fleet. The
         # startup probe waits for the join, so readyTimeoutSeconds bounds loading the model and joining:
         # the kubelet kills an engine that has not joined by then.
-        "startupProbe": _http_probe("/readyz", PORT_HEALTH, failures=_startup_failures(spec)),
-        "livenessProbe": _http_probe("/livez", PORT_HEALTH, failures=3),
+        # A kill by a failed probe is no removal to drain for (nothing will release the engine): its own short
+        # grace period cuts the pre-stop wait (the pod's is for a voluntary removal's drain).
+        "startupProbe": {**_http_probe("/readyz", PORT_HEALTH, failures=_startup_failures(spec)),
+                         "terminationGracePeriodSeconds": constants.ENGINE_DELETE_GRACE_SECONDS},
+        "livenessProbe": {**_http_probe("/livez", PORT_HEALTH, failures=3),
+                          "terminationGracePeriodSeconds": constants.ENGINE_DELETE_GRACE_SECONDS},
         "readinessProbe": _http_probe("/readyz", PORT_HEALTH, failures=3, period=5),
     }
     grace = TERMINATION_GRACE_SECONDS
