@@ -391,8 +391,9 @@ def _launcher_outlived(fleet: Fleet, rank: int, launcher: int, watcher: LivezWat
                        procs: list[psutil.Process]) -> None:
     assert fleet.fleet.popens[launcher].wait(60) == 128 + signal.SIGKILL
     watcher.join(timeout=30)
-    assert watcher.seen[0] == (200, {"rank": rank, "state": "ready", "exitcode": None})
-    assert watcher.seen[-1] == (503, {"rank": rank, "state": "exited", "exitcode": -signal.SIGKILL}), watcher.seen[-5:]
+    assert watcher.seen[0] == (200, {"rank": rank, "state": "ready", "exitcode": None, "released": False})
+    assert watcher.seen[-1] == (503, {"rank": rank, "state": "exited", "exitcode": -signal.SIGKILL,
+                                      "released": False}), watcher.seen[-5:]
     log = (Path(fleet.rec.state_dir) / local.LOG_DIR / f"engine-{rank}.log").read_text()
     assert f"Engine core EngineCore_DP{rank} exited with code -9 without a stop signal" in log, log[-3000:]
     assert "the engine left behind" in log, log[-3000:]

@@ -334,14 +334,15 @@ def test_real_vllm_fleet_resizes_2_3_2_in_place_under_load(setup: Setup) -> None
         columns.append(s.fleet.get_ecs().split("\n")[1].split()[:4])
         served = wait_until(lambda: s.fleet.admin().fleet().rank(2).requests_total, 60, "rank 2 to serve requests")
         with ResizeWatch(s.fleet) as down:
-            # Long requests on the leaving rank, the scale-down sent once the frontend counts them in flight there:
-            # the drain lets them finish.
+            # Long requests on the leaving rank, the scale-down sent once every one has started and the frontend
+            # counts one in flight there: the drain lets them finish. (Not all at once: on this busy machine the
+            # frontend takes them up seconds apart, and the first may be done before the last starts.)
             longs = [PinnedStream(s.url(), SERVED, rank=2, max_tokens=LONG_TOKENS) for _ in range(LONG_STREAMS)]
             assert all(long.first_token.wait(60) for long in longs)
-            wait_until(lambda: s.fleet.admin().fleet().rank(2).in_flight == LONG_STREAMS, 30,
-                       f"the frontend to count {LONG_STREAMS} requests in flight on rank 2", interval=0.05,
-                       diagnose=lambda: f"{s.fleet.admin().fleet().rank(2)}; the long streams' outcomes (None: still "
-                                        f"streaming): {[long.outcome for long in longs]}")
+            in_flight = wait_until(lambda: s.fleet.admin().fleet().rank(2).in_flight, 30,
+                                   "the frontend to count a long request in flight on rank 2", interval=0.05,
+                                   diagnose=lambda: f"{s.fleet.admin().fleet().rank(2)}; the long streams' outcomes "
+                                                    f"(None: still streaming): {[long.outcome for long in longs]}")
             t0 = time.monotonic()
             s.fleet.scale(2)
             s.settle(2, timeout=180)
@@ -351,7 +352,8 @@ def test_real_vllm_fleet_resizes_2_3_2_in_place_under_load(setup: Setup) -> None
     columns.append(s.fleet.get_ecs().split("\n")[1].split()[:4])
     assert [long.result() for long in longs] == [(True, "finish_reason length")] * LONG_STREAMS
     print(f"2 -> 3 settled in {up_took:.1f} s, 3 -> 2 in {down_took:.1f} s; rank 2 served {served} request(s) "
-          f"before it was retired; load: {load.summary()}; operation phases up {up.phases}, down {down.phases}; "
+          f"before it was retired, {in_flight} long one(s) in flight at the scale-down; load: {load.summary()}; "
+          f"operation phases up {up.phases}, down {down.phases}; "
           f"kubectl get ecs {columns}; events {[r for r, _ in s.fleet.events()[events_before:]]}")
 
     # No request failed, and the surviving ranks are the same containers in the same pods.
