@@ -93,7 +93,11 @@ def sample(image: str, *, emulator: bool = False) -> dict[str, Any]:
                                  {"name": "COREFLEET_TEST_EMULATOR_ARGS", "value": "--token-delay-ms 20"}]
     spec["frontend"]["resources"] = small
     spec["coordinator"] = {"resources": small}
-    spec["scaling"].update(readyTimeoutSeconds=int(START_TIMEOUT), drainTimeoutSeconds=DRAIN_TIMEOUT)
+    # The emulator fleet resizes nothing; its hung-engine test waits out the pod's grace period (the drain timeout
+    # + 15 s: a container stopped as a whole ignores SIGTERM, and the kubelet's kill of the pod takes the pod's grace
+    # period, not the liveness probe's), so its drain timeout is short.
+    drain = 15 if emulator else DRAIN_TIMEOUT
+    spec["scaling"].update(readyTimeoutSeconds=int(START_TIMEOUT), drainTimeoutSeconds=drain)
     return ecs
 
 
