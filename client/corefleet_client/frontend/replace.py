@@ -17,6 +17,13 @@ Preconditions (checked by `Fleet.start_resize` when the request comes, 409 other
   connection goes, the rank turns Dead, and only then is it replaced. One rule, no request that
   two engines could answer.
 
+A *vacating* replacement (`ResizeRequest.vacate`: the operator saw the rank's pod being removed voluntarily, by
+an eviction or a delete with its grace period) also takes ranks that still serve, and first runs step 0
+(`Replacement._vacate`): no new request goes to them, their in-flight requests finish (at most the drain
+timeout; what is left ends with an error), their engines are released (the utility call `RELEASE_UTILITY`,
+which ends the launcher's pre-stop wait, so the pod stops), and once their connections are gone they are Dead
+and the steps below follow.
+
 Steps (`Replacement.replace`, on vLLM's event loop), the rank staying Dead and unroutable until the commit:
 
 1. Preparing: the handshake ROUTER is bound again, with ROUTER_HANDOVER, for exactly the replaced
