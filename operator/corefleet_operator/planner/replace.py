@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from corefleet_operator import constants
 from corefleet_operator.actions import Action, Event, StartResize
 from corefleet_operator.models import EngineCoreSetSpec, FleetRef, OperationStatus, RecoveryStatus
-from corefleet_operator.observe import FrontendObs, Observed, PodObs
+from corefleet_operator.observe import FleetObs, FrontendObs, Observed, PodObs
 from corefleet_operator.planner.basis import Basis
 from corefleet_operator.planner.common import FRONTEND_GRACE_SECONDS, delete_pod, listed, pod_ready, seconds_between
 from corefleet_operator.status import POD_TERMINAL
@@ -141,16 +141,27 @@ def _vacate(spec: EngineCoreSetSpec, observed: Observed, step: ReplaceStep, ther
                                                            "pod(s) stop once drained)"))
     if frontend.refused:
         return step  # asked once and refused: the pods stop at the end of their grace period
-    seen = frontend.fleet if frontend.fleet is not None else observed.fleet
-    serving = sorted(p.rank for p in there if p.terminating and p.phase == "Running" and p.rank is not None
-                     and seen is not None and p.rank in seen.ranks and seen.ranks[p.rank].state == "Serving")
+    serving = removed_while_serving(there, frontend.fleet if frontend.fleet is not None else observed.fleet)
     if not serving:
         return step
-    ask = StartResize(op.id, op.toReplicas, float(spec.scaling.drainTimeoutSeconds),
-                      float(spec.scaling.readyTimeoutSeconds), replace=tuple(op.replace), vacate=True)
-    return replace(step, actions=(*step.actions, ask),
+    return replace(step, actions=(*step.actions, _ask(spec, op, vacate=True)),
                    operation=replace(op, message=f"the pod(s) of {listed(serving)} are being removed: asking the "
                                                  "frontend to drain them first"))
+
+
+def removed_while_serving(pods: Iterable[PodObs], seen: FleetObs | None) -> list[int]:
+    """The engine ranks among `pods` whose pod is being removed (terminating) while it still runs and the frontend
+    (`seen`) reports the rank Serving: a voluntary removal to drain, not a loss."""
+    if seen is None or not seen.reachable:
+        return []
+    return sorted(p.rank for p in pods if p.terminating and p.phase == "Running" and p.rank is not None
+                  and p.rank in seen.ranks and seen.ranks[p.rank].state == "Serving")
+
+
+def _ask(spec: EngineCoreSetSpec, op: OperationStatus, vacate: bool = False) -> StartResize:
+    """The frontend's replacement of `op.replace` (vacating: the ranks still serve and are drained first)."""
+    return StartResize(op.id, op.toReplicas, float(spec.scaling.drainTimeoutSeconds),
+                       float(spec.scaling.readyTimeoutSeconds), replace=tuple(op.replace), vacate=vacate)
 
 
 def _failed_new_pod(op: OperationStatus, names: Mapping[int, str], current: Mapping[str, PodObs]) -> str:
@@ -195,9 +206,7 @@ def _ask_once_dead(spec: EngineCoreSetSpec, observed: Observed, frontend: Fronte
     states = {rank: (seen.ranks[rank].state if seen is not None and rank in seen.ranks else "unknown")
               for rank in op.replace}
     if seen is not None and seen.reachable and all(state == "Dead" for state in states.values()):
-        ask = StartResize(op.id, op.toReplicas, float(spec.scaling.drainTimeoutSeconds),
-                          float(spec.scaling.readyTimeoutSeconds), replace=tuple(op.replace))
-        return replace(step, actions=(*step.actions, ask),
+        return replace(step, actions=(*step.actions, _ask(spec, op)),
                        operation=replace(op, message=f"asking the frontend to replace {what}"))
     shown = ", ".join(f"rank {rank} {state}" for rank, state in sorted(states.items()))
     return replace(step, operation=replace(op, message=f"waiting for the frontend to report {what} Dead ({shown})"))

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from corefleet_operator import builders, constants
+from corefleet_operator import builders
 from corefleet_operator.actions import Event
 from corefleet_operator.models import FleetPhase, FleetRef, OperationStatus, RecoveryStatus
 from corefleet_operator.observe import Observed
@@ -35,7 +35,7 @@ from corefleet_operator.planner.basis import Basis
 from corefleet_operator.planner.common import Plan, PlanSettings, listed
 from corefleet_operator.planner.follow import Flight
 from corefleet_operator.planner.losses import Losses
-from corefleet_operator.planner.replace import ReplaceStep, in_place, start_replace
+from corefleet_operator.planner.replace import ReplaceStep, in_place, removed_while_serving, start_replace
 from corefleet_operator.planner.resize import ResizeStep, retry_wait, start_resize
 
 
@@ -137,7 +137,7 @@ def _recover(fleet: FleetRef, observed: Observed, basis: Basis, losses: Losses, 
     """Losses: one recovery of the streak (or the fleet given up), by replacement in place or a new incarnation."""
     reason = losses.reason
     running = basis.running
-    if removed(fleet, observed, basis, losses) and in_place(fleet, basis, losses.lost, losses.changed):
+    if removed(observed, basis, losses) and in_place(fleet, basis, losses.lost, losses.changed):
         ranks = losses.ranks
         replacing = start_replace(fleet, observed, ranks, step.committed, step.generation, basis.current,
                                   basis.streak or RecoveryStatus(), now)
@@ -170,21 +170,13 @@ def _recover(fleet: FleetRef, observed: Observed, basis: Basis, losses: Losses, 
     return replace(step, resize=None)  # the resize in flight, if any, failed with the incarnation
 
 
-def removed(fleet: FleetRef, observed: Observed, basis: Basis, losses: Losses) -> bool:
+def removed(observed: Observed, basis: Basis, losses: Losses) -> bool:
     """Whether every loss is an engine rank whose pod is being removed voluntarily (an eviction, a delete with its
     grace period: the pod still runs) while the frontend reports it Serving: not a failure, so not a recovery (no
     attempt of the streak, no backoff); the replacement drains it first (`planner.replace`)."""
-    seen = observed.fleet
-    if not losses.lost or seen is None or not seen.reachable:
-        return False
-    terminating = {p.name: p for p in basis.terminating}
-    for rank, _ in losses.lost:
-        if rank is None or rank not in seen.ranks or seen.ranks[rank].state != "Serving":
-            return False
-        pod = terminating.get(constants.engine_name(fleet.name, rank))
-        if pod is None or pod.phase != "Running":
-            return False
-    return True
+    ranks = [rank for rank, _ in losses.lost]
+    return bool(ranks) and None not in ranks and set(ranks) <= set(removed_while_serving(basis.terminating,
+                                                                                         observed.fleet))
 
 
 def _restart_changed(fleet: FleetRef, basis: Basis, step: Step, now: str) -> Step:
