@@ -5,7 +5,8 @@
 scheduler bound to a node, does what a kubelet and a cluster's DNS would:
 
 1. gives it its own loopback address 127.0.0.N, so that every pod can bind the fleet's fixed ports,
-   and records its DNS name `<hostname>.<subdomain>.<namespace>.svc` -> that address;
+   and records its DNS name `<hostname>.<subdomain>.<namespace>.svc` -> that address (a pod that replaces a
+   gone one of the same DNS name gets the same address, as cluster DNS would point the name at it);
 2. starts its (single) container's command once every pod DNS name its args name is known:
    `python` is this interpreter; env from the container (downward API: POD_IP, POD_NAME,
    POD_NAMESPACE); `$(VAR)` expanded in args as the kubelet does; pod DNS names and `0.0.0.0`
@@ -274,6 +275,14 @@ class PodRunner:
     def _assign(self, pod: dict[str, Any]) -> None:
         meta, spec = pod["metadata"], pod["spec"]
         ports = [port["containerPort"] for c in spec["containers"] for port in c.get("ports", [])]
+        dns = f"{spec.get('hostname', meta['name'])}.{spec.get('subdomain', '')}.{self.ns}.svc"
+        # A pod that replaces a gone one of the same DNS name keeps its address, as cluster DNS would point the
+        # name at the new pod: processes that connect by that name (here rewritten to the address) reconnect.
+        before = self.names.get(dns)
+        if before is not None and all(p.ip != before for p in self.pods.values()) \
+                and all(_bindable(before, port, reuse=True) for port in ports):
+            self.pods[meta["uid"]] = _Pod(meta["name"], meta["uid"], before, dns, pod)
+            return
         while True:
             if self._next_host > 250:
                 raise RuntimeError("out of loopback addresses 127.0.0.2-250")
@@ -281,7 +290,6 @@ class PodRunner:
             self._next_host += 1
             if all(_bindable(ip, port) for port in ports):
                 break
-        dns = f"{spec.get('hostname', meta['name'])}.{spec.get('subdomain', '')}.{self.ns}.svc"
         self.pods[meta["uid"]] = _Pod(meta["name"], meta["uid"], ip, dns, pod)
         self.names[dns] = ip
 
@@ -659,8 +667,12 @@ def run_probe(action: Mapping[str, Any], ip: str, ports: Mapping[str, int], env:
     raise ValueError(f"unsupported probe {dict(action)}")
 
 
-def _bindable(ip: str, port: int) -> bool:
+def _bindable(ip: str, port: int, reuse: bool = False) -> bool:
+    """Whether `ip:port` is free (`reuse`: free but for connections in TIME_WAIT, as a server with SO_REUSEADDR
+    binds it)."""
     with socket.socket() as s:
+        if reuse:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((ip, port))
         except OSError:

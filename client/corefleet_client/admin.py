@@ -52,6 +52,10 @@ LIVE_PATH = "/livez"  # the frontend's liveness: 503 once its event loop stalled
 DRAIN_PATH = "/drain"
 # The utility call by which the frontend tells a drained engine that its pod may stop now (a vacating replacement).
 RELEASE_UTILITY = "corefleet_release"
+# The utility call by which a replacement frontend re-attaches to a running engine (frontend.attach): the engine
+# aborts what the frontend's lost predecessor (same client index) left in flight, and announces itself again on
+# the requests socket as it did at startup (enginecore.install_attach_support).
+ATTACH_UTILITY = "corefleet_attach"
 LOOP_STALL_LIMIT_S = 60.0
 
 AUTH_HEADER = "Authorization"

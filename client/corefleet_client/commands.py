@@ -91,6 +91,9 @@ def frontend_args(
     admin_host: str | None = None,
     engine0_address: str | None = None,
     coord_store_port: int | None = None,
+    engine_ports: tuple[int, int] | None = None,
+    advertise_address: str | None = None,
+    attach: bool = False,
     vllm_flags: Sequence[str] = (),
 ) -> list[str]:
     """Arguments of the frontend (`corefleet_client.frontend`): vLLM's API server with corefleet's
@@ -102,6 +105,10 @@ def frontend_args(
     `dp_address:rpc_port`. `engine0_address` (MoE) is the address it advertises to the engines as
     the DP master: engine rank 0's, which binds its DP group port there. `coord_store_port`
     (elastic EP) is the port of the startup's coordination store beside engine 0, advertised too.
+    `engine_ports` (requests, outputs): the fixed ports the engines' sockets connect to (ephemeral
+    when None), at `advertise_address` (the frontend pod's stable DNS name; `dp_address` when None), so
+    that a replacement frontend binds the same and the running engines reconnect to it. `attach`: the
+    engines already run (a replaced frontend): re-attach to them instead of the startup handshake.
     """
     launcher = [] if admin_host is None else ["--admin-host", admin_host]
     launcher += [
@@ -116,6 +123,12 @@ def frontend_args(
         launcher += ["--engine0-address", engine0_address]
     if coord_store_port is not None:
         launcher += ["--coord-store-port", str(coord_store_port)]
+    if engine_ports is not None:
+        launcher += ["--engine-input-port", str(engine_ports[0]), "--engine-output-port", str(engine_ports[1])]
+    if advertise_address is not None:
+        launcher += ["--advertise-address", advertise_address]
+    if attach:
+        launcher += ["--attach"]
     return [
         *launcher,
         LAUNCHER_ARGS_END,

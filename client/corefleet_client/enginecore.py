@@ -53,10 +53,14 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
+import msgspec
 import vllm
+import zmq
 from vllm.entrypoints.cli.serve import ServeSubcommand
 from vllm.entrypoints.launchers.cli_args import propagate_flash_late_interaction
 from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
@@ -66,11 +70,13 @@ from vllm.reasoning import ReasoningParserManager
 from vllm.usage.usage_lib import UsageContext
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm.utils.network_utils import get_tcp_uri
+from vllm.v1.engine import EngineCoreRequestType
+from vllm.v1.engine import core as vllm_core
 from vllm.v1.engine.core import EngineCoreProc
 from vllm.v1.engine.utils import _configure_uniproc_startup_threads, set_assigned_physical_gpu_ids_for_dp_rank
 from vllm.v1.executor import Executor
 
-from corefleet_client.admin import RELEASE_UTILITY
+from corefleet_client.admin import ATTACH_UTILITY, RELEASE_UTILITY
 from corefleet_client.argv import split_launcher_argv
 from corefleet_client.engine import DEFAULT_RESOLVE_TIMEOUT_S, EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from corefleet_client.process import configure_logging, exit_promptly
@@ -114,6 +120,79 @@ def install_release_utility(fd: int) -> None:
         return True
 
     setattr(EngineCoreProc, RELEASE_UTILITY, release)
+
+
+_INPUT_THREAD = threading.local()  # set in the engine's input thread (vLLM's process_input_sockets)
+
+
+def is_attach_call(frames: Sequence[Any]) -> bool:
+    """Whether a message from the frontend (type frame, data frames) is the `ATTACH_UTILITY` call."""
+    if len(frames) < 2 or bytes(_buffer(frames[0])) != EngineCoreRequestType.UTILITY.value:
+        return False
+    data = bytes(_buffer(frames[1]))
+    if ATTACH_UTILITY.encode() not in data:
+        return False
+    try:
+        request = msgspec.msgpack.decode(data)
+    except msgspec.DecodeError:
+        return False
+    return isinstance(request, list) and len(request) == 4 and request[2] == ATTACH_UTILITY
+
+
+def _buffer(frame: Any) -> Any:
+    return frame.buffer if isinstance(frame, zmq.Frame) else frame
+
+
+def announce_again_on_attach(dealer: Any) -> None:
+    """Make one of the engine's requests DEALERs (one per frontend) send its first message again, the engine's ready
+    response, when a replacement frontend asks (`ATTACH_UTILITY`), on the thread that owns the socket: vLLM's
+    client over running engines waits for that message (`frontend.attach`). The call itself goes on to vLLM."""
+    first: list[Any] = []
+    send, recv_multipart = dealer.send, dealer.recv_multipart
+
+    def send_first_kept(data: Any, *args: Any, **kwargs: Any) -> Any:
+        if not first:
+            first.append(bytes(data))
+        return send(data, *args, **kwargs)
+
+    def recv_and_announce(*args: Any, **kwargs: Any) -> Any:
+        frames = recv_multipart(*args, **kwargs)
+        if first and is_attach_call(frames):
+            logger.info("A frontend re-attaches: announcing this engine again")
+            send(first[0])
+        return frames
+
+    dealer.send, dealer.recv_multipart = send_first_kept, recv_and_announce
+
+
+def install_attach_support() -> None:
+    """Let a replacement frontend re-attach to this running engine (`frontend.attach`): the requests DEALERs vLLM's
+    input thread creates announce the engine again when asked, and the engine core gets the `ATTACH_UTILITY` call,
+    which aborts every request of the calling client index (its lost predecessor's)."""
+    original_input = EngineCoreProc.process_input_sockets
+    original_make = vllm_core.make_zmq_socket
+
+    def process_input_sockets(self: EngineCoreProc, *args: Any, **kwargs: Any) -> Any:
+        _INPUT_THREAD.active = True
+        return original_input(self, *args, **kwargs)
+
+    def make_zmq_socket(ctx: Any, path: str, socket_type: Any, *args: Any, **kwargs: Any) -> Any:
+        made = original_make(ctx, path, socket_type, *args, **kwargs)
+        if socket_type == zmq.DEALER and getattr(_INPUT_THREAD, "active", False):
+            announce_again_on_attach(made)
+        return made
+
+    def attach(self: EngineCoreProc, client_index: int) -> int:
+        orphans = [rid for rid, request in self.scheduler.requests.items() if request.client_index == client_index]
+        if orphans:
+            self.abort_requests(orphans)
+        logger.info("Frontend %d re-attached: aborted the %d request(s) its predecessor left", client_index,
+                    len(orphans))
+        return len(orphans)
+
+    EngineCoreProc.process_input_sockets = process_input_sockets
+    vllm_core.make_zmq_socket = make_zmq_socket
+    setattr(EngineCoreProc, ATTACH_UTILITY, attach)
 
 
 def build_serve_parser() -> FlexibleArgumentParser:
@@ -238,6 +317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.release_fd is not None:
         install_release_utility(args.release_fd)
+    install_attach_support()
 
     # 4. What CoreEngineProcManager does for one local engine, then the engine core itself.
     executor_class = Executor.get_class(vllm_config)

@@ -86,6 +86,20 @@ The changes:
    way), and the redundant experts (refused with EPLB off; set on the frontend of an MoE fleet
    recreated at a size it was resized to). What vLLM would have checked about them (EP on, NIXL for
    async EPLB) the engines check at their own startup.
+10. `attaching` wraps `make_zmq_socket` as `vllm.v1.engine.core_client` calls it while an `MPClient` is
+   built over engines that already run (a frontend that replaces a lost one: `frontend.attach`). With
+   engines "managed externally", `MPClient.__init__` creates its requests ROUTER and then waits for one
+   message from every engine on it: the ready response each engine sends once, when its requests DEALER
+   first connects. Running engines reconnect to a replacement frontend by themselves (libzmq reconnects
+   and resolves the address again) but send nothing; the wrapper, once the ROUTER exists and before
+   vLLM's wait, asks every engine to announce itself again (the `ATTACH_UTILITY` call, answered by
+   `enginecore.install_attach_support`).
+11. `UtilityResults` is the client's `utility_results` (the futures of its utility calls by call
+   id; `KubeDPLBClient.utility_results` wraps the dict vLLM's `MPClient.__init__` sets): vLLM pops an
+   answer's future by call id (`_process_utility_output`) and a call id it does not know raises
+   KeyError in the output task, which ends the client. A replacement frontend receives answers to
+   calls it never made: its lost predecessor's, still queued on the engines' output sockets, and
+   its own attach calls. They are logged and dropped.
 
 Not a change of vLLM's code but of how corefleet's client answers one of its methods:
 `KubeDPLBClient.call_utility_all_async` overrides `AsyncMPClient.call_utility_all_async`
@@ -102,15 +116,20 @@ import contextlib
 import copy
 import functools
 import inspect
+import logging
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from http import HTTPStatus
 from typing import Any
 
+import zmq
 from vllm.config import ParallelConfig
 from vllm.exceptions import GracefulHTTPError
+from vllm.v1.engine import core_client as vllm_core_client
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.core_client import DPAsyncMPClient, EngineCoreClient
+
+logger = logging.getLogger("corefleet.frontend")
 
 _ORIGINAL_FACTORY = EngineCoreClient.make_async_mp_client
 _ORIGINAL_CHECK_HEALTH = AsyncLLM.check_health
@@ -331,3 +350,35 @@ def install_public_route_filter() -> None:
 
     entry.build_app = build_app
 
+
+
+@contextlib.contextmanager
+def attaching(announce: Callable[[Any], None]) -> Iterator[None]:
+    """While an MPClient is built over running engines, `announce(requests_router)` runs once vLLM created the
+    requests ROUTER, before it waits for every engine's message there (change 10)."""
+    original = vllm_core_client.make_zmq_socket
+
+    def make_zmq_socket(ctx: Any, path: str, socket_type: Any, *args: Any, **kwargs: Any) -> Any:
+        made = original(ctx, path, socket_type, *args, **kwargs)
+        if socket_type == zmq.ROUTER:
+            announce(made)
+        return made
+
+    vllm_core_client.make_zmq_socket = make_zmq_socket
+    try:
+        yield
+    finally:
+        vllm_core_client.make_zmq_socket = original
+
+
+class UtilityResults(dict[int, Any]):
+    """A client's utility futures by call id, where an answer to a call this client never made is dropped."""
+
+    def pop(self, call_id: int, *default: Any) -> Any:
+        if call_id in self or default:
+            return super().pop(call_id, *default)
+        logger.info("Dropping the answer to utility call %d, which this frontend did not make (a predecessor's, "
+                    "or a re-attach call)", call_id)
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        future.cancel()  # vLLM's setter then meets InvalidStateError, which it ignores
+        return future

@@ -56,6 +56,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--coord-store-port", type=int, default=None,
                    help="elastic-EP fleets: the port of the startup's coordination store in engine rank 0's pod, "
                         "advertised to the engines as _coord_store_port")
+    p.add_argument("--engine-input-port", type=int, default=None,
+                   help="fixed port of the engines' requests socket (ephemeral if unset; fixed, a replacement "
+                        "frontend binds the same and the running engines reconnect to it)")
+    p.add_argument("--engine-output-port", type=int, default=None,
+                   help="fixed port of the engines' outputs socket (as --engine-input-port)")
+    p.add_argument("--advertise-address", default=None,
+                   help="the address the engines are told to connect their sockets to (the pod's stable DNS name; "
+                        "the --data-parallel-address if unset)")
+    p.add_argument("--attach", action="store_true",
+                   help="the engines already run (this frontend replaces a lost one): re-attach to ranks "
+                        "0..--data-parallel-size-1 instead of the startup handshake")
+    p.add_argument("--attach-timeout", type=float, default=60.0,
+                   help="with --attach: seconds for every engine to reconnect and answer")
     p.add_argument("--liveness-interval", type=float, default=1.0,
                    help="seconds between liveness calls to each engine")
     p.add_argument("--liveness-timeout", type=float, default=_env_float(ENV_LIVENESS_TIMEOUT, 30.0),
@@ -73,6 +86,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("the vLLM serve arguments (MODEL and flags) must follow '--'")
     if opts.liveness_interval <= 0 or opts.liveness_timeout <= 0:
         parser.error("--liveness-interval and --liveness-timeout must be positive")
+    if opts.attach and (opts.engine_input_port is None or opts.engine_output_port is None):
+        parser.error("--attach needs --engine-input-port and --engine-output-port: the running engines connect "
+                     "to fixed ports")
     try:
         token = read_token(opts.admin_token_file)
     except (OSError, ValueError) as e:

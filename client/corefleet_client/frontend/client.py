@@ -27,6 +27,7 @@ corefleet replaces (`vllm_compat` change 1) with `client_factory(options, fleet)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 from collections.abc import Callable, Sequence
@@ -38,6 +39,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 
 from corefleet_client import vllm_compat
 from corefleet_client.admin import RankState
+from corefleet_client.frontend.attach import announcer
 from corefleet_client.frontend.elastic import ElasticResize
 from corefleet_client.frontend.fleet import ExpertLayout, Fleet
 from corefleet_client.frontend.handshake import Handshake
@@ -77,7 +79,6 @@ class KubeDPLBClient(DPLBAsyncMPClient):  # type: ignore[misc]  # vLLM is not ty
     engine_ranks_managed: list[int]
     engine_inflight: Any
     reqs_in_flight: dict[str, bytes]
-    utility_results: dict[int, Any]
     outputs_queue: asyncio.Queue[Any]
     input_socket: Any
     first_req_send_socket: Any
@@ -92,10 +93,26 @@ class KubeDPLBClient(DPLBAsyncMPClient):  # type: ignore[misc]  # vLLM is not ty
             raise ValueError("corefleet's frontend is one API server that binds its own engine sockets")
         describe_model(fleet, vllm_config)
         self._handshake = Handshake(self, options, fleet)
-        addresses = self._handshake.startup(vllm_config)  # blocks until every rank is READY
-        vllm_compat.init_dplb_client(self, vllm_config, executor_class, log_stats, addresses, client_count,
-                                     client_index, renderer)
+        addresses = self._handshake.startup(vllm_config)  # blocks until every rank is READY (not if attaching)
+        attaching = vllm_compat.attaching(announcer(range(vllm_config.parallel_config.data_parallel_size),
+                                                    client_index, options.attach_timeout_s)) \
+            if options.attach else contextlib.nullcontext()
+        with attaching:
+            vllm_compat.init_dplb_client(self, vllm_config, executor_class, log_stats, addresses, client_count,
+                                         client_index, renderer)
+        if options.attach:
+            logger.info("Re-attached to the %d running engine(s)", len(self.core_engines))
         self._serve(options, fleet, self._handshake)
+
+    # vllm_compat change 11: the utility futures by call id, as vLLM's MPClient.__init__ sets them, in a dict that
+    # drops an answer to a call this client did not make (its output task captures the dict when it starts).
+    @property
+    def utility_results(self) -> vllm_compat.UtilityResults:
+        return self._utility_results
+
+    @utility_results.setter
+    def utility_results(self, results: dict[int, Any]) -> None:
+        self._utility_results = vllm_compat.UtilityResults(results)
 
     def _serve(self, options: FleetOptions, fleet: Fleet, joiner: Joiner) -> None:
         """Every rank joined: the components over this client's routing tables, then requests may flow."""

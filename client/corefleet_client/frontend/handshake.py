@@ -11,6 +11,10 @@ vLLM's `MPClient.__init__` normally launches its engines and runs the handshake 
   frontend's socket addresses and the coordinator's fixed addresses) for every rank 0..N-1; and it
   returns the bound listeners as `client_addresses`, vLLM's path for "engines managed
   externally", which waits for each engine's ready response and subscribes to the coordinator.
+* With fixed engine ports (`--engine-input-port`, `--engine-output-port`; the operator's pods), the
+  engine sockets are bound on those ports and advertised under the pod's stable DNS name
+  (`fixed_listener`), so that a replacement frontend binds the same; with `--attach` (`frontend.attach`)
+  no handshake runs: the engines already run and reconnect.
 * While the fleet serves (`join`, for a scale-up or a replacement): the handshake ROUTER is bound
   again for exactly the joining ranks, and the same exchange runs in a thread (vLLM's loop
   blocks), bounded by the operation's join timeout; a cancel, the deadline or shutdown stops it
@@ -25,19 +29,21 @@ import contextlib
 import errno
 import logging
 import os
+import socket
 import time
 from typing import Any
 
 import msgspec
 import vllm
 import zmq
-from vllm.utils.network_utils import get_tcp_uri, zmq_socket_ctx
+from vllm.utils.network_utils import ZmqListener, get_tcp_uri, zmq_socket_ctx
 from vllm.v1.engine import EngineCoreReadyResponse
 from vllm.v1.engine.utils import (
     CoreEngine,
     CoreEngineLaunch,
     CoreEngineState,
     EngineZmqAddresses,
+    EngineZmqListeners,
     bind_engine_zmq_listeners,
     wait_for_engine_startup,
 )
@@ -71,6 +77,22 @@ def remote_engine(rank: int) -> CoreEngine:
 def handshake_address(parallel_config: Any) -> str:
     """Where the frontend's handshake ROUTER binds: the fixed `--data-parallel-rpc-port` on its own address."""
     return str(get_tcp_uri(parallel_config.data_parallel_master_ip, parallel_config.data_parallel_rpc_port))
+
+
+def fixed_listener(host: str, port: int, advertised: str) -> ZmqListener:
+    """A listening TCP socket on `host:port` for a ZMQ socket to adopt (as vLLM's `make_zmq_listener`), known to
+    the engines as `advertised:port`. SO_REUSEADDR: a predecessor's connections in TIME_WAIT on the same address
+    (a frontend restarted in place) must not keep the port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen()
+    except BaseException:
+        listener.close()
+        raise
+    return ZmqListener(address=str(get_tcp_uri(advertised, port)), socket=listener)
 
 
 def handshake_failure(e: Exception, operation: str, joining: str) -> ResizeFailed:
@@ -126,12 +148,13 @@ class Handshake:
 
     # ---- startup -------------------------------------------------------------------------------
     def startup(self, vllm_config: Any) -> dict[str, Any]:
-        """Bind the engine sockets and handshake every rank; the `client_addresses` for MPClient."""
+        """Bind the engine sockets and handshake every rank (or, re-attaching, none); the `client_addresses`
+        for MPClient."""
         options = self.options
         pc = vllm_config.parallel_config
         if pc.data_parallel_size_local != 0:
             raise ValueError("corefleet's frontend starts no engine: --data-parallel-size-local must be 0")
-        listeners = bind_engine_zmq_listeners(vllm_config)
+        listeners = self._bind_listeners(vllm_config)
         try:
             addresses = listeners.addresses
             addresses.coordinator_input = str(get_tcp_uri(options.coordinator_address,
@@ -141,12 +164,17 @@ class Handshake:
             addresses.frontend_stats_publish_address = str(get_tcp_uri(options.coordinator_address,
                                                                        options.coordinator_front_publish_port))
             self._engine_addresses = addresses
-            engines = [remote_engine(rank) for rank in range(pc.data_parallel_size)]
-            address = handshake_address(pc)
-            logger.info("Waiting for %d engine(s) to handshake on %s; coordinator at %s",
-                        len(engines), address, options.coordinator_address)
-            with zmq_socket_ctx(address, zmq.ROUTER, bind=True) as handshake_socket:
-                self._exchange(vllm_config, handshake_socket, engines)
+            if options.attach:
+                logger.info("Re-attaching to %d running engine(s) on %s and %s; coordinator at %s",
+                            pc.data_parallel_size, addresses.inputs[0], addresses.outputs[0],
+                            options.coordinator_address)
+            else:
+                engines = [remote_engine(rank) for rank in range(pc.data_parallel_size)]
+                address = handshake_address(pc)
+                logger.info("Waiting for %d engine(s) to handshake on %s; coordinator at %s",
+                            len(engines), address, options.coordinator_address)
+                with zmq_socket_ctx(address, zmq.ROUTER, bind=True) as handshake_socket:
+                    self._exchange(vllm_config, handshake_socket, engines)
         except BaseException:
             listeners.cleanup()
             raise
@@ -161,6 +189,23 @@ class Handshake:
             "output_listener": listeners.outputs[0].socket,
             "stats_update_address": addresses.frontend_stats_publish_address,
         }
+
+    def _bind_listeners(self, vllm_config: Any) -> EngineZmqListeners:
+        """The engines' requests and outputs listeners: vLLM's (ephemeral ports on the DP address), or, with
+        fixed ports, bound on the DP address and advertised under `advertise_address` (the pod's stable DNS
+        name), so that a replacement frontend binds the same and running engines reconnect to it."""
+        options = self.options
+        if options.engine_input_port is None or options.engine_output_port is None:
+            return bind_engine_zmq_listeners(vllm_config)
+        host = vllm_config.parallel_config.data_parallel_master_ip
+        advertised = options.advertise_address or host
+        inputs = fixed_listener(host, options.engine_input_port, advertised)
+        try:
+            outputs = fixed_listener(host, options.engine_output_port, advertised)
+        except BaseException:
+            inputs.cleanup()
+            raise
+        return EngineZmqListeners(inputs=[inputs], outputs=[outputs])
 
     def _exchange(self, vllm_config: Any, handshake_socket: Any, engines: list[CoreEngine],
                   abort: HandshakeAbort | None = None, parallel_config: Any = None) -> None:

@@ -68,6 +68,11 @@ def fleet_options(opts: argparse.Namespace) -> FleetOptions:
         coord_store_port=opts.coord_store_port,
         liveness_interval_s=opts.liveness_interval,
         liveness_timeout_s=opts.liveness_timeout,
+        engine_input_port=opts.engine_input_port,
+        engine_output_port=opts.engine_output_port,
+        advertise_address=opts.advertise_address,
+        attach=opts.attach,
+        attach_timeout_s=opts.attach_timeout,
     )
 
 

@@ -38,6 +38,11 @@ class FleetOptions:
     coord_store_port: int | None = None  # elastic EP: the startup's coordination store, beside engine 0
     liveness_interval_s: float = 1.0
     liveness_timeout_s: float = 30.0
+    engine_input_port: int | None = None  # fixed ports of the engines' sockets (None: ephemeral)
+    engine_output_port: int | None = None
+    advertise_address: str | None = None  # what the engines connect to (None: --data-parallel-address)
+    attach: bool = False  # re-attach to running engines (a replaced frontend) instead of the startup handshake
+    attach_timeout_s: float = 60.0
 
 
 class ResizeRefused(Exception):
