@@ -57,6 +57,8 @@ PORT_COORD_FRONT_PUBLISH = "coord-front-pub"
 PORT_COORD_BACK_OUTPUT = "coord-back-out"
 PORT_COORD_BACK_PUBLISH = "coord-back-pub"
 PORT_COORD_STORE = "coord-store"
+PORT_ENGINE_INPUT = "engine-in"  # the frontend's sockets the engines connect to: requests, outputs
+PORT_ENGINE_OUTPUT = "engine-out"
 
 COORDINATOR_PORTS: tuple[tuple[str, int], ...] = (
     (PORT_COORD_FRONT_PUBLISH, constants.COORDINATOR_FRONT_PUBLISH_PORT),
@@ -76,7 +78,8 @@ def fleet_config_hash(spec: EngineCoreSetSpec) -> str:
     configuration and cannot join this fleet. The data-parallel size is not part of it: `replicas`
     resizes the fleet in place, and a pod added by a resize carries the size it joined at in its
     arguments while the others keep theirs. Everything else that shapes a fleet pod is (pods cannot
-    be changed in place, and a frontend or coordinator cannot be replaced under running engines):
+    be changed in place, and a frontend or coordinator is replaced under running engines only with the
+    configuration they were built from, `planner.members`):
     their resources and the startup-probe budget (`readyTimeoutSeconds`); for MoE fleets also the
     elastic-EP maximum (`--elastic-ep-max-dp-size`, on every rank); the model storage and each role's
     pod template, where set. The drain timeout, the frontend Service (type, labels, annotations) and the
@@ -279,16 +282,22 @@ def coordinator_pod(fleet: FleetRef, *, dp_size: int, fleet_generation: int = 0)
 
 
 def frontend_pod(fleet: FleetRef, *, dp_size: int, coordinator_address: str, fleet_generation: int = 0,
-                 num_redundant_experts: int | None = None) -> JSON:
+                 num_redundant_experts: int | None = None, attach: bool = False) -> JSON:
     """The vLLM API server with corefleet's DPLB client, the engines' handshake ROUTER and the admin API.
 
     vLLM's flags mirror the engines' (same model, parallel layout and user args, so the frontend's
     config matches the ranks': max model length, served model name, tokenizer, ...); it runs no
     engine itself (`--data-parallel-size-local 0`) and is the DP master at its own pod IP.
     `num_redundant_experts`: as for `engine_pod` (an MoE fleet recreated at a size it was resized to).
+    The engines' sockets on it are at fixed ports under the pod's stable DNS name, so that a replacement
+    frontend binds the same and the running engines reconnect to it; `attach`: this pod replaces a lost
+    frontend while the engines run (`planner.members`): it re-attaches to them instead of the startup
+    handshake. Neither enters the configuration hash (pods are created only when missing, so a running
+    frontend keeps its arguments).
     """
     _check_size(dp_size)
     spec = fleet.spec
+    name = constants.frontend_name(fleet.name)
     token_file = f"{constants.ADMIN_TOKEN_DIR}/{constants.ADMIN_TOKEN_KEY}"
     # The launcher's admin listener binds 0.0.0.0 by default: no --admin-host.
     args = commands.frontend_args(
@@ -306,6 +315,9 @@ def frontend_pod(fleet: FleetRef, *, dp_size: int, coordinator_address: str, fle
         coordinator_back_publish_port=constants.COORDINATOR_BACK_PUBLISH_PORT,
         engine0_address=_engine0_address(fleet),
         coord_store_port=_coord_store_port(fleet),
+        engine_ports=(constants.FRONTEND_ENGINE_INPUT_PORT, constants.FRONTEND_ENGINE_OUTPUT_PORT),
+        advertise_address=constants.pod_dns(fleet.name, name, fleet.namespace),
+        attach=attach,
         vllm_flags=[
             "--tensor-parallel-size", str(spec.engine.tensorParallelSize),
             *_served_model_name(spec),
@@ -324,6 +336,8 @@ def frontend_pod(fleet: FleetRef, *, dp_size: int, coordinator_address: str, fle
             _container_port(PORT_HTTP, spec.frontend.port),
             _container_port(PORT_ADMIN, constants.FRONTEND_ADMIN_PORT),
             _container_port(PORT_RPC, constants.DP_RPC_PORT),
+            _container_port(PORT_ENGINE_INPUT, constants.FRONTEND_ENGINE_INPUT_PORT),
+            _container_port(PORT_ENGINE_OUTPUT, constants.FRONTEND_ENGINE_OUTPUT_PORT),
         ],
         "resources": _with_default_requests(spec.frontend.resources, constants.FRONTEND_DEFAULT_REQUESTS),
         "volumeMounts": [{"name": ADMIN_TOKEN_VOLUME, "mountPath": constants.ADMIN_TOKEN_DIR, "readOnly": True},
@@ -340,7 +354,6 @@ def frontend_pod(fleet: FleetRef, *, dp_size: int, coordinator_address: str, fle
         "name": ADMIN_TOKEN_VOLUME,
         "secret": {"secretName": constants.admin_secret_name(fleet.name)},
     }, *_storage_volumes(spec)]
-    name = constants.frontend_name(fleet.name)
     return _pod(fleet, name, constants.ROLE_FRONTEND, container, volumes, dp_size, fleet_generation,
                 template=spec.frontend.podTemplate)
 
@@ -483,11 +496,13 @@ def fleet_children(
     scale_up_ranks: frozenset[int] = frozenset(),
     num_redundant_experts: int | None = None,
     engine_disruptions: int = 1,
+    frontend_attach: bool = False,
 ) -> list[JSON]:
     """Every object of a fleet of `dp_size` ranks, in a stable order: the Secret, the Services, the
     PodDisruptionBudget, the NetworkPolicy (if any), the coordinator, the frontend, then the engines by rank.
     `num_redundant_experts` (MoE): the redundant experts every rank and the frontend start with, if not the
-    user's (`status.redundantExperts` of a fleet recreated at a size it was resized to)."""
+    user's (`status.redundantExperts` of a fleet recreated at a size it was resized to). `frontend_attach`: the
+    frontend replaces a lost one while the engines run (`frontend_pod`'s `attach`)."""
     _check_size(dp_size)
     unknown = sorted(r for r in scale_up_ranks if not 0 <= r < dp_size)
     if unknown:
@@ -498,7 +513,8 @@ def fleet_children(
     children = fleet_objects(fleet, admin_token=admin_token, dp_size=dp_size, engine_disruptions=engine_disruptions)
     children.append(coordinator_pod(fleet, dp_size=dp_size, fleet_generation=fleet_generation))
     children.append(frontend_pod(fleet, dp_size=dp_size, coordinator_address=coordinator_address,
-                                 fleet_generation=fleet_generation, num_redundant_experts=num_redundant_experts))
+                                 fleet_generation=fleet_generation, num_redundant_experts=num_redundant_experts,
+                                 attach=frontend_attach))
     children += [
         engine_pod(fleet, rank, dp_size=dp_size, frontend_address=frontend_address,
                    scale_up=rank in scale_up_ranks, fleet_generation=fleet_generation,

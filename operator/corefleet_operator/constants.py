@@ -80,6 +80,10 @@ COORDINATOR_BACK_PUBLISH_PORT: Final = 29553  # XPUB: wave start to the engines
 # Elastic EP (expertParallel): the coordination store of a fleet's startup, served by engine rank 0's
 # launcher in its pod (corefleet_client.coordstore) and advertised to every engine in INIT.
 COORD_STORE_PORT: Final = 29554
+# The engines' sockets on the frontend (requests ROUTER, outputs PULL), fixed so that a replacement frontend
+# binds the same ports under the same DNS name and the running engines reconnect to it.
+FRONTEND_ENGINE_INPUT_PORT: Final = 29556
+FRONTEND_ENGINE_OUTPUT_PORT: Final = 29557
 OPERATOR_HEALTH_PORT: Final = 8080
 OPERATOR_METRICS_PORT: Final = 9090
 

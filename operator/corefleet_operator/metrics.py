@@ -53,8 +53,8 @@ _PER_FLEET: tuple[Gauge, ...] = (RECOVERIES, RANKS_DESIRED, RANKS_COMMITTED, RAN
 
 
 def direction(operation: OperationStatus) -> str:
-    """up, down, or replace (new pods for lost ranks at the same size)."""
-    if operation.replace:
+    """up, down, or replace (new pods for lost ranks, or for the frontend and/or coordinator, at the same size)."""
+    if operation.replace or operation.members:
         return "replace"
     return "up" if operation.scale_up else "down"
 

@@ -871,6 +871,8 @@ FleetPhase = Literal["Pending", "Starting", "Running", "Restarting", "Scaling", 
                      "Failed"]
 OperationPhase = Literal["Pending", "Preparing", "Draining", "Committing", "Completed", "Failed"]
 OPERATION_DONE: tuple[OperationPhase, ...] = ("Completed", "Failed")
+MemberRole = Literal["coordinator", "frontend"]  # C.ROLE_COORDINATOR, C.ROLE_FRONTEND
+MEMBER_ROLES: tuple[MemberRole, ...] = ("coordinator", "frontend")
 
 
 @dataclass(frozen=True)
@@ -919,6 +921,9 @@ class OperationStatus:
     replace: tuple[int, ...] = field(default=(), metadata=meta(
         "A replacement in place (fromReplicas == toReplicas): the lost ranks of a dense fleet given new pods while "
         "the other ranks serve on; empty for a resize.", maxItems=C.MAX_REPLICAS))
+    members: tuple[MemberRole, ...] = field(default=(), metadata=meta(
+        "A replacement in place of the fleet's frontend and/or coordinator (their roles; fromReplicas == "
+        "toReplicas): new pods, the engines serve on; empty otherwise.", maxItems=len(MEMBER_ROLES)))
 
     def __post_init__(self) -> None:
         _bound(self, "message", C.MAX_STATUS_MESSAGE)

@@ -206,9 +206,10 @@ def observe(body: Mapping[str, Any], status: EngineCoreSetStatus, pods: Iterable
 
 
 def resize_in_flight(observed: Observed) -> str | None:
-    """The id of the resize the stored status says is running (the frontend is asked about it), or None."""
+    """The id of the resize the stored status says is running (the frontend is asked about it), or None. A
+    replacement of the frontend and/or coordinator (`members`) is none: it is the operator's alone."""
     op = observed.status.operation
-    return op.id if op is not None and not op.done else None
+    return op.id if op is not None and not op.done and not op.members else None
 
 
 def frontend_pod(observed: Observed, fleet: str) -> PodObs | None:

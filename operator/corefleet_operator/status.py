@@ -131,8 +131,8 @@ class _Facts:
 
     @property
     def replacing(self) -> bool:
-        """Lost dense ranks are replaced in place."""
-        return self.op is not None and not self.op.done and bool(self.op.replace)
+        """Lost dense ranks, or the frontend and/or coordinator, are replaced in place."""
+        return self.op is not None and not self.op.done and bool(self.op.replace or self.op.members)
 
     @property
     def resizing(self) -> bool:
@@ -197,6 +197,9 @@ def _progressing(f: _Facts) -> Condition:
     if f.given_up:
         return f.cond(PROGRESSING, False, "RecoveriesExhausted",
                       "the fleet was given up; nothing is created until its spec changes")
+    if f.replacing and op is not None and op.members:
+        return f.cond(PROGRESSING, True, "ReplacingMembers", f"{op.id}: {_members_of(op)} replaced in place "
+                                                             f"({op.phase})")
     if f.replacing and op is not None:
         return f.cond(PROGRESSING, True, "ReplacingRanks", f"{op.id}: {_ranks(op.replace)} replaced in place "
                                                            f"({op.phase})")
@@ -235,6 +238,9 @@ def _degraded(f: _Facts, started: str) -> Condition:
     unschedulable = sorted(p.name for p in f.by_name.values() if not p.node and p.message)
     if f.given_up and d.recovery is not None:
         return f.cond(DEGRADED, True, "RecoveriesExhausted", exhausted_message(d.recovery, d.max_recoveries))
+    if f.replacing and op is not None and op.members:
+        return f.cond(DEGRADED, True, "MemberReplacing", f"{_members_of(op)} lost: replaced in place ({op.phase}: "
+                                                         f"{op.message}); the engines run on")
     if f.replacing and op is not None:
         return f.cond(DEGRADED, True, "RankReplacing", f"{_ranks(op.replace)} lost: replaced in place ({op.phase}: "
                                                        f"{op.message}); {f.ready}/{n} ranks serving")
@@ -272,6 +278,11 @@ def _recovering_message(f: _Facts) -> str:
 def _ranks(ranks: Iterable[int]) -> str:
     shown = sorted(ranks)
     return f"rank {shown[0]}" if len(shown) == 1 else "ranks " + ", ".join(str(r) for r in shown)
+
+
+def _members_of(op: OperationStatus) -> str:
+    """The members a replacement gives new pods: `the frontend`, `the coordinator and the frontend`."""
+    return " and ".join(f"the {role}" for role in sorted(op.members))
 
 
 def _members(fleet: FleetRef, replicas: int) -> list[str]:

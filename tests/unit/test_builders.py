@@ -592,3 +592,28 @@ def test_containers_request_cpu_unless_the_user_says_otherwise(role: str, tp: in
     fleet = make_ecs("a").tp(tp).set(f"{role}.resources", user).obj()
     pod = _by_name(_children(fleet))["a-engine-0" if role == "engine" else f"a-{role}"]
     assert _container(pod)["resources"] == expected
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_the_frontend_binds_fixed_engine_ports_under_its_dns_name_and_attaches_only_when_told(moe: bool) -> None:
+    fleet = (make_ecs("a").expert_parallel() if moe else make_ecs("a")).replicas(2).obj()
+    dns = constants.pod_dns("a", constants.frontend_name("a"), fleet.namespace)
+    for attach in (False, True):
+        pod = _by_name(_children(fleet, 2, frontend_attach=attach))[constants.frontend_name("a")]
+        container = pod["spec"]["containers"][0]
+        args = container["args"]
+        head = args[:args.index("--")]  # the launcher's own arguments
+        assert head[head.index("--engine-input-port") + 1] == str(constants.FRONTEND_ENGINE_INPUT_PORT)
+        assert head[head.index("--engine-output-port") + 1] == str(constants.FRONTEND_ENGINE_OUTPUT_PORT)
+        assert head[head.index("--advertise-address") + 1] == dns
+        assert ("--attach" in head) is attach
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert (ports["engine-in"], ports["engine-out"]) == (constants.FRONTEND_ENGINE_INPUT_PORT,
+                                                             constants.FRONTEND_ENGINE_OUTPUT_PORT)
+        assert all(len(name) <= 15 for name in ports)
+        # Neither the ports nor attach are configuration: a replacement frontend belongs to the running fleet.
+        assert pod["metadata"]["annotations"][constants.ANNOTATION_SPEC_HASH] == builders.fleet_config_hash(fleet.spec)
+    engines = [o for o in _children(fleet, 2, frontend_attach=True) if o["kind"] == "Pod"
+               and o["metadata"]["labels"][constants.LABEL_ROLE] != constants.ROLE_FRONTEND]
+    assert engines == [o for o in _children(fleet, 2) if o["kind"] == "Pod"
+                       and o["metadata"]["labels"][constants.LABEL_ROLE] != constants.ROLE_FRONTEND]

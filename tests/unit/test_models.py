@@ -14,6 +14,7 @@ import pytest
 
 from corefleet_operator import constants, crd
 from corefleet_operator.models import (
+    MEMBER_ROLES,
     Condition,
     EngineCoreSetSpec,
     EngineCoreSetStatus,
@@ -311,3 +312,21 @@ def test_parse_keeps_working_for_existing_callers() -> None:
     assert EngineCoreSetStatus.parse(GOOD).fleetGeneration == 4
     assert EngineCoreSetStatus.parse(None) == EngineCoreSetStatus()
     assert EngineCoreSetStatus.parse(with_(phase="Nope")).replicas == 2
+
+
+def test_an_operation_names_the_members_it_replaces_and_reads_them_back() -> None:
+    assert set(MEMBER_ROLES) == {constants.ROLE_FRONTEND, constants.ROLE_COORDINATOR}
+    op = OperationStatus(id="replace-frontend-g1-x", fromReplicas=2, toReplicas=2, phase="Pending",
+                         members=("coordinator", "frontend"))
+    status = EngineCoreSetStatus(replicas=2, operation=op)
+    assert status.to_json()["operation"]["members"] == ["coordinator", "frontend"]
+    assert EngineCoreSetStatus.parse_report(status.to_json()) == (status, (), False)
+    schema = crd.status_schema()["properties"]["operation"]["properties"]["members"]
+    assert (schema["maxItems"], schema["items"]["enum"]) == (2, ["coordinator", "frontend"])
+    # An unknown role (a newer operator's) is left out, and named.
+    raw = {**status.to_json(), "operation": {**status.to_json()["operation"], "members": ["frontend", "router"]}}
+    parsed, problems, unreadable = EngineCoreSetStatus.parse_report(raw)
+    assert parsed.operation is not None
+    assert parsed.operation.members == ("frontend",)
+    assert problems
+    assert not unreadable

@@ -370,6 +370,10 @@ def check_invariants(world: World, before: Observed, p: Plan) -> None:
             continue
         if new.replicas == 0 or new.phase == "Failed":  # stopped, or given up (check_recovery_invariants)
             continue
+        if new.operation is not None and q.role in new.operation.members and not new.operation.done:
+            # a lost frontend's or coordinator's old pod, replaced in place: only before the new one is created
+            assert new.operation.phase == "Pending", (q.name, new.operation)
+            continue
         assert q.rank is not None, f"deleted {q.name}"
         if new.operation is not None and q.rank in new.operation.replace and not new.operation.done:
             continue  # a lost rank's old pod, replaced in place (check_replacement_invariants)
@@ -417,11 +421,11 @@ def check_recovery_invariants(world: World, before: Observed, p: Plan, deleted: 
         return
     # Every lost incarnation is one recovery (never two at once), within the streak's budget.
     assert new.recoveries - old.recoveries in (0, 1)
-    assert len([e for e in p.events if e.reason == "RankLost"]) <= 1
+    assert len([e for e in p.events if e.reason in LOSS_EVENTS]) <= 1
     if new.recovery is not None:
         assert new.recovery.attempt <= budget, new.recovery
-    replacement_started = new.operation is not None and bool(new.operation.replace) and (
-        old.operation is None or old.operation.id != new.operation.id)
+    replacement_started = new.operation is not None and bool(new.operation.replace or new.operation.members) \
+        and (old.operation is None or old.operation.id != new.operation.id)
     if new.recoveries > old.recoveries:
         assert new.recovery is not None
         assert new.recovery.lostAt == world.now
@@ -429,7 +433,7 @@ def check_recovery_invariants(world: World, before: Observed, p: Plan, deleted: 
         streak = old.recovery.attempt if old.recovery is not None and \
             old.recovery.observedGeneration == before.generation else 0
         assert new.recovery.attempt in (1, streak + 1), (old.recovery, new.recovery)
-        assert any(e.reason == "RankLost" and f"recovery {new.recovery.attempt} of {budget}" in e.message
+        assert any(e.reason in LOSS_EVENTS and f"recovery {new.recovery.attempt} of {budget}" in e.message
                    for e in p.events)
     # No pod is created before the recovery's backoff ends.
     if created and new.phase == "Recovering" and new.recovery is not None and new.recovery.retryAt:
@@ -457,6 +461,9 @@ def check_replacement_invariants(world: World, before: Observed, p: Plan, create
     old, new = before.status, p.status
     op = new.operation
     spec = world.fleet.spec
+    check_member_invariants(world, before, p, created, started and op is not None and bool(op.members))
+    if started and op is not None and op.members:
+        return
     if started:
         assert op is not None
         # Only a dense fleet that served, with its frontend and coordinator Ready, replaces ranks in place; each
@@ -490,6 +497,64 @@ def check_replacement_invariants(world: World, before: Observed, p: Plan, create
             assert before.frontend is not None
             assert before.frontend.fleet is not None
             assert all(before.frontend.fleet.ranks[r].state == "Dead" for r in a.replace), before.frontend
+
+
+def check_member_invariants(world: World, before: Observed, p: Plan, created: list[Mapping[str, Any]],
+                            started: bool) -> None:
+    """A replacement of the frontend and/or coordinator in place: the engines are left alone throughout."""
+    old, new = before.status, p.status
+    op = new.operation
+    spec = world.fleet.spec
+    name = world.fleet.name
+    if started:
+        assert op is not None
+        # Only a dense fleet that served with nothing in flight, and only its frontend and/or coordinator lost, as
+        # attempt 1 or 2 of the streak; one loss of the streak, counted, without backoff.
+        assert not spec.expertParallel
+        assert old.phase in ("Running", "Degraded")
+        assert old.operation is None or old.operation.done
+        assert not op.replace
+        assert new.recoveries == old.recoveries + 1
+        assert new.fleetGeneration == old.fleetGeneration
+        assert (op.fromReplicas, op.toReplicas) == (old.replicas, old.replicas)
+        assert new.recovery is not None
+        assert new.recovery.attempt <= 2, new.recovery
+        assert new.recovery.retryAt == new.recovery.lostAt
+        assert [e.reason for e in p.events].count("MemberLost") == 1
+        assert "RankLost" not in [e.reason for e in p.events]
+        for role in op.members:  # the lost ones: not serving
+            q = next((q for q in before.pods if q.name == member(name, role)
+                      and q.fleet_generation == new.fleetGeneration), None)
+            assert q is None or q.phase in ("Failed", "Succeeded") or not q.ready or q.terminating, q
+    running = op is not None and bool(op.members) and not op.done
+    if running:
+        assert op is not None
+        assert new.phase == "Degraded"
+        assert new.replicas == old.replicas
+        deleted = {a.name for a in p.actions if isinstance(a, Delete) and a.kind == "Pod"}
+        assert deleted <= {member(name, role) for role in op.members}, deleted
+        assert not [a for a in p.actions if isinstance(a, StartResize)]
+        # The PodDisruptionBudget lets no engine go meanwhile.
+        for a in p.actions:
+            if isinstance(a, Apply) and a.obj["metadata"]["name"] == constants.engines_budget_name(name):
+                assert a.obj["spec"]["minAvailable"] == new.replicas, a.obj
+    for obj in created:
+        assert obj["metadata"]["name"] not in {q.name for q in before.pods}
+        role = obj["metadata"]["labels"][constants.LABEL_ROLE]
+        if role == constants.ROLE_ENGINE:
+            assert not running, obj["metadata"]["name"]  # no engine is created while the members are replaced
+        if role == constants.ROLE_FRONTEND:
+            # --attach exactly when a frontend is created by a replacement of the frontend in place
+            attach = "--attach" in obj["spec"]["containers"][0]["args"]
+            assert attach == (running and constants.ROLE_FRONTEND in op.members), (attach, op)  # type: ignore[union-attr]
+            assert not (attach and spec.expertParallel)
+
+
+LOSS_EVENTS = ("RankLost", "MemberLost")
+
+
+def member(fleet: str, role: str) -> str:
+    return constants.frontend_name(fleet) if role == constants.ROLE_FRONTEND else constants.coordinator_name(fleet)
 
 
 def new_world(fleet: FleetRef) -> World:
@@ -581,14 +646,17 @@ def test_vanished_pod_of_a_running_moe_fleet_is_a_lost_rank() -> None:
     assert w.status.recoveries == 1
 
 
-def test_lost_frontend_is_recovered_too() -> None:
-    w = running(2)
+def test_a_lost_frontend_of_an_moe_fleet_recreates_the_fleet() -> None:
+    """Elastic EP's frontend holds the EPLB state: an MoE fleet is recreated (a dense one replaces it in place,
+    `test_a_lost_frontend_or_coordinator_of_a_dense_fleet_is_replaced_in_place`)."""
+    w = running(2, moe=True)
 
     w.fail("a-frontend", "container frontend exited with 1")
     w.converge()
 
     assert w.status.recoveries == 1
     assert w.status.fleetGeneration == 2
+    assert not w.events("MemberLost")
 
 
 @pytest.mark.parametrize("change", [
@@ -697,8 +765,11 @@ def test_a_fleet_unready_past_its_ready_timeout_is_degraded_with_the_reason() ->
     # A recovery starts the clock again.
     w.pods["a-engine-1"] = replace(w.pods["a-engine-1"], node="gpu-node-0", message="")
     w.converge()
+    generation = w.status.fleetGeneration
     w.fail("a-frontend")
+    w.fail("a-engine-0")  # not the frontend alone (replaced in place): the fleet is recreated
     w.step()
+    assert w.status.fleetGeneration == generation + 1
     assert next(c for c in w.status.conditions if c.type == "Degraded").reason == "RankLost"
 
 
@@ -1648,9 +1719,11 @@ def test_a_rank_that_keeps_dying_is_replaced_after_the_backoff_and_spends_the_bu
 
 
 @pytest.mark.parametrize("case", ["frontend too", "coordinator unready", "every rank", "moe", "during a resize",
-                                  "second loss during the replacement"])
+                                  "second loss during the replacement", "frontend during the replacement",
+                                  "rank during the frontend's replacement",
+                                  "coordinator during the frontend's replacement", "moe frontend"])
 def test_other_losses_recreate_the_whole_fleet(case: str) -> None:
-    w = running(2, moe=case == "moe")
+    w = running(2, moe=case.startswith("moe"))
     if case == "frontend too":
         w.fail("a-engine-1")
         w.fail("a-frontend", "container frontend exited with 1")
@@ -1668,18 +1741,34 @@ def test_other_losses_recreate_the_whole_fleet(case: str) -> None:
         w.step()
         assert w.status.phase == "Scaling"
         w.fail("a-engine-1")
-    else:
+    elif case == "second loss during the replacement":
         w.fail("a-engine-1")
         w.step()
         assert w.status.phase == "Degraded"
         w.fail("a-engine-0")
+    elif case == "frontend during the replacement":
+        w.fail("a-engine-1")
+        w.step()
+        assert w.status.phase == "Degraded"
+        w.fail("a-frontend")
+    elif case in ("rank during the frontend's replacement", "coordinator during the frontend's replacement"):
+        w.fail("a-frontend")
+        w.step()
+        assert w.status.phase == "Degraded"
+        assert w.status.operation is not None
+        assert w.status.operation.members == ("frontend",)
+        w.fail("a-engine-0" if case.startswith("rank") else "a-coordinator")
+    else:
+        w.fail("a-frontend")
 
     p = w.step()
 
     assert lost(p)
     assert w.status.phase == "Recovering"
     assert w.status.fleetGeneration == 2
-    assert not w.status.operation or not w.status.operation.replace or w.status.operation.phase == "Failed"
+    op = w.status.operation
+    assert not op or not (op.replace or op.members) or op.phase == "Failed"
+    assert not [e for e in p.events if e.reason == "MemberLost"]
     w.converge(max_steps=100, tick=5)
     assert w.current().phase == "Running"
 
@@ -1688,7 +1777,7 @@ def test_random_losses_of_dense_ranks_are_replaced_and_keep_the_invariants() -> 
     """Seeded: ranks of dense and MoE fleets lost every way while they serve, resize and recover, the operator
     dying mid-reconcile, the frontend unreachable; the replacement invariants are checked at every step."""
     rng = random.Random(2026)
-    started = completed = 0
+    started = completed = members = 0
     for trial in range(40):
         ecs = make_ecs("d").replicas(rng.randint(1, 4)).max_replicas(5).set("scaling.readyTimeoutSeconds", 60)
         w = new_world((ecs.expert_parallel() if rng.random() < 0.25 else ecs).obj())
@@ -1715,6 +1804,7 @@ def test_random_losses_of_dense_ranks_are_replaced_and_keep_the_invariants() -> 
                 w.crash ^= {f"d-engine-{rng.randint(0, 3)}"}
             p = w.step()
             started += any(e.reason == "RankLost" and "in place" in e.message for e in p.events)
+            members += any(e.reason == "MemberLost" for e in p.events)
             completed += replaced(p)
             w.clock += rng.choice([0, 0, 1, 5, 30])
         w.frontend.reachable = True
@@ -1733,6 +1823,217 @@ def test_random_losses_of_dense_ranks_are_replaced_and_keep_the_invariants() -> 
         assert w.status.replicas == w.fleet.spec.replicas, trial
     assert started > 10
     assert completed > 5
+    assert members > 0  # a lost frontend or coordinator replaced in place (check_member_invariants)
+
+
+# ---- a lost frontend or coordinator of a dense fleet is replaced in place ------------------------------
+def member_replaced(p: Plan) -> bool:
+    return any(e.reason in ("FrontendReplaced", "CoordinatorReplaced") for e in p.events)
+
+
+def created_pods(w: World, since: int = 0) -> list[Mapping[str, Any]]:
+    return [a.obj for p in w.log[since:] for a in p.actions if isinstance(a, Apply) and a.obj["kind"] == "Pod"]
+
+
+def deleted_pods(w: World, since: int = 0) -> list[str]:
+    return [a.name for p in w.log[since:] for a in p.actions if isinstance(a, Delete) and a.kind == "Pod"]
+
+
+def lose_member(w: World, how: str, name: str) -> None:
+    if how == "failed":
+        w.fail(name, f"container {name} exited with 137 (OOMKilled)")
+    elif how == "vanished":  # deleted by someone, gone at once
+        del w.pods[name]
+    elif how == "terminating":  # deleted by someone, with its grace period
+        w.pods[name] = replace(w.pods[name], terminating=True)
+    elif how == "unready":  # hung: ReadyTimeout
+        w.unready(name)
+        w.clock += int(w.fleet.spec.scaling.readyTimeoutSeconds) + 1
+
+
+@pytest.mark.parametrize("how", ["failed", "vanished", "terminating", "unready"])
+@pytest.mark.parametrize("role", [constants.ROLE_FRONTEND, constants.ROLE_COORDINATOR])
+def test_a_lost_frontend_or_coordinator_of_a_dense_fleet_is_replaced_in_place(role: str, how: str) -> None:
+    w = running(3)
+    name = member("a", role)
+    uids = {n: q.uid for n, q in w.pods.items()}
+    mark = len(w.log)
+
+    lose_member(w, how, name)
+    p = w.step()
+
+    # One loss of the streak, counted, without backoff; the same incarnation; only the lost pod goes.
+    assert w.status.phase == "Degraded"
+    assert (w.status.recoveries, w.status.fleetGeneration, w.status.replicas) == (1, 1, 3)
+    assert w.status.recovery is not None
+    assert w.status.recovery.attempt == 1
+    assert w.status.recovery.retryAt == w.status.recovery.lostAt
+    op = w.status.operation
+    assert op is not None
+    assert (op.members, op.replace, op.fromReplicas, op.toReplicas) == ((role,), (), 3, 3)
+    assert op.id.startswith(f"replace-{role}-g1-")
+    assert op.phase == ("Preparing" if how == "vanished" else "Pending")
+    assert [e.reason for e in p.events] == ["MemberLost"]
+    message = p.events[0].message
+    assert f"replacing the {role} in place (new pod(s), the engines serve on), recovery 1 of" in message
+    assert name in message
+    deletes = [(a.name, a.uid) for a in p.actions if isinstance(a, Delete)]
+    assert deletes == ([(name, uids[name])] if how in ("failed", "unready") else [])
+    conditions = {c.type: (c.status, c.reason) for c in w.status.conditions}
+    assert conditions["Degraded"] == ("True", "MemberReplacing")
+    assert conditions["Progressing"] == ("True", "ReplacingMembers")
+    assert conditions["Scaling"] == ("False", "Stable")
+
+    p = step_until(w, member_replaced, max_steps=40, what="the member replacement")
+
+    told = next(e for e in p.events if e.reason in ("FrontendReplaced", "CoordinatorReplaced"))
+    assert told.reason == ("FrontendReplaced" if role == constants.ROLE_FRONTEND else "CoordinatorReplaced")
+    assert f"the {role} replaced in place" in told.message
+    assert "the engines served on, none restarted" in told.message
+    w.converge()
+    assert w.current().phase == "Running"
+    assert (w.status.recoveries, w.status.fleetGeneration, w.status.replicas) == (1, 1, 3)
+    assert w.status.operation is not None
+    assert w.status.operation.phase == "Completed"
+    # Only the lost pod was deleted and created again; the new frontend attaches to the running engines.
+    assert set(deleted_pods(w, mark)) <= {name}
+    created = created_pods(w, mark)
+    assert [obj["metadata"]["name"] for obj in created] == [name]
+    args = created[0]["spec"]["containers"][0]["args"]
+    assert ("--attach" in args) is (role == constants.ROLE_FRONTEND)
+    new = {n: q.uid for n, q in w.pods.items()}
+    assert new[name] != uids[name]
+    assert {n: u for n, u in new.items() if n != name} == {n: u for n, u in uids.items() if n != name}
+    assert not w.events("RankLost")
+    assert not w.events("Recovering")
+
+
+def test_a_lost_frontend_and_coordinator_are_replaced_in_one_operation() -> None:
+    w = running(2)
+    uids = {n: q.uid for n, q in w.pods.items()}
+    mark = len(w.log)
+    w.fail("a-frontend", "container frontend exited with 1")
+    del w.pods["a-coordinator"]
+
+    p = w.step()
+
+    op = w.status.operation
+    assert op is not None
+    assert op.members == ("coordinator", "frontend")
+    assert op.id.startswith("replace-coordinator-frontend-g1-")
+    assert [e.reason for e in p.events] == ["MemberLost"]
+    assert "replacing the coordinator and the frontend in place" in p.events[0].message
+    assert (w.status.recoveries, w.status.fleetGeneration) == (1, 1)
+    p = step_until(w, member_replaced, max_steps=40)
+    assert [e.reason for e in p.events if e.reason.endswith("Replaced")] == ["FrontendReplaced"]
+    assert "the coordinator and the frontend replaced in place" in \
+        next(e.message for e in p.events if e.reason == "FrontendReplaced")
+    w.converge()
+    assert sorted(obj["metadata"]["name"] for obj in created_pods(w, mark)) == ["a-coordinator", "a-frontend"]
+    assert {n: q.uid for n, q in w.pods.items() if q.role == constants.ROLE_ENGINE} == \
+        {n: u for n, u in uids.items() if "engine" in n}
+    assert (w.status.recoveries, w.status.fleetGeneration) == (1, 1)
+
+
+def test_a_new_frontend_that_fails_recreates_the_fleet() -> None:
+    w = running(2)
+    w.crash = {"a-frontend"}  # the new frontend exits at start too (e.g. the engines do not re-attach)
+    w.fail("a-frontend", "container frontend exited with 1")
+    w.step()
+    assert w.status.operation is not None
+    assert w.status.operation.members == ("frontend",)
+
+    p = step_until(w, lost, max_steps=20, what="the failed member replacement")
+
+    assert w.current().phase == "Recovering"
+    assert (w.status.recoveries, w.status.fleetGeneration) == (2, 2)
+    assert w.status.operation is not None
+    assert w.status.operation.phase == "Failed"
+    message = next(e.message for e in p.events if e.reason == "RankLost")
+    assert "the new frontend (pod a-frontend) failed" in message
+    assert "recreating the fleet at 2 ranks (incarnation 2), recovery 2 of" in message
+    assert "ResizeFailed" in [e.reason for e in p.events]
+    w.crash = set()
+    w.converge(max_steps=100, tick=5)
+    assert w.current().phase == "Running"
+    frontends = [obj for obj in created_pods(w) if obj["metadata"]["name"] == "a-frontend"]
+    assert ["--attach" in obj["spec"]["containers"][0]["args"] for obj in frontends] == [False, True, False]
+
+
+def test_a_third_member_loss_in_one_streak_recreates_the_fleet_with_its_backoff() -> None:
+    w = running(2)
+    for attempt, role in ((1, "frontend"), (2, "coordinator")):
+        w.fail(member("a", role))
+        p = w.step()
+        assert [e.reason for e in p.events] == ["MemberLost"]
+        assert f"recovery {attempt} of 5 now" in p.events[0].message
+        step_until(w, member_replaced, max_steps=40)
+        w.converge()
+        assert (w.status.recoveries, w.status.fleetGeneration) == (attempt, 1)
+    w.fail("a-frontend")
+
+    p = w.step()
+
+    assert w.status.phase == "Recovering"
+    assert (w.status.recoveries, w.status.fleetGeneration) == (3, 2)
+    assert w.status.recovery is not None
+    assert w.status.recovery.attempt == 3
+    assert seconds(w.status.recovery.lostAt, w.status.recovery.retryAt) == 20
+    assert "recreating the fleet at 2 ranks (incarnation 2), recovery 3 of 5 after a backoff of 20s" in \
+        next(e.message for e in p.events if e.reason == "RankLost")
+    w.converge(max_steps=100)
+    assert w.current().phase == "Running"
+
+
+def test_an_operator_restart_mid_member_replacement_continues_the_same_operation() -> None:
+    w = running(2)
+    uids = {n: q.uid for n, q in w.pods.items()}
+    w.fail("a-frontend")
+    w.step()
+    assert w.status.operation is not None
+    first = w.status.operation.id
+    ids = set()
+    p = w.log[-1]
+    for _ in range(30):
+        w.drop_actions = True  # every other reconcile dies after its status write, before its actions
+        w.step()
+        p = w.step()
+        assert w.status.operation is not None
+        ids.add(w.status.operation.id)
+        if member_replaced(p):
+            break
+    assert ids == {first}
+    assert w.status.operation.phase == "Completed"
+    assert member_replaced(p)
+    assert w.status.recoveries == 1
+    assert len(w.events("MemberLost")) == 1
+    w.converge()
+    assert (w.status.fleetGeneration, w.status.recoveries) == (1, 1)
+    new = {n: q.uid for n, q in w.pods.items()}
+    assert new["a-frontend"] != uids["a-frontend"]
+    assert {n: u for n, u in new.items() if n != "a-frontend"} == {n: u for n, u in uids.items() if n != "a-frontend"}
+
+
+def test_a_resize_waits_for_a_member_replacement() -> None:
+    w = running(2)
+    w.fail("a-coordinator")
+    w.step()
+    w.scale(3)
+    while True:
+        p = w.step()
+        op = w.status.operation
+        assert op is not None
+        if op.done:
+            break
+        assert op.members == ("coordinator",)
+        assert not [a for a in p.actions if isinstance(a, StartResize)]
+        assert "a-engine-2" not in w.pods
+        assert w.status.replicas == 2
+        assert next(c for c in w.status.conditions if c.type == "Scaling").reason == "Waiting"
+    assert op.phase == "Completed"
+    w.converge()
+    assert (w.status.replicas, w.status.fleetGeneration, w.status.recoveries) == (3, 1, 1)
+    assert w.events("ResizeStarted")
 
 
 # ---- a lost status (issue #9, defect 4) ---------------------------------------------------------

@@ -27,6 +27,7 @@ from corefleet_operator.planner.basis import Basis, begin
 from corefleet_operator.planner.children import child_actions, wanted_pods
 from corefleet_operator.planner.follow import Flight, follow_operation
 from corefleet_operator.planner.losses import Losses, find_losses
+from corefleet_operator.planner.members import continue_members, members_in_place
 from corefleet_operator.planner.phase import fleet_phase, phase_events, ready_timeout_event
 from corefleet_operator.planner.ranks import rank_statuses
 from corefleet_operator.planner.recovery import (
@@ -717,3 +718,120 @@ def test_a_fleet_recreated_for_a_new_configuration_says_which_part_changed(chang
     out = plan(new.obj(), observed(serving(), pods), NOW)
     (restarting,) = [e for e in out.events if e.reason == "Restarting"]
     assert restarting.message.startswith(f"spec changed ({told}): recreating all ranks at 3"), restarting.message
+
+
+# ---- a replacement of the frontend and/or coordinator in place ------------------------------------------
+def members_op(phase: Any = "Pending", started: float = 0, roles: tuple[Any, ...] = ("frontend",)) -> OperationStatus:
+    return OperationStatus(id="replace-frontend-g1-x", fromReplicas=3, toReplicas=3, phase=phase,
+                           startedAt=at(started), fleetGeneration=1, members=roles)
+
+
+def test_only_a_serving_dense_fleet_that_lost_only_its_members_replaces_them_in_place() -> None:
+    moe = make_ecs("f").replicas(3).expert_parallel().obj()
+    lost_frontend = ((None, "frontend (pod f-frontend) failed"),)
+    cases: list[tuple[EngineCoreSetStatus, FleetRef, tuple[Any, ...], tuple[Any, ...], bool, bool]] = [
+        (serving(), FLEET, lost_frontend, ("frontend",), False, True),
+        (serving(phase="Degraded"), FLEET, lost_frontend, ("frontend",), False, True),
+        (serving(), moe, lost_frontend, ("frontend",), False, False),  # elastic EP: wave and EPLB state
+        (serving(), FLEET, ((None, "resize op lost the fleet"),), (), False, False),  # an operation's loss
+        (serving(), FLEET, (*lost_frontend, (1, "rank 1 failed")), ("frontend",), False, False),
+        (serving(), FLEET, lost_frontend, ("frontend",), True, False),  # a configuration change
+        (serving(phase="Scaling", operation=resize_op(3, 4, phase="Preparing")), FLEET, lost_frontend,
+         ("frontend",), False, False),
+        (serving(phase="Starting"), FLEET, lost_frontend, ("frontend",), False, False),
+    ]
+    for status, fleet, lost, roles, changed, expected in cases:
+        basis = basis_of(status, members(3, fleet), fleet)
+        assert members_in_place(fleet, basis, lost, roles, changed) is expected, (status.phase, lost, roles)
+
+
+def test_a_lost_frontend_starts_a_member_replacement_without_backoff_as_attempt_one_or_two() -> None:
+    pods = [pod("coordinator"), pod("frontend", phase="Failed"), *(pod(r) for r in range(3))]
+    for attempt, expected in ((0, True), (1, True), (2, False)):
+        streak = RecoveryStatus(attempt=attempt, lostAt=at(-5), observedGeneration=1) if attempt else None
+        step = decide_after(serving(phase="Degraded" if attempt else "Running", recovery=streak), pods,
+                            Losses(lost=((None, "frontend (pod f-frontend) failed"),), members=("frontend",)))
+        assert isinstance(step, Step)
+        assert step.recovery is not None
+        assert step.recovery.attempt == attempt + 1
+        assert step.recoveries == 1
+        if expected:
+            assert (step.generation, step.new_incarnation, step.replacing_now, step.attaching) == (1, False, True, True)
+            assert step.operation is not None
+            assert (step.operation.members, step.operation.phase) == (("frontend",), "Pending")
+            assert step.recovery.retryAt == step.recovery.lostAt  # not held by a backoff
+            assert [e.reason for e in step.events] == ["MemberLost"]
+            assert [(a.name, a.uid) for a in step.replacing.actions] == [  # type: ignore[union-attr]
+                ("f-frontend", "uid-f-frontend-1")]
+        else:  # a third loss in the streak: the fleet is recreated, with its backoff
+            assert (step.generation, step.new_incarnation, step.phase) == (2, True, "Recovering")
+            assert [e.reason for e in step.events] == ["RankLost"]
+
+
+def test_a_member_replacement_deletes_waits_creates_and_completes() -> None:
+    old = [pod("coordinator"), pod("frontend", phase="Failed"), *(pod(r) for r in range(3))]
+    pending = members_op()
+    step = continue_members(FLEET, observed(serving(operation=pending), old), pending,
+                            {p.name: p for p in old}, NOW)
+    assert (step.operation.phase, step.create) == ("Pending", False)
+    assert [a.name for a in step.actions if isinstance(a, Delete)] == ["f-frontend"]
+    going = [pod("coordinator"), pod("frontend", phase="Failed", terminating=True), *(pod(r) for r in range(3))]
+    step = continue_members(FLEET, observed(serving(operation=pending), going), pending, {}, NOW)
+    assert (step.operation.phase, step.actions, step.create) == ("Pending", (), False)  # waits while it goes
+    gone = [pod("coordinator"), *(pod(r) for r in range(3))]
+    step = continue_members(FLEET, observed(serving(operation=pending), gone), pending, {p.name: p for p in gone}, NOW)
+    assert (step.operation.phase, step.create, step.lost) == ("Preparing", True, "")
+    preparing = step.operation
+    starting = [*gone, pod("frontend", ready=False)]
+    step = continue_members(FLEET, observed(serving(operation=preparing), starting), preparing,
+                            {p.name: p for p in starting}, at(30))
+    assert (step.operation.phase, step.lost) == ("Preparing", "")
+    done = [*gone, pod("frontend")]
+    step = continue_members(FLEET, observed(serving(operation=preparing), done), preparing,
+                            {p.name: p for p in done}, at(40))
+    assert step.operation.phase == "Completed"
+    assert [e.reason for e in step.events] == ["FrontendReplaced"]
+    assert "after 40s; the engines served on, none restarted" in step.events[0].message
+    ended = [*gone, pod("frontend", phase="Failed", message="exited with 1")]
+    step = continue_members(FLEET, observed(serving(operation=preparing), ended), preparing,
+                            {p.name: p for p in ended}, at(40))
+    assert step.lost == f"replacement {preparing.id}: the new frontend (pod f-frontend) failed: exited with 1"
+    late = FLEET.spec.scaling.readyTimeoutSeconds + 121
+    step = continue_members(FLEET, observed(serving(operation=preparing), starting), preparing,
+                            {p.name: p for p in starting}, at(late))
+    assert f"not done {late}s after it began" in step.lost
+
+
+def test_the_member_pods_a_replacement_moves_are_no_losses_and_the_others_are() -> None:
+    op = members_op("Preparing")
+    pods = [pod("coordinator", phase="Failed"), *(pod(r) for r in range(3))]  # the new frontend not created yet
+    obs = observed(serving(phase="Degraded", operation=op), pods)
+    basis = begin(FLEET, obs, NOW)
+    flight = follow_operation(FLEET, obs, basis, NOW)
+    assert flight.moving_members == {"f-frontend"}
+    losses = find_losses(FLEET, obs, basis, flight, NOW)
+    assert [rank for rank, _ in losses.lost] == [None]
+    assert losses.members == ("coordinator",)
+    step = after_losses(FLEET, obs, basis, losses, first_step(basis, flight), PlanSettings(), NOW)
+    assert isinstance(step, Step)
+    assert (step.generation, step.new_incarnation) == (2, True)  # something else lost meanwhile: recreated
+    assert step.operation is not None
+    assert step.operation.phase == "Failed"
+
+
+def test_a_member_replacement_holds_its_pods_until_the_old_ones_are_gone_and_the_budget_holds_the_engines() -> None:
+    both = members_op(roles=("coordinator", "frontend"))
+    pods = [pod("coordinator", phase="Failed"), *(pod(r) for r in range(3))]  # the frontend vanished already
+    step, children = children_of(serving(phase="Degraded", operation=both), pods)
+    assert step.replacing_now
+    assert not children.created  # the frontend waits for the coordinator's old pod
+    assert [a.name for a in children.actions if isinstance(a, Delete)] == ["f-coordinator"]
+    gone = [*(pod(r) for r in range(3))]
+    step, children = children_of(serving(phase="Degraded", operation=both), gone)
+    assert sorted(children.created) == ["f-coordinator", "f-frontend"]
+    frontend = next(a.obj for a in children.actions
+                    if isinstance(a, Apply) and a.obj["metadata"]["name"] == "f-frontend")
+    assert "--attach" in frontend["spec"]["containers"][0]["args"]
+    budget = next(a.obj for a in children.actions if isinstance(a, Apply)
+                  and a.obj["metadata"]["name"] == constants.engines_budget_name("f"))
+    assert budget["spec"]["minAvailable"] == 3

@@ -12,11 +12,12 @@ states the rules it implements:
 1. `basis`: where the fleet stands (incarnation, committed size, the operation in flight, the recovery
    streak; a lost status adopted from the pods). A fleet given up stays so until its spec changes
    (`recovery`).
-2. `follow`: the operation in flight followed one step: a resize in place (`resize`) or a replacement
-   of lost dense ranks in place (`replace`).
+2. `follow`: the operation in flight followed one step: a resize in place (`resize`), a replacement
+   of lost dense ranks in place (`replace`), or one of a dense fleet's lost frontend and/or
+   coordinator in place, the engines serving on (`members`).
 3. `losses`: what the current incarnation lost, and whether its configuration changed.
-4. `step`: the next step: recreate, replace in place, or give up (`recovery`: streak, backoff, budget);
-   then a new size: resize, recreate, stop or wait.
+4. `step`: the next step: recreate, replace ranks or members in place, or give up (`recovery`:
+   streak, backoff, budget); then a new size: resize, recreate, stop or wait.
 5. `children`: the pods and other children to apply and delete.
 6. `phase` and `ranks`: the fleet's phase and the rank statuses, for `status.compute_status`.
 7. `requeue`: when to look again.

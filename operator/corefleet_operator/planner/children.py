@@ -4,8 +4,10 @@
 * Pods: every live pod of another incarnation, another configuration, or no longer wanted (not a
   member, a joining rank, or a leaving rank not yet retired) is deleted by name and UID. New pods are
   created only once no older pod is left (pod names are fixed per rank), none is terminating, and a
-  recovery's backoff is over; a replaced rank's new pod waits until its old pod is gone
-  (`ReplaceStep.create`), and an MoE scale-up's new pods wait for R' from the frontend.
+  recovery's backoff is over; a replaced rank's, frontend's or coordinator's new pod waits until its
+  old pod is gone (`ReplaceStep.create`), and an MoE scale-up's new pods wait for R' from the frontend.
+  A frontend created by a replacement of the frontend in place attaches to the running engines
+  (`Step.attaching`: `--attach`); any other (a fresh or recreated incarnation's) does not.
 * Services, the admin Secret, the PodDisruptionBudget and the NetworkPolicy are applied whenever they
   are missing or differ from what the builders produce, so drift is repaired (event Repaired; the
   budget following the committed size is no repair); nothing is written when nothing changed. Children
@@ -30,6 +32,7 @@ from corefleet_operator.observe import Observed, PodObs
 from corefleet_operator.planner.basis import Basis
 from corefleet_operator.planner.common import delete_pod, desired_pod_names
 from corefleet_operator.planner.follow import Flight
+from corefleet_operator.planner.members import member_name
 from corefleet_operator.planner.step import Step
 
 # Children the spec may switch off: deleted when observed but no longer desired (kind -> apiVersion).
@@ -92,11 +95,14 @@ def wanted_pods(fleet: FleetRef, step: Step) -> frozenset[str]:
 
 
 def held_pods(fleet: FleetRef, step: Step, awaiting_experts: bool) -> frozenset[str]:
-    """Wanted pods not created this pass: a replaced rank's, until its old pod is gone (and the backoff over),
-    and an MoE scale-up's, until the frontend names R'."""
+    """Wanted pods not created this pass: a replaced rank's, until its old pod is gone (and the backoff over), a
+    replaced frontend's or coordinator's, until the old pod is gone, and an MoE scale-up's, until the frontend
+    names R'."""
     held: set[str] = set()
     if step.replacing_now and step.replacing is not None and not step.replacing.create:
-        held = {constants.engine_name(fleet.name, rank) for rank in step.replacing.operation.replace}
+        op = step.replacing.operation
+        held = {constants.engine_name(fleet.name, rank) for rank in op.replace}
+        held |= {member_name(fleet.name, role) for role in op.members}
     if awaiting_experts:
         held |= {constants.engine_name(fleet.name, rank) for rank in step.joining}
     return frozenset(held)
@@ -120,7 +126,7 @@ def desired_objects(fleet: FleetRef, observed: Observed, step: Step, redundant: 
     disruptions = 0 if step.in_flight or step.replacing_now else 1
     children = builders.fleet_children(fleet, dp_size=step.committed, admin_token=observed.admin_token,
                                        fleet_generation=step.generation, num_redundant_experts=fleet_redundant,
-                                       engine_disruptions=disruptions)
+                                       engine_disruptions=disruptions, frontend_attach=step.attaching)
     frontend_address = constants.pod_dns(fleet.name, constants.frontend_name(fleet.name), fleet.namespace)
     to = step.operation.toReplicas if step.operation is not None else step.committed
     return children + [builders.engine_pod(fleet, rank, dp_size=to, frontend_address=frontend_address,

@@ -2,8 +2,9 @@
 """The planner's first phase: the operation in flight (`status.operation` not done), followed one step.
 
 A resize (`planner.resize`) is followed from the frontend's account of it, a replacement of lost dense
-ranks in place (`planner.replace`) through its own steps. The ranks an operation moves are its
-business: their pods' ends are not losses (`planner.losses`). A fresh fleet has no operation to follow.
+ranks in place (`planner.replace`) and one of the frontend and/or coordinator (`planner.members`)
+through their own steps. The ranks and member pods an operation moves are its business: their pods'
+ends are not losses (`planner.losses`). A fresh fleet has no operation to follow.
 
 MoE: the redundant experts belong to the committed size they were reported for
 (`status.redundantExperts` at `status.replicas`; after a resize that completes now, R' at the new size).
@@ -21,6 +22,7 @@ from corefleet_operator.actions import Event
 from corefleet_operator.models import FleetRef, OperationStatus
 from corefleet_operator.observe import Observed
 from corefleet_operator.planner.basis import Basis
+from corefleet_operator.planner.members import continue_members, member_name
 from corefleet_operator.planner.replace import ReplaceStep, continue_replace
 from corefleet_operator.planner.resize import ResizeStep, continue_resize
 
@@ -34,6 +36,7 @@ class Flight:
     resize: ResizeStep | None = None
     replacing: ReplaceStep | None = None
     moving: frozenset[int] = frozenset()  # ranks the operation adds, removes or replaces
+    moving_members: frozenset[str] = frozenset()  # the frontend and/or coordinator pods the operation replaces
     redundant_size: int = 0  # MoE: the committed size `redundant_experts` is for
     redundant_experts: int | None = None
 
@@ -56,6 +59,10 @@ def follow_operation(fleet: FleetRef, observed: Observed, basis: Basis, now: str
                    redundant_experts=old.redundantExperts)
     if running is None or basis.fresh:
         return still
+    if running.members:
+        replacing = continue_members(fleet, observed, running, basis.current, now)
+        return replace(still, operation=replacing.operation, replacing=replacing,
+                       moving_members=frozenset(member_name(fleet.name, role) for role in running.members))
     if running.replace:
         replacing = continue_replace(fleet, observed, running, basis.current, basis.streak, now)
         return replace(still, operation=replacing.operation, replacing=replacing, moving=frozenset(running.replace))

@@ -12,9 +12,11 @@ incarnation that
   rank Dead, or Unresponsive for longer than `UNRESPONSIVE_SECONDS` (`Observed.fleet`, read every
   `FRONTEND_POLL_SECONDS`; a state the operator does not know is read as not serving but not dead);
 
-and an operation in flight that lost the fleet (`Flight.lost`) is one too. The ranks an operation moves
-are not lost by their pods' ends (`Flight.moving`). What a loss leads to (a replacement in place, a new
-incarnation, giving the fleet up) is the next step's business (`planner.step`).
+and an operation in flight that lost the fleet (`Flight.lost`) is one too. The ranks and member pods an
+operation moves are not lost by their pods' ends (`Flight.moving`, `Flight.moving_members`). What a loss
+leads to (a replacement of ranks, or of the frontend and/or coordinator, in place; a new incarnation;
+giving the fleet up) is the next step's business (`planner.step`): `Losses.members` names the frontend
+and coordinator pods among the losses.
 
 A pod whose configuration hash differs from the spec's (`changed`) means the spec changed (image, model,
 engine args, ...; not `replicas`): the fleet is recreated at the new spec.
@@ -28,11 +30,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from corefleet_operator import constants
-from corefleet_operator.models import FleetRef
+from corefleet_operator.models import FleetRef, MemberRole
 from corefleet_operator.observe import FleetObs, Observed, PodObs
 from corefleet_operator.planner.basis import Basis
 from corefleet_operator.planner.common import parse_time, seconds_between, what
 from corefleet_operator.planner.follow import Flight
+from corefleet_operator.planner.members import member_role
 from corefleet_operator.status import POD_TERMINAL
 
 # The frontend's view of the ranks is read this often while the fleet serves; a rank it reports
@@ -49,6 +52,8 @@ class Losses:
 
     lost: tuple[Loss, ...] = ()
     changed: bool = False  # a pod of the incarnation was built from another configuration
+    members: tuple[MemberRole, ...] = ()  # the frontend and/or coordinator among the losses (pods failed, vanished,
+    # not ready in time; one loss each)
 
     @property
     def reason(self) -> str:
@@ -64,19 +69,23 @@ def find_losses(fleet: FleetRef, observed: Observed, basis: Basis, flight: Fligh
     """The losses (failed, vanished, not ready in time, reported dead, lost by the operation) and whether the
     configuration changed."""
     timeout = float(fleet.spec.scaling.readyTimeoutSeconds)
-    members = [p for name, p in basis.current.items() if name in basis.members and p.rank not in flight.moving]
+    members = [p for name, p in basis.current.items() if name in basis.members and p.rank not in flight.moving
+               and name not in flight.moving_members]
     failed = [p for p in members if p.phase in POD_TERMINAL]
     slow = [p for p in members if unready_too_long(p, timeout, now)]
     old = basis.old
     dead = (frontend_losses(fleet, observed.fleet, basis.current, flight.committed, now)
             if old.phase in ("Running", "Degraded") and basis.running is None and not basis.fresh else [])
-    lost: list[Loss] = [(lost_rank(fleet, p), describe_loss(p)) for p in failed + vanished(fleet, basis, flight)]
+    gone = vanished(fleet, basis, flight)
+    lost: list[Loss] = [(lost_rank(fleet, p), describe_loss(p)) for p in failed + gone]
     lost += [(lost_rank(fleet, p), f"{what(p)} (pod {p.name}) not ready {timeout:.0f}s after it was scheduled "
                                    "(ReadyTimeout)") for p in slow]
     lost += dead
     lost += [(None, why) for why in flight.lost]
     changed = any(p.spec_hash != basis.config_hash for p in basis.current.values())
-    return Losses(lost=tuple(lost), changed=changed)
+    names = [p.name for p in failed + slow] + gone
+    roles = tuple(role for name in names if (role := member_role(fleet.name, name)) is not None)
+    return Losses(lost=tuple(lost), changed=changed, members=roles)
 
 
 def vanished(fleet: FleetRef, basis: Basis, flight: Flight) -> list[str]:
@@ -84,7 +93,7 @@ def vanished(fleet: FleetRef, basis: Basis, flight: Flight) -> list[str]:
     old = basis.old
     if not (old.phase in ("Running", "Degraded", "Scaling") and old.fleetGeneration == basis.generation):
         return []
-    moved = {constants.engine_name(fleet.name, rank) for rank in flight.moving}
+    moved = {constants.engine_name(fleet.name, rank) for rank in flight.moving} | flight.moving_members
     return [name for name in sorted(basis.members) if name not in basis.live_by_name and name not in moved]
 
 

@@ -2,9 +2,10 @@
 """The planner's fifth phase: the fleet's phase, from what stands after this pass's actions.
 
 In order: Stopped (no ranks, no pods left); Degraded while lost ranks are replaced in place (the other
-ranks serve on); Scaling while a resize runs; a fleet recreated this pass stays Recovering, Restarting
-or Starting; Running once every member pod is Ready; still Recovering or Restarting until then; Degraded
-when a fleet that served has all its pods but not all ready; else Starting.
+ranks serve on), or a lost frontend and/or coordinator (the engines run on); Scaling while a resize
+runs; a fleet recreated this pass stays Recovering, Restarting or Starting; Running once every member
+pod is Ready; still Recovering or Restarting until then; Degraded when a fleet that served has all its
+pods but not all ready; else Starting.
 
 Pure module: no kopf, no Kubernetes client, no I/O.
 """
@@ -29,7 +30,7 @@ def fleet_phase(fleet: FleetRef, basis: Basis, step: Step, children: Children) -
     if step.committed == 0 and not standing and not basis.terminating:
         return "Stopped"
     if step.replacing_now:
-        return "Degraded"  # the other ranks serve on while the lost ones are replaced
+        return "Degraded"  # the other ranks (the engines) serve on while the lost ones (members) are replaced
     if step.in_flight:
         return "Scaling"
     if step.phase in ("Recovering", "Restarting", "Starting") and step.new_incarnation:

@@ -6,8 +6,9 @@ After losses (`after_losses`), in this order:
 * a fleet given up whose spec changed is recreated at the new spec (Restarting, a new streak);
 * losses are a recovery (`planner.recovery`): the operation in flight fails with them; past the
   budget the fleet is given up; else the lost dense ranks are replaced in place when they can be
-  (`planner.replace.in_place`), and otherwise the fleet is recreated at the committed size
-  (Recovering);
+  (`planner.replace.in_place`), a lost frontend and/or coordinator of a dense fleet too, as attempt 1
+  or 2 of its streak (`planner.members.members_in_place`: new pods, the engines serve on, no backoff),
+  and otherwise the fleet is recreated at the committed size (Recovering);
 * a configuration change recreates the fleet at the new spec (Restarting; an operation in flight is
   superseded).
 
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from corefleet_operator import builders
+from corefleet_operator import builders, constants
 from corefleet_operator.actions import Event
 from corefleet_operator.models import FleetPhase, FleetRef, OperationStatus, RecoveryStatus
 from corefleet_operator.observe import Observed
@@ -35,6 +36,7 @@ from corefleet_operator.planner.basis import Basis
 from corefleet_operator.planner.common import Plan, PlanSettings, listed
 from corefleet_operator.planner.follow import Flight
 from corefleet_operator.planner.losses import Losses
+from corefleet_operator.planner.members import MAX_ATTEMPT, listed_members, members_in_place, start_members
 from corefleet_operator.planner.replace import ReplaceStep, in_place, removed_while_serving, start_replace
 from corefleet_operator.planner.resize import ResizeStep, retry_wait, start_resize
 
@@ -51,7 +53,7 @@ class Step:
     recovery: RecoveryStatus | None  # the recovery streak
     recoveries: int  # recoveries in all
     resize: ResizeStep | None = None  # a resize followed or started this pass
-    replacing: ReplaceStep | None = None  # a replacement followed or started this pass
+    replacing: ReplaceStep | None = None  # a replacement (of ranks, or of members) followed or started this pass
     events: tuple[Event, ...] = ()  # what the pass has told so far
     retry_in: float | None = None  # a failed resize to this size is tried again in this many seconds
 
@@ -62,8 +64,15 @@ class Step:
 
     @property
     def replacing_now(self) -> bool:
-        """A replacement runs after this pass (in the same incarnation)."""
+        """A replacement (of ranks, or of the frontend and/or coordinator) runs after this pass (in the same
+        incarnation)."""
         return self.replacing is not None and not self.replacing.operation.done and not self.new_incarnation
+
+    @property
+    def attaching(self) -> bool:
+        """A replacement of the frontend runs after this pass: its new pod attaches to the running engines."""
+        return self.replacing_now and self.replacing is not None \
+            and constants.ROLE_FRONTEND in self.replacing.operation.members
 
     @property
     def joining(self) -> frozenset[int]:
@@ -146,7 +155,7 @@ def _recover(fleet: FleetRef, observed: Observed, basis: Basis, losses: Losses, 
                                               "the other ranks serve on); not a recovery")
         return replace(step, operation=replacing.operation, replacing=replacing,
                        events=(*step.events, told, *replacing.events))
-    kind = "replacement" if running is not None and running.replace else "resize"
+    kind = "replacement" if running is not None and (running.replace or running.members) else "resize"
     step = _fail_running(running, step, f"the fleet was lost during the {kind}: {reason}", kind, now)
     attempt = rec.next_attempt(basis.streak, fleet.spec.scaling.maxRecoveries, settings)
     if attempt.exhausted:
@@ -163,11 +172,25 @@ def _recover(fleet: FleetRef, observed: Observed, basis: Basis, losses: Losses, 
                                             f"ranks serve on), {count}")
         return replace(step, operation=replacing.operation, replacing=replacing,
                        events=(*step.events, told, *replacing.events))
+    if members_in_place(fleet, basis, losses.lost, losses.members, losses.changed) and attempt.number <= MAX_ATTEMPT:
+        return _replace_members(fleet, observed, basis, losses, replace(step, recovery=replace(
+            recovery, retryAt=recovery.lostAt)), f"recovery {attempt.number} of {attempt.budget} now", now)
     committed = basis.old.replicas if step.committed == 0 else step.committed
     step = _recreate(step, "Recovering", committed, recovery, Event(
         "Warning", "RankLost", f"{reason}: recreating the fleet at {committed} ranks (incarnation "
                                f"{step.generation + 1}), {count}"))
     return replace(step, resize=None)  # the resize in flight, if any, failed with the incarnation
+
+
+def _replace_members(fleet: FleetRef, observed: Observed, basis: Basis, losses: Losses, step: Step, count: str,
+                     now: str) -> Step:
+    """The lost frontend and/or coordinator replaced in place (`planner.members`): a recovery, without backoff."""
+    replacing = start_members(fleet, observed, losses.members, step.committed, step.generation, basis.current, now)
+    what = listed_members(losses.members)
+    told = Event("Warning", "MemberLost", f"{losses.reason}: replacing {what} in place (new pod(s), the engines "
+                                          f"serve on), {count}")
+    return replace(step, operation=replacing.operation, replacing=replacing,
+                   events=(*step.events, told, *replacing.events))
 
 
 def removed(observed: Observed, basis: Basis, losses: Losses) -> bool:

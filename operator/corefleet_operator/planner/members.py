@@ -1,0 +1,129 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A replacement in place of a dense fleet's frontend and/or coordinator: the engines serve on.
+
+When a dense fleet (not `expertParallel`) serves in its current incarnation and configuration (Running
+or Degraded, no operation in flight) and the only losses are its frontend and/or coordinator pods
+(failed, vanished, or not ready in time: `Losses.members`), they are replaced in place, in the same
+incarnation, as an operation (`members_in_place`): `status.operation` with `members` = their roles,
+fromReplicas == toReplicas (`start_members`, then `continue_members` on every reconcile, also after
+an operator restart):
+
+* Pending: the old pods still there are deleted (by name and UID); once none of them exists, the
+  operation is Preparing (written before the new pods are created: a member pod seen while Pending is
+  the old one, one seen while Preparing the new one).
+* Preparing: the missing member pods are created (again, if one vanished: `ReplaceStep.create`). A new
+  frontend is built with `--attach` (`builders.frontend_pod`): it binds the same fixed engine ports
+  under the same DNS name, the running engines reconnect to it, and it re-attaches to them instead of
+  vLLM's startup handshake. A new coordinator is found by the frontend and engines at its fixed ports.
+* Completed once every new pod is Ready (events FrontendReplaced or CoordinatorReplaced).
+
+It is a recovery like any other (an attempt of the streak, `recoveries`), but its new pods are not held
+by the streak's backoff (the engines are fine and the endpoint is down meanwhile): only a loss that is
+attempt 1 or 2 of its streak is replaced in place (`MAX_ATTEMPT`), so a crash loop of the frontend or
+coordinator still ends in a recreated fleet, with its backoff, and in the budget. A new pod that ends,
+or no end within readyTimeoutSeconds + FRONTEND_GRACE_SECONDS after the operation began, is `lost`:
+the whole fleet is recreated; so is a fleet that loses anything else meanwhile (an engine, the other
+member). The fleet is Degraded meanwhile, and a new `replicas` waits for the end.
+
+MoE fleets (`expertParallel`) recreate the fleet instead: elastic EP's coordinator holds the wave
+state, and the frontend the EPLB state, that a new process could not take over.
+
+Pure module: no kopf, no Kubernetes client, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import replace
+
+from corefleet_operator import constants
+from corefleet_operator.actions import Event
+from corefleet_operator.models import MEMBER_ROLES, FleetRef, MemberRole, OperationStatus
+from corefleet_operator.observe import Observed, PodObs
+from corefleet_operator.planner.basis import Basis
+from corefleet_operator.planner.common import FRONTEND_GRACE_SECONDS, delete_pod, pod_ready, seconds_between
+from corefleet_operator.planner.replace import ReplaceStep
+from corefleet_operator.status import POD_TERMINAL
+
+# A member lost as attempt 1 or 2 of its streak is replaced in place; a later one recreates the fleet.
+MAX_ATTEMPT = 2
+
+
+def member_name(fleet: str, role: MemberRole) -> str:
+    """The pod of a member role."""
+    return constants.frontend_name(fleet) if role == constants.ROLE_FRONTEND else constants.coordinator_name(fleet)
+
+
+def member_role(fleet: str, name: str) -> MemberRole | None:
+    """The member role whose pod `name` is (None: an engine's, or another pod's)."""
+    return next((role for role in MEMBER_ROLES if member_name(fleet, role) == name), None)
+
+
+def members_id(roles: Iterable[MemberRole], fleet_generation: int, now: str) -> str:
+    """A member replacement's id: readable, unique per incarnation and second
+    (`replace-frontend-g3-20261204t101500z`, `replace-coordinator-frontend-g3-...`)."""
+    stamp = now.replace("-", "").replace(":", "").lower()
+    return f"replace-{'-'.join(sorted(set(roles)))}-g{fleet_generation}-{stamp}"
+
+
+def listed_members(roles: Iterable[MemberRole]) -> str:
+    """`the frontend`, `the coordinator and the frontend`."""
+    return " and ".join(f"the {role}" for role in sorted(set(roles)))
+
+
+def members_in_place(fleet: FleetRef, basis: Basis, lost: Iterable[tuple[int | None, str]],
+                     roles: Iterable[MemberRole], changed: bool) -> bool:
+    """Whether this pass's losses are replaced in place as members: only the frontend and/or coordinator pods
+    (`roles`, one loss each), lost from a dense fleet that serves in its current incarnation and configuration
+    with nothing in flight. (The streak's attempt is `planner.step`'s to check: `MAX_ATTEMPT`.)"""
+    losses = list(lost)
+    roles = set(roles)
+    old = basis.old
+    return (bool(losses) and all(rank is None for rank, _ in losses) and len(losses) == len(roles)
+            and not fleet.spec.expertParallel and not basis.fresh and not basis.given_up and not changed
+            and basis.running is None and old.phase in ("Running", "Degraded")
+            and old.fleetGeneration == basis.generation and basis.committed > 0)
+
+
+def start_members(fleet: FleetRef, observed: Observed, roles: Iterable[MemberRole], committed: int,
+                  generation: int, current: Mapping[str, PodObs], now: str) -> ReplaceStep:
+    """A new replacement of the lost members `roles`, and its first step (the old pods' deletes)."""
+    shown = tuple(sorted(set(roles)))
+    op = OperationStatus(id=members_id(shown, generation, now), fromReplicas=committed, toReplicas=committed,
+                         phase="Pending", startedAt=now, message=f"replacing {listed_members(shown)} in place",
+                         fleetGeneration=generation, members=shown)
+    return continue_members(fleet, observed, op, current, now)
+
+
+def continue_members(fleet: FleetRef, observed: Observed, op: OperationStatus, current: Mapping[str, PodObs],
+                     now: str) -> ReplaceStep:
+    """Follow a replacement of the frontend and/or coordinator in place (`op.members`) one step (see the module)."""
+    names = {role: member_name(fleet.name, role) for role in op.members}
+    what = listed_members(op.members)
+    if op.phase == "Pending":
+        there = [p for p in observed.pods if p.name in names.values()]
+        if there:
+            deletes = tuple(delete_pod(p) for p in there if not p.terminating)
+            return ReplaceStep(operation=replace(op, message=f"deleting the old pod(s) of {what}"), actions=deletes)
+        op = replace(op, phase="Preparing", message=f"creating the new pod(s) of {what}")
+    step = ReplaceStep(operation=op, create=True)
+    for role, name in sorted(names.items()):
+        pod = current.get(name)
+        if pod is not None and pod.phase in POD_TERMINAL:
+            why = f": {pod.message}" if pod.message else ""
+            return replace(step, lost=f"replacement {op.id}: the new {role} (pod {name}) {pod.phase.lower()}{why}")
+    took = seconds_between(op.startedAt, now)
+    if all(pod_ready(current.get(name)) for name in names.values()):
+        reason = "FrontendReplaced" if constants.ROLE_FRONTEND in op.members else "CoordinatorReplaced"
+        done = replace(op, phase="Completed", finishedAt=now, message=f"{what} replaced in place in {took:.0f}s")
+        return replace(step, operation=done, events=(Event(
+            "Normal", reason, f"replacement {op.id}: {what} replaced in place (new pod(s)) after {took:.0f}s; the "
+                              "engines served on, none restarted"),))
+    timeout = float(fleet.spec.scaling.readyTimeoutSeconds) + FRONTEND_GRACE_SECONDS
+    unready = [name for name in names.values() if not pod_ready(current.get(name))]
+    message = f"waiting for the new pod(s) {', '.join(sorted(unready))} to be Ready"
+    if took > timeout:
+        return replace(step, lost=(f"replacement {op.id} of {what}: not done {took:.0f}s after it began "
+                                   f"(readyTimeoutSeconds {fleet.spec.scaling.readyTimeoutSeconds} + "
+                                   f"{FRONTEND_GRACE_SECONDS:.0f}s): {message}"))
+    return replace(step, operation=replace(op, message=message))
