@@ -186,6 +186,7 @@ class PodRunner:
         self.hold: set[str] = set()  # pods bound but never started (as if their image never pulled)
         self.pods: dict[str, _Pod] = {}  # by uid
         self.names: dict[str, str] = {}  # pod DNS name -> address
+        self._last_address: dict[str, str] = {}  # pod DNS name -> the address of its last, deleted pod
         self.errors: list[BaseException] = []
         self.probe_log: list[ProbeAttempt] = []  # every probe attempt, in order
         self.exits: dict[str, tuple[float, int]] = {}  # pod uid -> (time.monotonic(), exit code) as reported
@@ -278,10 +279,11 @@ class PodRunner:
         dns = f"{spec.get('hostname', meta['name'])}.{spec.get('subdomain', '')}.{self.ns}.svc"
         # A pod that replaces a gone one of the same DNS name keeps its address, as cluster DNS would point the
         # name at the new pod: processes that connect by that name (here rewritten to the address) reconnect.
-        before = self.names.get(dns)
+        before = self.names.get(dns, self._last_address.get(dns))
         if before is not None and all(p.ip != before for p in self.pods.values()) \
                 and all(_bindable(before, port, reuse=True) for port in ports):
             self.pods[meta["uid"]] = _Pod(meta["name"], meta["uid"], before, dns, pod)
+            self.names[dns] = before
             return
         while True:
             if self._next_host > 250:
@@ -495,7 +497,8 @@ class PodRunner:
     def _terminate(self, p: _Pod, gone: bool) -> None:
         p.probes_stop.set()
         if self.names.get(p.dns) == p.ip:
-            del self.names[p.dns]  # as DNS forgets a deleted pod; its successor gets a new address
+            del self.names[p.dns]  # as DNS forgets a deleted pod (until its successor of the same name is there)
+            self._last_address[p.dns] = p.ip
         if p.popen is not None and p.popen.poll() is None:
             if p.term_sent_at is None:
                 if not gone and self._prestop_running(p):
