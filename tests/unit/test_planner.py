@@ -15,7 +15,7 @@ import datetime
 import json
 import random
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -1638,21 +1638,29 @@ def test_the_replacement_is_asked_of_the_frontend_only_once_it_reports_the_rank_
     step_until(w, replaced, max_steps=20)
 
 
-def test_an_operator_restart_mid_replacement_continues_the_same_operation() -> None:
-    w = running(3)
-    w.fail("a-engine-2")
-    p = w.step()
-    assert w.status.operation is not None
-    first = w.status.operation.id
+def operations_across_restarts(w: World, done: Callable[[Plan], object]) -> tuple[set[str], Plan]:
+    """Reconcile until `done(plan)`, every other reconcile dying after its status write (an operator restart
+    before its actions ran): the operation ids seen, and the last plan."""
     ids = set()
+    p = w.log[-1]
     for _ in range(30):
-        w.drop_actions = True  # every other reconcile dies after its status write, before its actions
+        w.drop_actions = True
         w.step()
         p = w.step()
         assert w.status.operation is not None
         ids.add(w.status.operation.id)
-        if replaced(p):
+        if done(p):
             break
+    return ids, p
+
+
+def test_an_operator_restart_mid_replacement_continues_the_same_operation() -> None:
+    w = running(3)
+    w.fail("a-engine-2")
+    w.step()
+    assert w.status.operation is not None
+    first = w.status.operation.id
+    ids, _ = operations_across_restarts(w, replaced)
     assert ids == {first}
     assert w.status.operation.phase == "Completed"
     assert w.frontend.started == 1
@@ -1992,16 +2000,7 @@ def test_an_operator_restart_mid_member_replacement_continues_the_same_operation
     w.step()
     assert w.status.operation is not None
     first = w.status.operation.id
-    ids = set()
-    p = w.log[-1]
-    for _ in range(30):
-        w.drop_actions = True  # every other reconcile dies after its status write, before its actions
-        w.step()
-        p = w.step()
-        assert w.status.operation is not None
-        ids.add(w.status.operation.id)
-        if member_replaced(p):
-            break
+    ids, p = operations_across_restarts(w, member_replaced)
     assert ids == {first}
     assert w.status.operation.phase == "Completed"
     assert member_replaced(p)
