@@ -18,4 +18,3 @@ for mod in ("corefleet_client.frontend", "corefleet_client.coordinator", "corefl
     assert importlib.util.find_spec(mod) is not None, mod
 plugins = importlib.metadata.entry_points(group="vllm.general_plugins")
 assert any(ep.name == "corefleet" for ep in plugins), list(plugins)
-print(f"vLLM {vllm.__version__}, corefleet {importlib.metadata.version('corefleet')}")

@@ -99,6 +99,7 @@ class World:
     built_size: dict[str, int] = field(default_factory=dict)  # pod -> the data-parallel size it was built for
     built_redundant: dict[str, int] = field(default_factory=dict)  # pod -> its --eplb-config's redundant experts
     crash: set[str] = field(default_factory=set)  # pods (by name) whose container exits as soon as it starts
+    stuck: set[str] = field(default_factory=set)  # pods whose deletion nothing completes (a lost node's)
     hang: set[str] = field(default_factory=set)  # pods (by name) that start and never become Ready
     rank_states: dict[int, RankObs] = field(default_factory=dict)  # what the frontend says of ranks (else Serving)
     fleet_asks: int = 0  # reconciles that read the frontend's view of the ranks
@@ -250,7 +251,7 @@ class World:
     def kubelet(self) -> None:
         """One step of the scheduler and kubelet: bind, start, and finish deletions."""
         for name, p in list(self.pods.items()):
-            if p.terminating:
+            if p.terminating and name not in self.stuck:
                 del self.pods[name]
             elif not p.node and not p.message:
                 self.pods[name] = replace(p, node="gpu-node-0", unready_since=self.now)
@@ -1941,6 +1942,88 @@ def test_a_lost_frontend_and_coordinator_are_replaced_in_one_operation() -> None
     assert {n: q.uid for n, q in w.pods.items() if q.role == constants.ROLE_ENGINE} == \
         {n: u for n, u in uids.items() if "engine" in n}
     assert (w.status.recoveries, w.status.fleetGeneration) == (1, 1)
+
+
+@pytest.mark.parametrize("first", ["a-frontend", "a-coordinator", "a-engine-0", "a-engine-1"])
+def test_a_lost_nodes_pods_going_one_at_a_time_are_one_recovery(first: str) -> None:
+    """The taint manager (or a drain) deletes a lost node's pods one at a time and each vanishes when it is
+    force-deleted: whichever goes first, the fleet is recovered once (the frontend vanishing first while its engines
+    are still being deleted is no member replacement that their end would then fail)."""
+    w = running(2)
+    names = [first, *sorted(n for n in w.pods if n != first)]
+    w.stuck = set(names)
+    for name in names:  # all deleted, stuck terminating on the lost node
+        w.pods[name] = replace(w.pods[name], terminating=True)
+    w.step()
+    for name in names:  # force-deleted one at a time, a pass between
+        w.stuck.discard(name)
+        del w.pods[name]
+        w.step()
+    w.converge(max_steps=100, tick=5)
+    assert w.current().phase == "Running"
+    assert (w.status.recoveries, w.status.fleetGeneration) == (1, 2)
+    assert not w.events("MemberLost")
+    assert len(w.events("RankLost")) == 1
+
+
+@pytest.mark.parametrize("first", ["a-frontend", "a-coordinator"])
+def test_an_engine_deleted_while_a_member_replacement_waits_for_the_old_member_is_the_same_recovery(first: str) -> None:
+    """`kubectl delete` (or the taint manager) deletes a lost node's pods one call at a time: the member's delete is
+    seen first and starts a member replacement, which waits (Pending) for the stuck old pod; an engine's delete seen
+    then recreates the fleet, as the same recovery (attempt 1: no backoff), not a second one."""
+    w = running(2)
+    names = [first, *sorted(n for n in w.pods if n != first)]
+    w.stuck = set(names)
+    w.pods[first] = replace(w.pods[first], terminating=True)
+    w.step()
+    assert w.status.operation is not None
+    assert w.status.operation.phase == "Pending"
+    assert w.status.recoveries == 1
+    for name in names[1:]:
+        w.pods[name] = replace(w.pods[name], terminating=True)
+        w.step()
+    for name in names:  # force-deleted one at a time
+        w.stuck.discard(name)
+        w.step()
+    w.converge(max_steps=100, tick=5)
+    assert w.current().phase == "Running"
+    assert (w.status.recoveries, w.status.fleetGeneration) == (1, 2)
+    assert w.status.recovery is not None
+    assert w.status.recovery.attempt == 1
+    lost = w.events("RankLost")
+    assert len(lost) == 1
+    assert "recreating the fleet at 2 ranks (incarnation 2), recovery 1 of 5 now" in lost[0]
+
+
+def test_a_member_lost_while_an_engine_does_not_serve_recreates_the_fleet() -> None:
+    """The new frontend could not re-attach to an engine that does not answer: no member replacement that would
+    only time out, the fleet is recreated at once."""
+    w = running(2)
+    w.unready("a-engine-1")
+    w.fail("a-frontend")
+    p = w.step()
+    assert not w.events("MemberLost")
+    assert "recreating the fleet at 2 ranks (incarnation 2), recovery 1 of 5 now" in \
+        next(e.message for e in p.events if e.reason == "RankLost")
+
+
+def test_a_member_lost_while_the_other_is_being_deleted_replaces_both_in_one_operation() -> None:
+    w = running(2)
+    w.stuck = {"a-coordinator"}
+    w.pods["a-coordinator"] = replace(w.pods["a-coordinator"], terminating=True)  # its node drained
+    del w.pods["a-frontend"]
+
+    p = w.step()
+
+    op = w.status.operation
+    assert op is not None
+    assert (op.members, op.phase) == (("coordinator", "frontend"), "Pending")
+    assert "replacing the coordinator and the frontend in place" in p.events[0].message
+    w.stuck = set()
+    step_until(w, member_replaced, max_steps=40)
+    w.converge()
+    assert (w.status.recoveries, w.status.fleetGeneration) == (1, 1)
+    assert len(w.events("MemberLost")) == 1
 
 
 def test_a_new_frontend_that_fails_recreates_the_fleet() -> None:

@@ -16,7 +16,16 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
+
+# The heavy vLLM modules (torch, transformers) load at collection, not inside a test's time limit.
+from vllm.config import ParallelConfig
+from vllm.config.parallel import EPLBConfig
+from vllm.distributed.nixl_utils import is_nixl_available
+from vllm.engine.arg_utils import EngineArgs
+from vllm.entrypoints.launchers.api_server import entry
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
 from vllm.exceptions import GracefulHTTPError
+from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm.v1.engine import EngineCoreRequestType, UtilityOutput
 from vllm.v1.engine.core_client import _process_utility_output
 from vllm.v1.engine.exceptions import EngineDeadError
@@ -397,9 +406,6 @@ def test_fan_out_utilities_skip_dead_and_unresponsive_ranks() -> None:
 def test_the_public_app_does_not_serve_vllms_elastic_ep_routes(monkeypatch: pytest.MonkeyPatch) -> None:
     """Change 8, on the app vLLM's API server builds (`build_and_serve` calls `entry.build_app`)."""
     from fastapi.testclient import TestClient
-    from vllm.entrypoints.launchers.api_server import entry
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     monkeypatch.setattr(entry, "build_app", entry.build_app)  # restored after the test
     args = make_arg_parser(FlexibleArgumentParser(prog="vllm serve")).parse_args(["tiny"])
@@ -423,7 +429,6 @@ def test_the_public_app_does_not_serve_vllms_elastic_ep_routes(monkeypatch: pyte
 ])
 def test_init_advertises_engine_0_and_its_coordination_store(
         engine0: str | None, store: int | None, want: tuple[str, int]) -> None:
-    from vllm.config import ParallelConfig
 
     own = ParallelConfig(data_parallel_size=2)
     advertised = vllm_compat.advertised_parallel_config(own, engine0, store)
@@ -436,8 +441,6 @@ def test_init_advertises_engine_0_and_its_coordination_store(
 def test_eplb_is_set_on_a_built_config_as_a_gpu_would_have_it(elastic: bool, communicator: str) -> None:
     """Change 9: this CPU platform refuses EPLB at construction; set afterwards, the flags reach the hash, and
     the EPLB communicator is the one `ParallelConfig.__post_init__` picks on CUDA without NIXL."""
-    from vllm.config import ParallelConfig
-    from vllm.distributed.nixl_utils import is_nixl_available
 
     assert not is_nixl_available()  # this machine's vLLM: otherwise the communicator would be "nixl"
     with pytest.raises(ValueError, match="only supported on CUDA devices"):
@@ -453,7 +456,6 @@ def test_eplb_is_set_on_a_built_config_as_a_gpu_would_have_it(elastic: bool, com
 def test_the_elastic_ep_maximum_is_set_as_a_gpu_would_have_it() -> None:
     """Change 9: built with elastic EP off, vLLM makes the maximum the DP size; set afterwards, a maximum above the
     size (a fleet's maxReplicas) reaches the hash as on a GPU, where the engines hash it."""
-    from vllm.config import ParallelConfig
 
     config = ParallelConfig(data_parallel_size=2, enable_expert_parallel=True, elastic_ep_max_dp_size=4)
     assert config.elastic_ep_max_dp_size == 2  # what construction with elastic EP off leaves
@@ -468,8 +470,6 @@ def test_the_elastic_ep_maximum_is_set_as_a_gpu_would_have_it() -> None:
 def test_the_frontends_config_keeps_the_engines_eplb_settings(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Change 9 on a real EngineArgs: an MoE frontend's config, built on this CPU platform, has what the engines'
     have on a GPU: EPLB and elastic EP on, their maximum, and redundant experts (refused with EPLB off)."""
-    from vllm.config.parallel import EPLBConfig
-    from vllm.engine.arg_utils import EngineArgs
 
     from corefleet_harness.tinymodel import write_tiny_model
 

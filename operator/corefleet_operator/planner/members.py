@@ -2,9 +2,10 @@
 """A replacement in place of a dense fleet's frontend and/or coordinator: the engines serve on.
 
 When a dense fleet (not `expertParallel`) serves in its current incarnation and configuration (Running
-or Degraded, no operation in flight) and the only losses are its frontend and/or coordinator pods
-(failed, vanished, or not ready in time: `Losses.members`), they are replaced in place, in the same
-incarnation, as an operation (`members_in_place`): `status.operation` with `members` = their roles,
+or Degraded, no operation in flight), every engine pod serves (`engines_serve`), and the only losses are its
+frontend and/or coordinator pods (failed, vanished, or not ready in time: `Losses.members`), they are replaced in
+place, in the same incarnation, as an operation (`members_in_place`; the other member too if its pod is being
+deleted meanwhile: `members_to_replace`): `status.operation` with `members` = their roles,
 fromReplicas == toReplicas (`start_members`, then `continue_members` on every reconcile, also after
 an operator restart):
 
@@ -23,7 +24,9 @@ attempt 1 or 2 of its streak is replaced in place (`MAX_ATTEMPT`), so a crash lo
 coordinator still ends in a recreated fleet, with its backoff, and in the budget. A new pod that ends,
 or no end within readyTimeoutSeconds + FRONTEND_GRACE_SECONDS after the operation began, is `lost`:
 the whole fleet is recreated; so is a fleet that loses anything else meanwhile (an engine, the other
-member). The fleet is Degraded meanwhile, and a new `replicas` waits for the end.
+member); a loss seen while the operation is still Pending is the same event as the member's (a lost node's pods
+are deleted one at a time) and the recreation is that loss's attempt (`planner.step.folded`), not another
+recovery. The fleet is Degraded meanwhile, and a new `replicas` waits for the end.
 
 MoE fleets (`expertParallel`) recreate the fleet instead: elastic EP's coordinator holds the wave
 state, and the frontend the EPLB state, that a new process could not take over.
@@ -82,7 +85,22 @@ def members_in_place(fleet: FleetRef, basis: Basis, lost: Iterable[tuple[int | N
     return (bool(losses) and all(rank is None for rank, _ in losses) and len(losses) == len(roles)
             and not fleet.spec.expertParallel and not basis.fresh and not basis.given_up and not changed
             and basis.running is None and old.phase in ("Running", "Degraded")
-            and old.fleetGeneration == basis.generation and basis.committed > 0)
+            and old.fleetGeneration == basis.generation and basis.committed > 0 and engines_serve(fleet, basis))
+
+
+def engines_serve(fleet: FleetRef, basis: Basis) -> bool:
+    """Every engine pod of the committed size is there, Running, Ready and not being deleted: only then are the
+    engines worth keeping. (A lost node's pods go one at a time: its frontend may vanish while its engines are
+    still being deleted; replacing the frontend in place then would only be a second recovery once they go.)"""
+    return all(pod_ready(basis.current.get(constants.engine_name(fleet.name, rank)))
+               for rank in range(basis.committed))
+
+
+def members_to_replace(fleet: FleetRef, basis: Basis, roles: Iterable[MemberRole]) -> tuple[MemberRole, ...]:
+    """The lost members `roles` and the other member too if its pod of this incarnation is being deleted (it goes
+    with them, e.g. a drained or lost node's): replaced in one operation rather than lost during it."""
+    leaving = {p.name for p in basis.terminating if p.fleet_generation == basis.generation}
+    return tuple(sorted(set(roles) | {role for role in MEMBER_ROLES if member_name(fleet.name, role) in leaving}))
 
 
 def start_members(fleet: FleetRef, observed: Observed, roles: Iterable[MemberRole], committed: int,

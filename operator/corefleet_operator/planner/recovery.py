@@ -99,6 +99,12 @@ def next_attempt(current: RecoveryStatus | None, budget: int, settings: PlanSett
     return Attempt(number=number, budget=budget, wait=backoff_seconds(number, settings.backoff_scale))
 
 
+def same_attempt(current: RecoveryStatus | None, budget: int, settings: PlanSettings) -> Attempt:
+    """The attempt of the streak's last loss again (a further loss of the same event: `planner.step.folded`)."""
+    number = max(1, current.attempt if current is not None else 1)
+    return Attempt(number=number, budget=budget, wait=backoff_seconds(number, settings.backoff_scale))
+
+
 def recovery_for(attempt: Attempt, reason: str, spec_generation: int, now: str) -> RecoveryStatus:
     """The streak's record of a loss now (`status.recovery`): its new pods wait until retryAt."""
     return RecoveryStatus(attempt=attempt.number, lostAt=now, reason=reason, retryAt=later(now, attempt.wait),

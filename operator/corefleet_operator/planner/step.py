@@ -36,7 +36,13 @@ from corefleet_operator.planner.basis import Basis
 from corefleet_operator.planner.common import Plan, PlanSettings, listed
 from corefleet_operator.planner.follow import Flight
 from corefleet_operator.planner.losses import Losses
-from corefleet_operator.planner.members import MAX_ATTEMPT, listed_members, members_in_place, start_members
+from corefleet_operator.planner.members import (
+    MAX_ATTEMPT,
+    listed_members,
+    members_in_place,
+    members_to_replace,
+    start_members,
+)
 from corefleet_operator.planner.replace import ReplaceStep, in_place, removed_while_serving, start_replace
 from corefleet_operator.planner.resize import ResizeStep, retry_wait, start_resize
 
@@ -157,12 +163,15 @@ def _recover(fleet: FleetRef, observed: Observed, basis: Basis, losses: Losses, 
                        events=(*step.events, told, *replacing.events))
     kind = "replacement" if running is not None and (running.replace or running.members) else "resize"
     step = _fail_running(running, step, f"the fleet was lost during the {kind}: {reason}", kind, now)
-    attempt = rec.next_attempt(basis.streak, fleet.spec.scaling.maxRecoveries, settings)
+    if folded(running, basis):  # the same event as the member loss (a node's pods going one at a time): its attempt
+        attempt = rec.same_attempt(basis.streak, fleet.spec.scaling.maxRecoveries, settings)
+    else:
+        attempt = rec.next_attempt(basis.streak, fleet.spec.scaling.maxRecoveries, settings)
     if attempt.exhausted:
         return rec.give_up(fleet, observed, basis.old, step.operation, attempt, reason, step.recoveries,
                            step.events, now)
     recovery = rec.recovery_for(attempt, reason, observed.generation, now)
-    step = replace(step, recovery=recovery, recoveries=step.recoveries + 1)
+    step = replace(step, recovery=recovery, recoveries=step.recoveries + (0 if folded(running, basis) else 1))
     count = f"recovery {attempt.number} of {attempt.budget} {rec.when(attempt, recovery)}"
     if in_place(fleet, basis, losses.lost, losses.changed):
         ranks = losses.ranks
@@ -182,11 +191,19 @@ def _recover(fleet: FleetRef, observed: Observed, basis: Basis, losses: Losses, 
     return replace(step, resize=None)  # the resize in flight, if any, failed with the incarnation
 
 
+def folded(running: OperationStatus | None, basis: Basis) -> bool:
+    """A loss while a member replacement still waits for its old pods to go (Pending: nothing new created yet) is
+    the same event as the member's loss (a lost or drained node's pods are deleted one at a time): the fleet is
+    recreated as that loss's attempt of the streak, not counted again."""
+    return running is not None and bool(running.members) and running.phase == "Pending" and basis.streak is not None
+
+
 def _replace_members(fleet: FleetRef, observed: Observed, basis: Basis, losses: Losses, step: Step, count: str,
                      now: str) -> Step:
     """The lost frontend and/or coordinator replaced in place (`planner.members`): a recovery, without backoff."""
-    replacing = start_members(fleet, observed, losses.members, step.committed, step.generation, basis.current, now)
-    what = listed_members(losses.members)
+    roles = members_to_replace(fleet, basis, losses.members)
+    replacing = start_members(fleet, observed, roles, step.committed, step.generation, basis.current, now)
+    what = listed_members(roles)
     told = Event("Warning", "MemberLost", f"{losses.reason}: replacing {what} in place (new pod(s), the engines "
                                           f"serve on), {count}")
     return replace(step, operation=replacing.operation, replacing=replacing,
