@@ -123,6 +123,17 @@ def install_release_utility(fd: int) -> None:
 
 
 _INPUT_THREAD = threading.local()  # set in the engine's input thread (vLLM's process_input_sockets)
+# The engine's connections to its frontend(s) and coordinator (sockets it connects): a connect that gets no answer
+# gives up after CONNECT_TIMEOUT_MS and is tried again, resolving the peer's DNS name again (a replacement frontend
+# has the same name and a new address; a SYN to the old one may go unanswered for minutes on a real network); a
+# connection whose peer went silent (its node lost: no FIN, no RST) is dropped after HEARTBEAT_TIMEOUT_MS without an
+# answer to the pings sent every HEARTBEAT_IVL_MS (libzmq answers them in its own thread: a busy peer still does), and
+# made again.
+CONNECT_TIMEOUT_MS = 3000
+HEARTBEAT_IVL_MS = 2000
+HEARTBEAT_TIMEOUT_MS = 10000
+CONNECTION_OPTIONS = ((zmq.CONNECT_TIMEOUT, CONNECT_TIMEOUT_MS), (zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS),
+                      (zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS))
 
 
 def is_attach_call(frames: Sequence[Any]) -> bool:
@@ -168,7 +179,8 @@ def announce_again_on_attach(dealer: Any) -> None:
 def install_attach_support() -> None:
     """Let a replacement frontend re-attach to this running engine (`frontend.attach`): the requests DEALERs vLLM's
     input thread creates announce the engine again when asked, and the engine core gets the `ATTACH_UTILITY` call,
-    which aborts every request of the calling client index (its lost predecessor's)."""
+    which aborts every request of the calling client index (its lost predecessor's). Every socket the engine core
+    makes gets `CONNECTION_OPTIONS`, so that it finds a replacement frontend at its new address."""
     original_input = EngineCoreProc.process_input_sockets
     original_make = vllm_core.make_zmq_socket
 
@@ -177,6 +189,8 @@ def install_attach_support() -> None:
         return original_input(self, *args, **kwargs)
 
     def make_zmq_socket(ctx: Any, path: str, socket_type: Any, *args: Any, **kwargs: Any) -> Any:
+        for option, value in CONNECTION_OPTIONS:  # the context's defaults for its sockets made from now on
+            ctx.setsockopt(option, value)
         made = original_make(ctx, path, socket_type, *args, **kwargs)
         if socket_type == zmq.DEALER and getattr(_INPUT_THREAD, "active", False):
             announce_again_on_attach(made)

@@ -31,6 +31,7 @@ Heavy (real vLLM, up to 3 engines, ~9 GiB): on shared machines run the e2e tier 
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import shutil
@@ -39,6 +40,7 @@ import subprocess
 import tempfile
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -104,6 +106,7 @@ def sample(image: str, *, emulator: bool = False) -> dict[str, Any]:
 class Setup:
     def __init__(self, cp: LocalControlPlane, node: LocalNode, fleet: FleetView, operator_pod: str, image: str) -> None:
         self.cp, self.node, self.fleet, self.operator_pod, self.image = cp, node, fleet, operator_pod, image
+        self.created_s = 0.0  # the real vLLM fleet's creation, apply to settled: what a whole-fleet recreation costs
 
     def url(self, fleet: FleetView | None = None) -> str:
         """The fleet's OpenAI endpoint through its Service's ClusterIP."""
@@ -199,9 +202,11 @@ def setup(real_node: RealNode, tmp_path_factory: pytest.TempPathFactory) -> Iter
     restricted_namespace(cp, NS)
     model_volume(cp, models)
     ecs = sample(image)
+    applied = time.monotonic()
     cp.kubectl("apply", "-n", NS, "-f", "-", input=json.dumps(ecs))  # schema and CEL accept it
     s = Setup(cp, node, FleetView(cp, NS, ecs["metadata"]["name"], None, SERVED), operator_pod, image)
     s.settle(2)
+    s.created_s = time.monotonic() - applied
     try:
         yield s
     finally:  # the node is the session's: the module's fleets and operator go (pods at once, no grace)
@@ -409,6 +414,96 @@ def test_a_killed_engine_container_is_replaced_in_place(setup: Setup) -> None:
     assert any(f"rank 1 (pod {victim})" in m and "replacing rank 1 in place" in m for m in lost), lost
     assert any(reason == "RankReplaced" and st["operation"]["id"] in m for reason, m in events), events
     assert [r.state for r in s.fleet.admin().fleet().ranks] == [RankState.SERVING] * 2
+    completion(s.url())
+
+
+def started_at(s: Setup, pod: str) -> float:
+    """When the pod's container started (the kubelet's startedAt, whole seconds), on time.monotonic()'s clock."""
+    [status] = s.fleet.pods()[pod]["status"]["containerStatuses"]
+    stamp = status["state"]["running"]["startedAt"]
+    wall = datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+    return wall - (time.time() - time.monotonic())
+
+
+def kill_member_under_load(s: Setup, pod: str, replaced: str) -> tuple[Load, float, dict[str, Any]]:
+    """Under a closed-loop load through the ClusterIP: SIGKILL the member's container (through containerd, as the OOM
+    killer would); wait until the operator replaced it in place (event `replaced`), the fleet settled and more requests
+    were served. The engines' containers, their processes and every other pod are the same throughout. Returns the
+    load, when the kill was (time.monotonic(), as the load's) and what the test measured."""
+    fleet = s.fleet
+    fleet.at(2, START_TIMEOUT, interval=0.5)
+    engines = [constants.engine_name(fleet.name, r) for r in (0, 1)]
+    containers = {e: s.container_id(e) for e in engines}
+    pids = {e: s.container_pids(e) for e in engines}
+    uids, before = fleet.uids(), s.fleet.status()
+    events = len(fleet.events())
+    load = Load(s.url(), SERVED, workers=2, max_tokens=8, pause_s=0.1).start()
+    try:
+        wait_until(lambda: sum(o.ok for o in load.outcomes) >= 10, 120, "the load to be served", diagnose=load.summary)
+        killed = time.monotonic()
+        s.node.ctr("tasks", "kill", "--signal", "SIGKILL", s.container_id(pod))
+        wait_until(lambda: any(r == replaced for r, _ in fleet.events()[events:]), 300, f"{pod} replaced ({replaced})",
+                   interval=0.5, diagnose=fleet.describe)
+        replaced_at = time.monotonic()
+        s.settle(2)
+        n = sum(o.ok for o in load.outcomes)
+        wait_until(lambda: sum(o.ok for o in load.outcomes) >= n + 10, 120, "requests served after the replacement",
+                   diagnose=load.summary)
+    finally:
+        load.stop()
+    uids_after = fleet.uids()
+    assert uids_after[pod] != uids[pod]
+    assert {n: u for n, u in uids_after.items() if n != pod} == {n: u for n, u in uids.items() if n != pod}
+    assert {e: s.container_id(e) for e in engines} == containers  # no engine restarted: same containers,
+    assert {e: s.container_pids(e) for e in engines} == pids  # the same processes
+    story = fleet.events()[events:]
+    assert [r for r, _ in story if r in ("MemberLost", replaced)] == ["MemberLost", replaced], story
+    assert not [r for r, _ in story if r in ("Recovering", "Restarting", "RankLost")], story
+    st = fleet.status()
+    assert (st["fleetGeneration"], st["recoveries"], st["phase"]) == \
+        (before["fleetGeneration"], before["recoveries"] + 1, "Running"), st
+    return load, killed, {"replaced_s": round(replaced_at - killed, 1)}
+
+
+def test_a_killed_frontend_container_is_replaced_and_reattaches_to_the_running_engines(setup: Setup) -> None:
+    """Issue 25: the frontend's container killed under load. The engines keep their containers and processes (their
+    weights and KV cache); the new frontend re-attaches to them (`--attach`) and the endpoint serves again after the
+    frontend's own start plus the operator's part, not a fleet's start; the requests the dead frontend had in flight
+    end with an error their client sees, and every request after the first one served again succeeds."""
+    s = setup
+    pod = constants.frontend_name(s.fleet.name)
+    load, killed, measured = kill_member_under_load(s, pod, "FrontendReplaced")
+    served_again = [o for o in load.outcomes if o.ok and o.started >= killed]
+    back = min(o.started + o.latency for o in served_again)  # the endpoint's first answer again
+    first_ok_start = min(o.started for o in served_again)
+    after = [o for o in load.outcomes if o.started >= first_ok_start]
+    assert all(o.ok for o in after), load.summary()
+    failed = load.failures()
+    assert failed, load.summary()  # requests in flight or sent while no frontend served: they saw an error
+    assert all(o.started < first_ok_start for o in failed), load.summary()
+    own_start = back - started_at(s, pod)  # the new frontend's container start to its first answer
+    measured.update(kill_to_serving_s=round(back - killed, 1), frontend_own_start_s=round(own_start, 1),
+                    operator_part_s=round(back - killed - own_start, 1), fleet_creation_s=round(s.created_s, 1),
+                    failed=len(failed), served=sum(o.ok for o in load.outcomes))
+    print(f"frontend killed under load: {measured}; failures: {Counter(o.detail[:60] for o in failed).most_common(4)}")
+    # What a whole-fleet recreation took before (the fleet's creation) is far more than this replacement.
+    assert back - killed < s.created_s, measured
+    logs = "".join(s.cp.kubectl("logs", "-n", NS, constants.engine_name(s.fleet.name, r)).stdout for r in (0, 1))
+    assert logs.count("re-attached: aborted the") == 2, logs[-3000:]  # each engine dropped the dead one's requests
+    assert [r.state for r in s.fleet.admin().fleet().ranks] == [RankState.SERVING] * 2
+
+
+def test_a_killed_coordinator_container_is_replaced_and_no_request_fails(setup: Setup) -> None:
+    """Issue 25: the coordinator's container killed under load: no request fails, no engine restarts, and the new
+    coordinator takes every engine's subscription and publishes again."""
+    s = setup
+    pod = constants.coordinator_name(s.fleet.name)
+    load, _, measured = kill_member_under_load(s, pod, "CoordinatorReplaced")
+    print(f"coordinator killed under load: {measured}; {load.summary()}")
+    assert not load.failures(), load.summary()
+    subscribed = "All engine subscriptions received by DP coordinator"
+    wait_until(lambda: subscribed in s.cp.kubectl("logs", "-n", NS, pod).stdout, 60,
+               "the new coordinator to take every engine's subscription", diagnose=s.fleet.describe)
     completion(s.url())
 
 

@@ -25,7 +25,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import msgspec
@@ -481,3 +481,65 @@ def test_a_store_stopped_on_purpose_leaves_the_engine_alone() -> None:
     finally:
         engine.kill()
         engine.wait()
+
+
+def test_the_engines_sockets_find_a_replacement_frontend_and_announce_again_when_it_attaches(
+        enginecore: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`install_attach_support` on real zmq sockets: the engine's requests DEALER (made in vLLM's input thread) keeps
+    its first message (the ready response) and sends it again when the frontend calls the attach utility; every
+    socket the engine core makes connects with a bounded connect and heartbeats (so that it resolves a replacement
+    frontend's new address rather than waiting on the old one)."""
+    from vllm.v1.engine import EngineCoreRequestType
+    from vllm.v1.engine import core as vllm_core
+    from vllm.v1.engine.core import EngineCoreProc
+
+    from corefleet_client.admin import ATTACH_UTILITY
+
+    for name in ("process_input_sockets", ATTACH_UTILITY):
+        monkeypatch.setattr(EngineCoreProc, name, getattr(EngineCoreProc, name, None), raising=False)
+    monkeypatch.setattr(vllm_core, "make_zmq_socket", vllm_core.make_zmq_socket)
+    enginecore.install_attach_support()
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    router.setsockopt(zmq.RCVTIMEO, 10_000)
+    made: list[Any] = []
+
+    def input_thread() -> None:  # as vLLM's process_input_sockets: the DEALER it makes per frontend
+        enginecore._INPUT_THREAD.active = True
+        made.append(vllm_core.make_zmq_socket(ctx, f"tcp://127.0.0.1:{port}", zmq.DEALER, bind=False,
+                                              identity=b"\x00\x00"))
+
+    thread = threading.Thread(target=input_thread)
+    thread.start()
+    thread.join()
+    [dealer] = made
+    try:
+        assert [dealer.getsockopt(o) for o, _ in enginecore.CONNECTION_OPTIONS] == \
+            [v for _, v in enginecore.CONNECTION_OPTIONS]
+        dealer.send(b"ready")
+        dealer.send(b"an output, not kept")
+        assert router.recv_multipart() == [b"\x00\x00", b"ready"]
+        assert router.recv_multipart() == [b"\x00\x00", b"an output, not kept"]
+        other = msgspec.msgpack.encode([0, 7, "get_supported_tasks", []])
+        router.send_multipart([b"\x00\x00", EngineCoreRequestType.UTILITY.value, other])
+        assert dealer.poll(10_000) and dealer.recv_multipart()[1] == other
+        attach = msgspec.msgpack.encode([1, 8, ATTACH_UTILITY, [1]])
+        router.send_multipart([b"\x00\x00", EngineCoreRequestType.UTILITY.value, attach])
+        assert dealer.poll(10_000) and dealer.recv_multipart()[1] == attach  # the call goes on to vLLM
+        assert router.recv_multipart() == [b"\x00\x00", b"ready"]  # announced again, once
+        assert not router.poll(200)
+    finally:
+        dealer.close(0)
+        router.close(0)
+        ctx.term()
+
+    # The utility: the requests of the attaching client index (its dead predecessor's) are aborted, no other.
+    aborted: list[list[str]] = []
+    engine = SimpleNamespace(
+        scheduler=SimpleNamespace(requests={"a": SimpleNamespace(client_index=1),
+                                            "b": SimpleNamespace(client_index=0),
+                                            "c": SimpleNamespace(client_index=1)}),
+        abort_requests=aborted.append)
+    assert getattr(EngineCoreProc, ATTACH_UTILITY)(engine, 1) == 2
+    assert aborted == [["a", "c"]]
