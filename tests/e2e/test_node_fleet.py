@@ -425,11 +425,12 @@ def started_at(s: Setup, pod: str) -> float:
     return wall - (time.time() - time.monotonic())
 
 
-def kill_member_under_load(s: Setup, pod: str, replaced: str) -> tuple[Load, float, dict[str, Any]]:
+def kill_member_under_load(s: Setup, pod: str, replaced: str) -> tuple[Load, tuple[float, float], dict[str, Any]]:
     """Under a closed-loop load through the ClusterIP: SIGKILL the member's container (through containerd, as the OOM
     killer would); wait until the operator replaced it in place (event `replaced`), the fleet settled and more requests
     were served. The engines' containers, their processes and every other pod are the same throughout. Returns the
-    load, when the kill was (time.monotonic(), as the load's) and what the test measured."""
+    load, when the kill was sent and when the container was seen stopped (time.monotonic(), as the load's), and
+    what the test measured."""
     fleet = s.fleet
     fleet.at(2, START_TIMEOUT, interval=0.5)
     engines = [constants.engine_name(fleet.name, r) for r in (0, 1)]
@@ -440,8 +441,12 @@ def kill_member_under_load(s: Setup, pod: str, replaced: str) -> tuple[Load, flo
     load = Load(s.url(), SERVED, workers=2, max_tokens=8, pause_s=0.1).start()
     try:
         wait_until(lambda: sum(o.ok for o in load.outcomes) >= 10, 120, "the load to be served", diagnose=load.summary)
+        victim = s.container_id(pod)
         killed = time.monotonic()
-        s.node.ctr("tasks", "kill", "--signal", "SIGKILL", s.container_id(pod))
+        s.node.ctr("tasks", "kill", "--signal", "SIGKILL", victim)
+        # From here on no request can be served by the killed process (one sent just before may have been).
+        dead = wait_until(lambda: not task_running(s, victim) and time.monotonic(), 30, f"{pod}'s container to stop",
+                          interval=0.05)
         wait_until(lambda: any(r == replaced for r, _ in fleet.events()[events:]), 300, f"{pod} replaced ({replaced})",
                    interval=0.5, diagnose=fleet.describe)
         replaced_at = time.monotonic()
@@ -462,7 +467,13 @@ def kill_member_under_load(s: Setup, pod: str, replaced: str) -> tuple[Load, flo
     st = fleet.status()
     assert (st["fleetGeneration"], st["recoveries"], st["phase"]) == \
         (before["fleetGeneration"], before["recoveries"] + 1, "Running"), st
-    return load, killed, {"replaced_s": round(replaced_at - killed, 1)}
+    return load, (killed, dead), {"replaced_s": round(replaced_at - killed, 1)}
+
+
+def task_running(s: Setup, container: str) -> bool:
+    """Whether containerd still runs the container's task (`ctr tasks ls`: TASK PID STATUS)."""
+    return any(line.split()[:1] == [container] and "RUNNING" in line
+               for line in s.node.ctr("tasks", "ls").stdout.splitlines())
 
 
 def test_a_killed_frontend_container_is_replaced_and_reattaches_to_the_running_engines(setup: Setup) -> None:
@@ -472,12 +483,14 @@ def test_a_killed_frontend_container_is_replaced_and_reattaches_to_the_running_e
     end with an error their client sees, and every request after the first one served again succeeds."""
     s = setup
     pod = constants.frontend_name(s.fleet.name)
-    load, killed, measured = kill_member_under_load(s, pod, "FrontendReplaced")
-    served_again = [o for o in load.outcomes if o.ok and o.started >= killed]
+    load, (killed, dead), measured = kill_member_under_load(s, pod, "FrontendReplaced")
+    served_again = [o for o in load.outcomes if o.ok and o.started >= dead]
     back = min(o.started + o.latency for o in served_again)  # the endpoint's first answer again
     first_ok_start = min(o.started for o in served_again)
     after = [o for o in load.outcomes if o.started >= first_ok_start]
-    assert all(o.ok for o in after), load.summary()
+    timeline = [(round(o.started - killed, 2), round(o.latency, 2), o.kind, o.ok, o.detail[:80])
+                for o in load.outcomes if o.started >= first_ok_start - 3]
+    assert all(o.ok for o in after), f"{load.summary()}; from 3 s before the first served again: {timeline[:40]}"
     failed = load.failures()
     assert failed, load.summary()  # requests in flight or sent while no frontend served: they saw an error
     assert all(o.started < first_ok_start for o in failed), load.summary()
