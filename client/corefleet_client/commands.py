@@ -10,7 +10,8 @@ own flags come first, then `--`, then vLLM's (`corefleet_client.argv.split_launc
 * the coordinator: `--engine-count N --host H --front-publish-port ... [--no-wave-coordination]`
   (it takes no vLLM flags);
 * the frontend: `[--admin-host H] --admin-port P --admin-token-file F --coordinator-address A
-  --coordinator-*-port ... [--engine0-address E] [--coord-store-port S] -- MODEL --host H --port P
+  --coordinator-*-port ... [--engine0-address E] [--coord-store-port S] [--engine-*-port ...]
+  [--advertise-address A] [--attach] [--frontend-addresses A0,A1,... --client-index I] -- MODEL --host H --port P
   --data-parallel-* ... <vLLM flags>`;
 * an engine (or the emulator): `[--health-host H] --health-port P [--token-delay-ms D]
   [--coord-store-port S] -- MODEL --headless --data-parallel-* ... <vLLM flags>`.
@@ -94,6 +95,8 @@ def frontend_args(
     engine_ports: tuple[int, int] | None = None,
     advertise_address: str | None = None,
     attach: bool = False,
+    frontend_addresses: Sequence[str] = (),
+    client_index: int = 0,
     vllm_flags: Sequence[str] = (),
 ) -> list[str]:
     """Arguments of the frontend (`corefleet_client.frontend`): vLLM's API server with corefleet's
@@ -109,7 +112,11 @@ def frontend_args(
     when None), at `advertise_address` (the frontend pod's stable DNS name; `dp_address` when None), so
     that a replacement frontend binds the same and the running engines reconnect to it. `attach`: the
     engines already run (a replaced frontend): re-attach to them instead of the startup handshake.
+    `frontend_addresses` (several frontends, all at `engine_ports`): every frontend's advertised address by
+    client index, this one's (`client_index`) being its `advertise_address`; frontend 0 runs the handshake.
     """
+    if client_index and not frontend_addresses:
+        raise ValueError(f"client index {client_index} without the frontend addresses")
     launcher = [] if admin_host is None else ["--admin-host", admin_host]
     launcher += [
         "--admin-port", str(admin_port),
@@ -129,6 +136,8 @@ def frontend_args(
         launcher += ["--advertise-address", advertise_address]
     if attach:
         launcher += ["--attach"]
+    if frontend_addresses:
+        launcher += ["--frontend-addresses", ",".join(frontend_addresses), "--client-index", str(client_index)]
     return [
         *launcher,
         LAUNCHER_ARGS_END,

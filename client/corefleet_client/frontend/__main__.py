@@ -36,6 +36,31 @@ def _env_float(name: str, default: float) -> float:
         return default
 
 
+def _addresses(value: str) -> tuple[str, ...]:
+    return tuple(a.strip() for a in value.split(","))
+
+
+def frontends_problem(opts: argparse.Namespace) -> str | None:
+    """What is wrong with the K-frontend flags (`--frontend-addresses`, `--client-index`), or None."""
+    addresses: tuple[str, ...] = opts.frontend_addresses
+    if not addresses:
+        return None if opts.client_index == 0 else "--client-index needs --frontend-addresses"
+    if any(not a for a in addresses):
+        return f"--frontend-addresses has an empty entry: {','.join(addresses)!r}"
+    if len(set(addresses)) != len(addresses):
+        return f"--frontend-addresses names a frontend twice: {','.join(addresses)!r}"
+    if not 0 <= opts.client_index < len(addresses):
+        return f"--client-index must be in 0..{len(addresses) - 1}, got {opts.client_index}"
+    if opts.engine_input_port is None or opts.engine_output_port is None:
+        return ("--frontend-addresses needs --engine-input-port and --engine-output-port: the engines are told "
+                "every frontend's sockets at those fixed ports")
+    if opts.advertise_address != addresses[opts.client_index]:
+        return (f"--advertise-address ({opts.advertise_address}) must be entry {opts.client_index} of "
+                f"--frontend-addresses ({addresses[opts.client_index]}): that is where the engines connect to "
+                "this frontend")
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m corefleet_client.frontend",
@@ -69,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "0..--data-parallel-size-1 instead of the startup handshake")
     p.add_argument("--attach-timeout", type=float, default=60.0,
                    help="with --attach: seconds for every engine to reconnect and answer")
+    p.add_argument("--frontend-addresses", type=_addresses, default=(),
+                   help="several frontends per fleet: the advertised address of every frontend, comma-separated, by "
+                        "client index (this one's is its --advertise-address); frontend 0 runs the engines' handshake "
+                        "and tells them all; needs the fixed --engine-input-port and --engine-output-port")
+    p.add_argument("--client-index", type=int, default=0,
+                   help="with --frontend-addresses: this frontend's index among them (vLLM's client index)")
     p.add_argument("--liveness-interval", type=float, default=1.0,
                    help="seconds between liveness calls to each engine")
     p.add_argument("--liveness-timeout", type=float, default=_env_float(ENV_LIVENESS_TIMEOUT, 30.0),
@@ -89,6 +120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if opts.attach and (opts.engine_input_port is None or opts.engine_output_port is None):
         parser.error("--attach needs --engine-input-port and --engine-output-port: the running engines connect "
                      "to fixed ports")
+    if (problem := frontends_problem(opts)) is not None:
+        parser.error(problem)
     try:
         token = read_token(opts.admin_token_file)
     except (OSError, ValueError) as e:

@@ -69,6 +69,14 @@ def describe_model(fleet: Fleet, vllm_config: Any) -> None:
                                      max_size=int(pc.elastic_ep_max_dp_size))
 
 
+def check_client_index(options: FleetOptions, client_count: int, client_index: int) -> None:
+    """vLLM builds this client with the frontend's client count and index (`serve.server_kwargs`): the engines answer
+    on the socket of the index a request carries, so a wrong one would send this frontend's outputs to another."""
+    if (client_count, client_index) != (options.client_count, options.client_index):
+        raise ValueError(f"vLLM built the client as client {client_index} of {client_count}, but this is frontend "
+                         f"{options.client_index} of {options.client_count}")
+
+
 class KubeDPLBClient(DPLBAsyncMPClient):  # type: ignore[misc]  # vLLM is not type-checked
     """vLLM's DPLB client over engines in other pods, for fleets of any size (see the module docstring)."""
 
@@ -91,6 +99,7 @@ class KubeDPLBClient(DPLBAsyncMPClient):  # type: ignore[misc]  # vLLM is not ty
                  renderer: Any = None, *, options: FleetOptions, fleet: Fleet) -> None:
         if client_addresses:
             raise ValueError("corefleet's frontend is one API server that binds its own engine sockets")
+        check_client_index(options, client_count, client_index)
         describe_model(fleet, vllm_config)
         self._handshake = Handshake(self, options, fleet)
         addresses = self._handshake.startup(vllm_config)  # blocks until every rank is READY (not if attaching)

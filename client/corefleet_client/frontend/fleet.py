@@ -108,9 +108,12 @@ class ExpertLayout:
 class Fleet:
     """Ranks, counters and resize operations of one frontend (see the module docstring)."""
 
-    def __init__(self, model: str, data_parallel_size: int, vllm_version: str = "") -> None:
+    def __init__(self, model: str, data_parallel_size: int, vllm_version: str = "", frontends: int = 1) -> None:
         self.model = model
         self.vllm_version = vllm_version
+        # Frontends that are clients of the same engines (K-FRONTENDS.md): a membership change would have to reach
+        # all of them, which no resize does yet, so with more than one the fleet's size is fixed.
+        self.frontends = frontends
         self._lock = threading.Lock()
         self._size = data_parallel_size  # the committed size
         self._ranks: dict[int, RankRecord] = {
@@ -214,6 +217,10 @@ class Fleet:
                 raise ResizeRefused(HTTPStatus.CONFLICT,
                                     f"resize {current.id!r} ({current.from_replicas} -> {current.to_replicas}) "
                                     f"is {current.phase}; one resize runs at a time", current)
+            if self.frontends > 1:
+                raise ResizeRefused(HTTPStatus.NOT_IMPLEMENTED,
+                                    f"this fleet has {self.frontends} frontends: resizes and replacements of ranks "
+                                    "reach only one frontend, so they are not supported with more than one yet")
             if self._runner is None:
                 raise ResizeRefused(HTTPStatus.SERVICE_UNAVAILABLE, "the fleet is still starting: its ranks are "
                                     "joining")

@@ -15,6 +15,9 @@ vLLM's `MPClient.__init__` normally launches its engines and runs the handshake 
   engine sockets are bound on those ports and advertised under the pod's stable DNS name
   (`fixed_listener`), so that a replacement frontend binds the same; with `--attach` (`frontend.attach`)
   no handshake runs: the engines already run and reconnect.
+* With several frontends (`--frontend-addresses`, K-FRONTENDS.md), frontend 0 runs the handshake and INIT
+  names every frontend's sockets (`advertised_addresses`); the others (`FleetOptions.follower`) run none:
+  each engine connects to them by itself and its first message there is the ready response vLLM waits for.
 * While the fleet serves (`join`, for a scale-up or a replacement): the handshake ROUTER is bound
   again for exactly the joining ranks, and the same exchange runs in a thread (vLLM's loop
   blocks), bounded by the operation's join timeout; a cancel, the deadline or shutdown stops it
@@ -77,6 +80,24 @@ def remote_engine(rank: int) -> CoreEngine:
 def handshake_address(parallel_config: Any) -> str:
     """Where the frontend's handshake ROUTER binds: the fixed `--data-parallel-rpc-port` on its own address."""
     return str(get_tcp_uri(parallel_config.data_parallel_master_ip, parallel_config.data_parallel_rpc_port))
+
+
+def advertised_addresses(own: EngineZmqAddresses, options: FleetOptions) -> EngineZmqAddresses:
+    """The client sockets INIT tells the engines to connect to: this frontend's own (one frontend), or every
+    frontend's by client index (`FleetOptions.frontend_addresses`, each at the same fixed ports on its own host:
+    vLLM's engine opens a requests DEALER and an outputs PUSH per entry and answers client `i` on entry `i`)."""
+    if options.client_count == 1:
+        return EngineZmqAddresses(inputs=list(own.inputs), outputs=list(own.outputs))
+    in_port, out_port = options.engine_input_port, options.engine_output_port
+    if in_port is None or out_port is None:  # refused by the entrypoint's flags already
+        raise ValueError("several frontends need the fixed engine ports")
+    inputs = [str(get_tcp_uri(host, in_port)) for host in options.frontend_addresses]
+    outputs = [str(get_tcp_uri(host, out_port)) for host in options.frontend_addresses]
+    i = options.client_index
+    if (inputs[i], outputs[i]) != (own.inputs[0], own.outputs[0]):
+        raise ValueError(f"frontend {i} listens on {own.inputs[0]} and {own.outputs[0]}, but the frontend addresses "
+                         f"name {inputs[i]} and {outputs[i]}")
+    return EngineZmqAddresses(inputs=inputs, outputs=outputs)
 
 
 def fixed_listener(host: str, port: int, advertised: str) -> ZmqListener:
@@ -156,7 +177,8 @@ class Handshake:
             raise ValueError("corefleet's frontend starts no engine: --data-parallel-size-local must be 0")
         listeners = self._bind_listeners(vllm_config)
         try:
-            addresses = listeners.addresses
+            own = listeners.addresses
+            addresses = advertised_addresses(own, options)
             addresses.coordinator_input = str(get_tcp_uri(options.coordinator_address,
                                                           options.coordinator_back_publish_port))
             addresses.coordinator_output = str(get_tcp_uri(options.coordinator_address,
@@ -166,8 +188,13 @@ class Handshake:
             self._engine_addresses = addresses
             if options.attach:
                 logger.info("Re-attaching to %d running engine(s) on %s and %s; coordinator at %s",
-                            pc.data_parallel_size, addresses.inputs[0], addresses.outputs[0],
-                            options.coordinator_address)
+                            pc.data_parallel_size, own.inputs[0], own.outputs[0], options.coordinator_address)
+            elif options.follower:
+                # Frontend 0 runs the handshake and tells the engines every frontend's sockets; each engine's
+                # first message on this frontend's requests socket is its ready response, which vLLM waits for.
+                logger.info("Frontend %d of %d: waiting for %d engine(s) to connect to %s and %s (frontend 0 runs "
+                            "their handshake); coordinator at %s", options.client_index, options.client_count,
+                            pc.data_parallel_size, own.inputs[0], own.outputs[0], options.coordinator_address)
             else:
                 engines = [remote_engine(rank) for rank in range(pc.data_parallel_size)]
                 address = handshake_address(pc)
@@ -183,8 +210,8 @@ class Handshake:
         # resetting the connections the engines have already made.
         self._engine_listeners = listeners
         return {
-            "input_address": addresses.inputs[0],
-            "output_address": addresses.outputs[0],
+            "input_address": own.inputs[0],
+            "output_address": own.outputs[0],
             "input_listener": listeners.inputs[0].socket,
             "output_listener": listeners.outputs[0].socket,
             "stats_update_address": addresses.frontend_stats_publish_address,

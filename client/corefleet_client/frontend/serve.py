@@ -15,6 +15,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import prometheus_client
 import uvloop
@@ -73,7 +74,19 @@ def fleet_options(opts: argparse.Namespace) -> FleetOptions:
         advertise_address=opts.advertise_address,
         attach=opts.attach,
         attach_timeout_s=opts.attach_timeout,
+        frontend_addresses=tuple(opts.frontend_addresses),
+        client_index=opts.client_index,
     )
+
+
+def server_kwargs(options: FleetOptions) -> dict[str, Any]:
+    """The keyword arguments of vLLM's `run_server` for this frontend: with several frontends, its client count and
+    index, which `run_server` hands to `run_server_worker` as `client_config` (vLLM's multi-API-server path): they
+    become AsyncLLM's `client_count`/`client_index` (so its client's, as a request's and utility's `client_index`)
+    and the config's `_api_process_count`/`_api_process_rank`. None for one frontend: vLLM's defaults (1, 0)."""
+    if options.client_count == 1:
+        return {}
+    return {"client_config": {"client_count": options.client_count, "client_index": options.client_index}}
 
 
 def install_vllm_changes(options: FleetOptions, fleet: Fleet) -> None:
@@ -90,7 +103,8 @@ def serve(opts: argparse.Namespace, token: str, vllm_argv: Sequence[str]) -> int
     args = parse_vllm_args(vllm_argv)
     options = fleet_options(opts)
     served = args.served_model_name[0] if args.served_model_name else args.model
-    fleet = Fleet(model=served, data_parallel_size=args.data_parallel_size, vllm_version=vllm.__version__)
+    fleet = Fleet(model=served, data_parallel_size=args.data_parallel_size, vllm_version=vllm.__version__,
+                  frontends=options.client_count)
     prometheus_client.REGISTRY.register(FleetCollector(fleet))  # beside vLLM's series on /metrics
     install_vllm_changes(options, fleet)
     try:
@@ -101,7 +115,7 @@ def serve(opts: argparse.Namespace, token: str, vllm_argv: Sequence[str]) -> int
         return 1
     admin.start()
     try:
-        uvloop.run(run_server(args))
+        uvloop.run(run_server(args, **server_kwargs(options)))
     except KeyboardInterrupt:
         logger.info("Interrupted before the server started; exiting")
     finally:

@@ -43,6 +43,20 @@ class FleetOptions:
     advertise_address: str | None = None  # what the engines connect to (None: --data-parallel-address)
     attach: bool = False  # re-attach to running engines (a replaced frontend) instead of the startup handshake
     attach_timeout_s: float = 60.0
+    # K frontends (K-FRONTENDS.md): the advertised host of every frontend by client index (empty: this one alone),
+    # and this frontend's index. Frontend 0 runs the engines' handshake and advertises all K in INIT.
+    frontend_addresses: tuple[str, ...] = ()
+    client_index: int = 0
+
+    @property
+    def client_count(self) -> int:
+        """How many frontends are vLLM's clients of every engine (1 unless `frontend_addresses` names more)."""
+        return max(1, len(self.frontend_addresses))
+
+    @property
+    def follower(self) -> bool:
+        """One of several frontends, not the first: it runs no handshake; engines announce themselves to it."""
+        return self.client_index > 0
 
 
 class ResizeRefused(Exception):
