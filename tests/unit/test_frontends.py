@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Several frontends per fleet (K-FRONTENDS.md), first step: each frontend is one of vLLM's clients of every engine.
+"""Several frontends per fleet (docs/design/k-frontends.md), step 1: each is one of vLLM's clients of every engine.
 
 Shown without an engine: the flags and the options they become, what frontend 0 tells the engines in INIT (every
 frontend's sockets) and that the others run no handshake, how vLLM gets the client's count and index, and vLLM's own

@@ -111,7 +111,7 @@ class Fleet:
     def __init__(self, model: str, data_parallel_size: int, vllm_version: str = "", frontends: int = 1) -> None:
         self.model = model
         self.vllm_version = vllm_version
-        # Frontends that are clients of the same engines (K-FRONTENDS.md): a membership change would have to reach
+        # Frontends that are clients of the same engines (k-frontends design): a membership change would have to reach
         # all of them, which no resize does yet, so with more than one the fleet's size is fixed.
         self.frontends = frontends
         self._lock = threading.Lock()

@@ -15,7 +15,7 @@ vLLM's `MPClient.__init__` normally launches its engines and runs the handshake 
   engine sockets are bound on those ports and advertised under the pod's stable DNS name
   (`fixed_listener`), so that a replacement frontend binds the same; with `--attach` (`frontend.attach`)
   no handshake runs: the engines already run and reconnect.
-* With several frontends (`--frontend-addresses`, K-FRONTENDS.md), frontend 0 runs the handshake and INIT
+* With several frontends (`--frontend-addresses`, docs/design/k-frontends.md), frontend 0 runs the handshake and INIT
   names every frontend's sockets (`advertised_addresses`); the others (`FleetOptions.follower`) run none:
   each engine connects to them by itself and its first message there is the ready response vLLM waits for.
 * While the fleet serves (`join`, for a scale-up or a replacement): the handshake ROUTER is bound
