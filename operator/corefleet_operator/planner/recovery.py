@@ -93,15 +93,10 @@ def _running_since(old: EngineCoreSetStatus) -> str | None:
                 None)
 
 
-def next_attempt(current: RecoveryStatus | None, budget: int, settings: PlanSettings) -> Attempt:
-    """The attempt a new loss is in the streak `current` (None: it starts one)."""
-    number = (current.attempt if current is not None else 0) + 1
-    return Attempt(number=number, budget=budget, wait=backoff_seconds(number, settings.backoff_scale))
-
-
-def same_attempt(current: RecoveryStatus | None, budget: int, settings: PlanSettings) -> Attempt:
-    """The attempt of the streak's last loss again (a further loss of the same event: `planner.step.folded`)."""
-    number = max(1, current.attempt if current is not None else 1)
+def next_attempt(current: RecoveryStatus | None, budget: int, settings: PlanSettings, again: bool = False) -> Attempt:
+    """The attempt a new loss is in the streak `current` (None: it starts one); `again`: the attempt of the streak's
+    last loss once more (a further loss of the same event: `planner.step.folded`)."""
+    number = max(1, (current.attempt if current is not None else 0) + (0 if again else 1))
     return Attempt(number=number, budget=budget, wait=backoff_seconds(number, settings.backoff_scale))
 
 

@@ -163,15 +163,13 @@ def _recover(fleet: FleetRef, observed: Observed, basis: Basis, losses: Losses, 
                        events=(*step.events, told, *replacing.events))
     kind = "replacement" if running is not None and (running.replace or running.members) else "resize"
     step = _fail_running(running, step, f"the fleet was lost during the {kind}: {reason}", kind, now)
-    if folded(running, basis):  # the same event as the member loss (a node's pods going one at a time): its attempt
-        attempt = rec.same_attempt(basis.streak, fleet.spec.scaling.maxRecoveries, settings)
-    else:
-        attempt = rec.next_attempt(basis.streak, fleet.spec.scaling.maxRecoveries, settings)
+    again = folded(running, basis)  # the same event as the member loss (a node's pods going one at a time)
+    attempt = rec.next_attempt(basis.streak, fleet.spec.scaling.maxRecoveries, settings, again=again)
     if attempt.exhausted:
         return rec.give_up(fleet, observed, basis.old, step.operation, attempt, reason, step.recoveries,
                            step.events, now)
     recovery = rec.recovery_for(attempt, reason, observed.generation, now)
-    step = replace(step, recovery=recovery, recoveries=step.recoveries + (0 if folded(running, basis) else 1))
+    step = replace(step, recovery=recovery, recoveries=step.recoveries + (0 if again else 1))
     count = f"recovery {attempt.number} of {attempt.budget} {rec.when(attempt, recovery)}"
     if in_place(fleet, basis, losses.lost, losses.changed):
         ranks = losses.ranks
