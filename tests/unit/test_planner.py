@@ -381,7 +381,9 @@ def check_invariants(world: World, before: Observed, p: Plan) -> None:
         assert q.rank >= new.replicas, f"deleted member {q.name}"
         retired = op_seen is not None and op_seen.ranks.get(q.rank, ("", ""))[0] in ("Retired", "Failed")
         refused = before.frontend is not None and before.frontend.refused
-        assert retired or refused or q.phase in ("Failed", "Succeeded") or old.operation is None or \
+        # the resize ended with its lost frontend (rolled back or finished), which is replaced in place
+        ended = new.operation is not None and constants.ROLE_FRONTEND in new.operation.members
+        assert retired or refused or ended or q.phase in ("Failed", "Succeeded") or old.operation is None or \
             old.operation.done, f"deleted {q.name} before the frontend retired it"
     # Deletes name their victims exactly: by name and UID.
     for a in p.actions:
@@ -389,7 +391,10 @@ def check_invariants(world: World, before: Observed, p: Plan) -> None:
             assert any(q.name == a.name and q.uid == a.uid for q in before.pods)
     # At most one resize: a new one starts only once the last is done, and never twice.
     if new.operation is not None and old.operation is not None and new.operation.id != old.operation.id:
-        assert old.operation.done or new.fleetGeneration != old.fleetGeneration or \
+        # (or a resize that ended with its lost frontend, replaced in place: `planner.members.interrupted_resize`)
+        ended = constants.ROLE_FRONTEND in new.operation.members and not (old.operation.members or
+                                                                           old.operation.replace)
+        assert old.operation.done or new.fleetGeneration != old.fleetGeneration or ended or \
             (new.operation.done and new.operation.phase == "Failed"), (old.operation, new.operation)
     starts = [a for a in p.actions if isinstance(a, StartResize)]
     assert len(starts) <= 1
@@ -509,15 +514,23 @@ def check_member_invariants(world: World, before: Observed, p: Plan, created: li
     name = world.fleet.name
     if started:
         assert op is not None
-        # Only a dense fleet that served with nothing in flight, and only its frontend and/or coordinator lost, as
-        # attempt 1 or 2 of the streak; one loss of the streak, counted, without backoff.
+        # Only a dense fleet that served with nothing in flight (but a resize its lost frontend ran, which ends with
+        # it), and only its frontend and/or coordinator lost, as attempt 1 or 2 of the streak; one loss of the
+        # streak, counted, without backoff.
         assert not spec.expertParallel
-        assert old.phase in ("Running", "Degraded")
-        assert old.operation is None or old.operation.done
+        interrupted = old.operation is not None and not old.operation.done
+        if interrupted:
+            assert old.operation is not None
+            assert not old.operation.members
+            assert not old.operation.replace
+            assert constants.ROLE_FRONTEND in op.members
+            assert (op.fromReplicas, op.toReplicas) == (min(old.operation.fromReplicas, old.operation.toReplicas),) * 2
+        assert old.phase in (("Running", "Degraded", "Scaling") if interrupted else ("Running", "Degraded"))
         assert not op.replace
         assert new.recoveries == old.recoveries + 1
         assert new.fleetGeneration == old.fleetGeneration
-        assert (op.fromReplicas, op.toReplicas) == (old.replicas, old.replicas)
+        if not interrupted:
+            assert (op.fromReplicas, op.toReplicas) == (old.replicas, old.replicas)
         assert new.recovery is not None
         assert new.recovery.attempt <= 2, new.recovery
         assert new.recovery.retryAt == new.recovery.lostAt
@@ -531,9 +544,11 @@ def check_member_invariants(world: World, before: Observed, p: Plan, created: li
     if running:
         assert op is not None
         assert new.phase == "Degraded"
-        assert new.replicas == old.replicas
+        assert new.replicas == op.toReplicas
         deleted = {a.name for a in p.actions if isinstance(a, Delete) and a.kind == "Pod"}
-        assert deleted <= {member(name, role) for role in op.members}, deleted
+        # the lost members' old pods; and the pods of ranks an interrupted resize added or was removing
+        beyond = {q.name for q in before.pods if q.rank is not None and q.rank >= new.replicas}
+        assert deleted <= {member(name, role) for role in op.members} | beyond, deleted
         assert not [a for a in p.actions if isinstance(a, StartResize)]
         # The PodDisruptionBudget lets no engine go meanwhile.
         for a in p.actions:
@@ -1001,24 +1016,70 @@ def test_a_leaving_rank_that_dies_while_draining_is_no_loss() -> None:
     assert w.status.fleetGeneration == 1
 
 
-def test_a_frontend_lost_during_a_resize_is_a_recovery_at_the_committed_size() -> None:
+@pytest.mark.parametrize("restart", [False, True])
+@pytest.mark.parametrize("direction", ["up", "down"])
+def test_a_frontend_lost_during_a_dense_resize_is_replaced_in_place_and_the_resize_rolled_back_or_finished(
+        direction: str, restart: bool) -> None:
+    """The resize lives in the frontend process and ends with it; no engine that stays is touched: a scale-up
+    2 -> 3 is rolled back (rank 2's pod goes, the frontend is replaced in place at 2 and the resize runs again), a
+    scale-down 3 -> 2 is finished (rank 2's pod goes, the frontend is replaced in place at 2). `restart`: the operator
+    dies after the status write of the pass that decides it, before its actions."""
+    w = running(2 if direction == "up" else 3)
+    w.scale(3 if direction == "up" else 2)
+    step_until(w, lambda p: w.status.operation is not None and w.status.operation.phase in ("Preparing", "Draining"),
+               max_steps=10, what="the resize under way")
+    assert w.status.phase == "Scaling"
+    resize = w.status.operation
+    assert resize is not None
+    stays = {n: q.uid for n, q in w.pods.items() if n in ("a-engine-0", "a-engine-1", "a-coordinator")}
+    mark = len(w.log)
+    w.fail("a-frontend", "container frontend exited with 137 (OOMKilled)")
+    w.drop_actions = restart
+
+    p = w.step()
+
+    op = w.status.operation
+    assert op is not None
+    assert (op.members, op.fromReplicas, op.toReplicas) == (("frontend",), 2, 2)
+    assert (w.status.replicas, w.status.fleetGeneration, w.status.recoveries) == (2, 1, 1)
+    told = {e.reason: e.message for e in p.events}
+    if direction == "up":
+        assert f"resize {resize.id} (2 -> 3) rolled back to 2 ranks" in told["ResizeFailed"]
+    else:
+        assert f"resize {resize.id} (3 -> 2) finished at 2 ranks" in told["ResizeCompleted"]
+    assert "replacing the frontend in place" in told["MemberLost"]
+    assert "RankLost" not in told
+
+    step_until(w, member_replaced, max_steps=40, what="the frontend replaced")
+    assert "a-engine-2" not in w.pods or direction == "up"  # a scale-up is tried again once it is replaced
+    w.converge(max_steps=100)
+    assert (w.status.replicas, w.status.fleetGeneration, w.status.recoveries) == (w.fleet.spec.replicas, 1, 1)
+    assert {n: q.uid for n, q in w.pods.items() if n in stays} == stays  # no engine that stays restarted
+    frontends = [obj for obj in created_pods(w, mark) if obj["metadata"]["name"] == "a-frontend"]
+    assert len(frontends) == 1
+    args = frontends[0]["spec"]["containers"][0]["args"]
+    assert "--attach" in args
+    assert args[args.index("--data-parallel-size") + 1] == "2"
+    assert not w.events("Recovering")
+
+
+def test_a_coordinator_lost_during_a_resize_still_recreates_the_fleet() -> None:
+    """The frontend runs on with its resize; a coordinator lost meanwhile is not replaced in place (yet)."""
     w = running(2)
     w.scale(3)
     w.step()
     w.step()
-    w.fail("a-frontend", "container frontend exited with 137")
+    w.fail("a-coordinator", "container coordinator exited with 137")
 
     p = w.step()
 
     assert w.status.phase == "Recovering"
-    assert w.status.recoveries == 1
+    assert (w.status.recoveries, w.status.fleetGeneration) == (1, 2)
     assert w.status.operation is not None
     assert w.status.operation.phase == "Failed"
     assert "RankLost" in [e.reason for e in p.events]
-    assert w.status.replicas == 2
     w.converge(max_steps=100)
     assert w.status.replicas == 3  # recovered at 2, then resized to the desired 3
-    assert w.status.fleetGeneration == 2
 
 
 def test_an_operator_that_dies_between_status_and_actions_resumes_the_same_resize() -> None:

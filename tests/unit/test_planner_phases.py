@@ -736,7 +736,12 @@ def test_only_a_serving_dense_fleet_that_lost_only_its_members_replaces_them_in_
         (serving(), FLEET, ((None, "resize op lost the fleet"),), (), False, False),  # an operation's loss
         (serving(), FLEET, (*lost_frontend, (1, "rank 1 failed")), ("frontend",), False, False),
         (serving(), FLEET, lost_frontend, ("frontend",), True, False),  # a configuration change
+        # the frontend lost during a dense resize it ran (which ends with it): yes; the coordinator alone: no
         (serving(phase="Scaling", operation=resize_op(3, 4, phase="Preparing")), FLEET, lost_frontend,
+         ("frontend",), False, True),
+        (serving(phase="Scaling", operation=resize_op(3, 4, phase="Preparing")), FLEET,
+         ((None, "coordinator (pod f-coordinator) failed"),), ("coordinator",), False, False),
+        (serving(phase="Scaling", operation=resize_op(3, 4, phase="Preparing")), moe, lost_frontend,
          ("frontend",), False, False),
         (serving(phase="Starting"), FLEET, lost_frontend, ("frontend",), False, False),
     ]

@@ -2,7 +2,9 @@
 """A replacement in place of a dense fleet's frontend and/or coordinator: the engines serve on.
 
 When a dense fleet (not `expertParallel`) serves in its current incarnation and configuration (Running
-or Degraded, no operation in flight), every engine pod serves (`engines_serve`), and the only losses are its
+or Degraded, no operation in flight; or Scaling, with a resize that the lost frontend ran and that ends with it:
+`interrupted_resize`, a scale-up rolled back, a scale-down finished, `size_after`), every engine pod that stays
+serves (`engines_serve`), and the only losses are its
 frontend and/or coordinator pods (failed, vanished, or not ready in time: `Losses.members`), they are replaced in
 place, in the same incarnation, as an operation (`members_in_place`; the other member too if its pod is being
 deleted meanwhile: `members_to_replace`): `status.operation` with `members` = their roles,
@@ -82,18 +84,38 @@ def members_in_place(fleet: FleetRef, basis: Basis, lost: Iterable[tuple[int | N
     losses = list(lost)
     roles = set(roles)
     old = basis.old
+    resizing = interrupted_resize(fleet, basis, roles) is not None
     return (bool(losses) and all(rank is None for rank, _ in losses) and len(losses) == len(roles)
             and not fleet.spec.expertParallel and not basis.fresh and not basis.given_up and not changed
-            and basis.running is None and old.phase in ("Running", "Degraded")
-            and old.fleetGeneration == basis.generation and basis.committed > 0 and engines_serve(fleet, basis))
+            and (basis.running is None or resizing) and old.phase in ("Running", "Degraded", "Scaling")
+            and old.fleetGeneration == basis.generation and basis.committed > 0
+            and engines_serve(fleet, basis, size_after(basis)))
 
 
-def engines_serve(fleet: FleetRef, basis: Basis) -> bool:
-    """Every engine pod of the committed size is there, Running, Ready and not being deleted: only then are the
+def interrupted_resize(fleet: FleetRef, basis: Basis, roles: Iterable[MemberRole]) -> OperationStatus | None:
+    """A dense resize in flight that the lost frontend was running (it lives in the frontend process, so it ends with
+    it): a scale-up is rolled back to its old size, a scale-down finished at its new one (`size_after`)."""
+    running = basis.running
+    if running is None or running.members or running.replace or fleet.spec.expertParallel \
+            or constants.ROLE_FRONTEND not in set(roles):
+        return None
+    return running
+
+
+def size_after(basis: Basis) -> int:
+    """The committed size once the members are replaced: the smaller of a resize's two sizes (its old ranks after a
+    scale-up rolled back, the staying ones after a scale-down finished), else the committed size."""
+    running = basis.running
+    if running is None or running.members or running.replace:
+        return basis.committed
+    return min(running.fromReplicas, running.toReplicas)
+
+
+def engines_serve(fleet: FleetRef, basis: Basis, size: int) -> bool:
+    """Every engine pod of ranks 0..size-1 is there, Running, Ready and not being deleted: only then are the
     engines worth keeping. (A lost node's pods go one at a time: its frontend may vanish while its engines are
     still being deleted; replacing the frontend in place then would only be a second recovery once they go.)"""
-    return all(pod_ready(basis.current.get(constants.engine_name(fleet.name, rank)))
-               for rank in range(basis.committed))
+    return all(pod_ready(basis.current.get(constants.engine_name(fleet.name, rank))) for rank in range(size))
 
 
 def members_to_replace(fleet: FleetRef, basis: Basis, roles: Iterable[MemberRole]) -> tuple[MemberRole, ...]:

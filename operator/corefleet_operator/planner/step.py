@@ -38,6 +38,7 @@ from corefleet_operator.planner.follow import Flight
 from corefleet_operator.planner.losses import Losses
 from corefleet_operator.planner.members import (
     MAX_ATTEMPT,
+    interrupted_resize,
     listed_members,
     members_in_place,
     members_to_replace,
@@ -162,9 +163,15 @@ def _recover(fleet: FleetRef, observed: Observed, basis: Basis, losses: Losses, 
         return replace(step, operation=replacing.operation, replacing=replacing,
                        events=(*step.events, told, *replacing.events))
     kind = "replacement" if running is not None and (running.replace or running.members) else "resize"
-    step = _fail_running(running, step, f"the fleet was lost during the {kind}: {reason}", kind, now)
     again = folded(running, basis)  # the same event as the member loss (a node's pods going one at a time)
     attempt = rec.next_attempt(basis.streak, fleet.spec.scaling.maxRecoveries, settings, again=again)
+    members = not attempt.exhausted and attempt.number <= MAX_ATTEMPT \
+        and members_in_place(fleet, basis, losses.lost, losses.members, losses.changed)
+    interrupted = interrupted_resize(fleet, basis, losses.members) if members else None
+    if interrupted is not None:
+        step = _end_interrupted_resize(interrupted, step, reason, now)
+    else:
+        step = _fail_running(running, step, f"the fleet was lost during the {kind}: {reason}", kind, now)
     if attempt.exhausted:
         return rec.give_up(fleet, observed, basis.old, step.operation, attempt, reason, step.recoveries,
                            step.events, now)
@@ -179,7 +186,7 @@ def _recover(fleet: FleetRef, observed: Observed, basis: Basis, losses: Losses, 
                                             f"ranks serve on), {count}")
         return replace(step, operation=replacing.operation, replacing=replacing,
                        events=(*step.events, told, *replacing.events))
-    if members_in_place(fleet, basis, losses.lost, losses.members, losses.changed) and attempt.number <= MAX_ATTEMPT:
+    if members:
         return _replace_members(fleet, observed, basis, losses, replace(step, recovery=replace(
             recovery, retryAt=recovery.lostAt)), f"recovery {attempt.number} of {attempt.budget} now", now)
     committed = basis.old.replicas if step.committed == 0 else step.committed
@@ -187,6 +194,26 @@ def _recover(fleet: FleetRef, observed: Observed, basis: Basis, losses: Losses, 
         "Warning", "RankLost", f"{reason}: recreating the fleet at {committed} ranks (incarnation "
                                f"{step.generation + 1}), {count}"))
     return replace(step, resize=None)  # the resize in flight, if any, failed with the incarnation
+
+
+def _end_interrupted_resize(op: OperationStatus, step: Step, reason: str, now: str) -> Step:
+    """A dense resize whose frontend was lost ends with it, without touching an engine that stays: a scale-up is
+    rolled back (its new ranks' pods go; it is tried again once the frontend is replaced, as `replicas` still asks),
+    a scale-down is finished (its leaving ranks' pods go: their requests were the lost frontend's)."""
+    size = min(op.fromReplicas, op.toReplicas)
+    if op.scale_up:
+        message = (f"rolled back to {size} ranks: {reason} (the new ranks' pods go; tried again once the frontend "
+                   "is replaced)")
+        ended = replace(op, phase="Failed", finishedAt=now, message=message)
+        event = Event("Warning", "ResizeFailed", f"resize {op.id} ({op.fromReplicas} -> {op.toReplicas}) "
+                                                 f"{message}")
+    else:
+        message = (f"finished at {size} ranks: {reason} (the leaving ranks' pods go; what they ran was the lost "
+                   "frontend's)")
+        ended = replace(op, phase="Completed", finishedAt=now, message=message)
+        event = Event("Normal", "ResizeCompleted", f"resize {op.id} ({op.fromReplicas} -> {op.toReplicas}) "
+                                                   f"{message}")
+    return replace(step, committed=size, operation=ended, resize=None, events=(*step.events, event))
 
 
 def folded(running: OperationStatus | None, basis: Basis) -> bool:
