@@ -520,6 +520,47 @@ def test_a_killed_coordinator_container_is_replaced_and_no_request_fails(setup: 
     completion(s.url())
 
 
+def test_a_frontend_killed_while_it_drains_a_rank_finishes_the_scale_down_and_is_replaced(setup: Setup) -> None:
+    """Issue 25: the frontend's container killed during a scale-down 3 -> 2, while rank 2 drains a long request: the
+    resize ended with it (it ran in that process) and is finished at 2: rank 2's pod goes, the frontend is replaced in
+    place and re-attaches to ranks 0 and 1, whose containers and processes never change; no recovery of the fleet."""
+    s = setup
+    name = s.fleet.name
+    s.fleet.at(2, START_TIMEOUT, interval=0.5)
+    engines = [constants.engine_name(name, r) for r in (0, 1)]
+    containers, pids = {e: s.container_id(e) for e in engines}, {e: s.container_pids(e) for e in engines}
+    before = s.fleet.status()
+    s.fleet.scale(3)
+    s.settle(3)
+    events = len(s.fleet.events())
+    long = PinnedStream(s.url(), SERVED, rank=2, max_tokens=LONG_TOKENS)
+    assert long.first_token.wait(60)
+    wait_until(lambda: s.fleet.admin().fleet().rank(2).in_flight, 30, "the long request in flight on rank 2",
+               interval=0.05)
+    s.fleet.scale(2)
+    wait_until(lambda: (s.fleet.status().get("operation") or {}).get("phase") == "Draining", 60,
+               "the scale-down draining rank 2", interval=0.2, diagnose=s.fleet.describe)
+    s.node.ctr("tasks", "kill", "--signal", "SIGKILL", s.container_id(constants.frontend_name(name)))
+    wait_until(lambda: any(r == "FrontendReplaced" for r, _ in s.fleet.events()[events:]), 300,
+               "the frontend replaced in place", interval=0.5, diagnose=s.fleet.describe)
+    s.settle(2)
+    ok, detail = long.result()
+    assert not ok, detail  # it ran on the dead frontend: its client saw the stream end without its finish
+    story = s.fleet.events()[events:]
+    told = {reason: message for reason, message in story}
+    assert "finished at 2 ranks" in told.get("ResizeCompleted", ""), story
+    assert "MemberLost" in told, story
+    assert not {"Recovering", "Restarting", "RankLost", "ResizeFailed"} & set(told), story
+    assert constants.engine_name(name, 2) not in s.fleet.pods()
+    assert {e: s.container_id(e) for e in engines} == containers
+    assert {e: s.container_pids(e) for e in engines} == pids
+    st = s.fleet.status()
+    assert (st["replicas"], st["fleetGeneration"], st["recoveries"]) == \
+        (2, before["fleetGeneration"], before["recoveries"] + 1), st
+    assert [r.state for r in s.fleet.admin().fleet().ranks] == [RankState.SERVING] * 2
+    completion(s.url())
+
+
 def test_the_sample_with_emulator_engines_runs_as_containers_and_serves(setup: Setup, emu: FleetView) -> None:
     """The same sample, engines replaced by the emulator (the test image's switch, as another image would):
     Running as containers on the node, a completion through its ClusterIP."""
