@@ -155,6 +155,23 @@ def cmd_scale(args: argparse.Namespace) -> int:
             signal.signal(sig, handler)
 
 
+def cmd_supervise(args: argparse.Namespace) -> int:
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return local.supervise(_state_dir(args), stop)
+    except local.LocalFleetError as e:
+        print(f"corefleet supervise: {e}", file=sys.stderr)
+        return 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def cmd_down(args: argparse.Namespace) -> int:
     try:
         return local.down(_state_dir(args))
@@ -208,6 +225,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds a leaving rank may finish its in-flight requests before they fail "
                             "(default %(default).0f)")
     scale.set_defaults(func=cmd_scale)
+    sup = sub.add_parser(
+        "supervise", help="supervise a detached local fleet (what `up --detach` leaves running)",
+        description="Replace the local fleet's frontend or coordinator in place when it is lost, while the "
+                    "engines serve on; runs until `corefleet down` stops the fleet.")
+    sup.add_argument("--state-dir", help=state_help)
+    sup.set_defaults(func=cmd_supervise)
     down = sub.add_parser("down", help="stop the local fleet's processes")
     down.add_argument("--state-dir", help=state_help)
     down.set_defaults(func=cmd_down)

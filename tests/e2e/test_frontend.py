@@ -27,6 +27,9 @@ On the real-vLLM fleet (README's main job):
   frontend reports the rank Dead within seconds and ends its streams with an explicit error; a replacement
   asked for before a new engine runs fails at its join timeout; a new engine for the rank is taken in
   place, the other rank serving a pinned client throughout, /health 200 all along;
+* the supervisor `corefleet up --detach` leaves running replaces a SIGKILLed frontend (with `--attach`: the
+  engines re-attach and abort what it left; every request sent once it serves again succeeds) and a SIGKILLed
+  coordinator (no request fails), under load, the engines' processes unchanged;
 * `corefleet scale` resizes it 2 -> 3 -> 2 in place under load (survivors keep their processes), `corefleet
   status` shows every process and rank, and `corefleet down` stops everything (children too), the launchers
   exiting 0.
@@ -40,6 +43,7 @@ Heavy (real vLLM, up to 3 engines, ~8 GiB): on shared machines run the e2e tier 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -58,6 +62,7 @@ import psutil
 import pytest
 
 from corefleet_client.admin import AdminClient, AdminError, FleetState, RankState, ResizePhase, ResizeRequest
+from corefleet_client.frontend.__main__ import ENV_LIVENESS_TIMEOUT
 from corefleet_harness import local
 from corefleet_harness.support import free_port, http_get, wait_until
 from corefleet_harness.tinymodel import write_tiny_model
@@ -494,6 +499,84 @@ def test_a_killed_engine_core_is_reported_dead_and_its_rank_replaced_in_place(vl
         ("engine-0", local.ROLE_ENGINE, 0))} == survivors
     assert fleet.engine_pid(VICTIM) == new_pid
     assert not [(p.name, rc) for p, rc in fleet.fleet.exited()], "a fleet process exited"
+
+
+def _kill_member_under_load(fleet: Fleet, role: str) -> tuple[float, Load]:
+    """SIGKILL the fleet's `role` process while 2 clients send requests; wait until the supervisor's replacement
+    serves and 4 more requests succeeded. Returns the seconds from the kill to serving again, and the load."""
+    state = Path(fleet.rec.state_dir)
+    load = Load(fleet.url, MODEL_NAME, workers=2, max_tokens=16).start()
+    try:
+        wait_until(lambda: len([o for o in load.outcomes if o.ok]) >= 4, 60, "the load to get going")
+        old = fleet.pid(role)
+        killed = time.monotonic()
+        os.kill(old, signal.SIGKILL)
+
+        def replaced() -> bool:
+            rec = local.load_record(state)
+            assert rec is not None
+            new = next(p for p in rec.processes if p.role == role)
+            if new.pid == old or not local.owns(rec, new):
+                return False
+            fleet.fleet.record = rec
+            try:  # refused until the replacement listens
+                if fleet.health() != 200:
+                    return False
+                status = fleet.status()
+            except (OSError, AdminError, ValueError):
+                return False
+            return (status.state == FleetState.SERVING
+                    and [(r.rank, r.state) for r in status.ranks] == [(r, RankState.SERVING) for r in
+                                                                       range(VLLM_REPLICAS)])
+
+        wait_until(replaced, 300, f"the {role} replaced and the fleet serving", interval=0.2)
+        back = time.monotonic()
+        wait_until(lambda: len([o for o in load.outcomes if o.ok and o.started > back]) >= 4, 60,
+                   "4 requests served after the replacement")
+    finally:
+        load.stop()
+    late = [o.detail for o in load.failures() if o.started > back]
+    assert not late, f"requests sent once the {role} served again failed: {late[:5]}; {load.summary()}"
+    print(f"{role} killed: serving again after {back - killed:.1f} s; {load.summary()}")
+    return back - killed, load
+
+
+def test_the_supervisor_replaces_a_killed_frontend_and_coordinator_in_place_the_engines_serve_on(
+        vllm_fleet: Fleet) -> None:
+    """What `corefleet up` does (in the foreground, or its supervisor after `--detach`): a SIGKILLed frontend is
+    replaced with `--attach` on the fleet's engine ports, the engines reconnect and abort what it left; a
+    SIGKILLed coordinator is started again and no request fails. The engines' processes are never touched."""
+    fleet = vllm_fleet
+    state = Path(fleet.rec.state_dir)
+    rec = local.load_record(state)
+    assert rec is not None
+    with pytest.MonkeyPatch.context() as env:  # the replacement frontend's --liveness-timeout, as the fleet's
+        env.setenv(ENV_LIVENESS_TIMEOUT, str(fleet.liveness_timeout))
+        rec, supervisor = local.spawn_supervisor(rec)
+    fleet.fleet.record = rec
+    try:
+        engines = {r: fleet.engine_pid(r) for r in range(VLLM_REPLICAS)}
+        cores = {r: engine_core(fleet, r).pid for r in range(VLLM_REPLICAS)}
+        _, load = _kill_member_under_load(fleet, local.ROLE_FRONTEND)
+        logs = Path(rec.state_dir) / local.LOG_DIR
+        for r in range(VLLM_REPLICAS):  # each engine re-announced itself and aborted what the lost frontend left
+            log = (logs / f"engine-{r}.log").read_text(errors="replace")
+            assert "Frontend 0 re-attached: aborted the" in log, log[-3000:]
+        frontend_log = (logs / "frontend.log").read_text(errors="replace")
+        assert "its replacement follows" in frontend_log
+        _, load = _kill_member_under_load(fleet, local.ROLE_COORDINATOR)
+        assert not load.failures(), load.summary()  # the coordinator's loss fails no request
+        assert {r: fleet.engine_pid(r) for r in range(VLLM_REPLICAS)} == engines
+        assert {r: engine_core(fleet, r).pid for r in range(VLLM_REPLICAS)} == cores
+        assert supervisor.poll() is None, "the supervisor exited"
+    finally:
+        # The supervisor leaves once the state file no longer records it (as after `corefleet down`).
+        rec = local.load_record(state)
+        assert rec is not None
+        fleet.fleet.record = dataclasses.replace(rec, processes=tuple(
+            p for p in rec.processes if p.role != local.ROLE_SUPERVISOR))
+        local.save_record(fleet.fleet.record)
+        assert supervisor.wait(30) == 0
 
 
 def test_corefleet_scale_resizes_it_2_3_2_in_place_under_load_and_status_shows_it(vllm_fleet: Fleet) -> None:

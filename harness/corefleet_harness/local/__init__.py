@@ -42,7 +42,9 @@ when it builds a tokenizer. Its modules, by concern:
 * `state`: the state file (`FleetRecord`, `ProcessRecord`);
 * `procs`: /proc (whether a recorded pid is still ours, RSS, the boot id);
 * `stopping`: `stop_fleet` and `corefleet down`;
-* `supervise`: `spawn`, `start`, `LocalFleet` and `corefleet up`;
+* `members`: a lost frontend or coordinator replaced in place (the engines serve on), as the pods are;
+* `supervise`: `spawn`, `start`, `LocalFleet`, `corefleet up` and `corefleet supervise` (what `up --detach`
+  leaves running: it replaces a lost member);
 * `scaling`: `corefleet scale`;
 * `report`: `corefleet status`.
 
@@ -68,6 +70,7 @@ from corefleet_harness.local.config import (
     ROLE_COORDINATOR,
     ROLE_ENGINE,
     ROLE_FRONTEND,
+    ROLE_SUPERVISOR,
     STATE_FILE,
     STATE_VERSION,
     STOP_GRACE_SECONDS,
@@ -79,6 +82,7 @@ from corefleet_harness.local.config import (
     LocalFleetError,
     default_state_dir,
 )
+from corefleet_harness.local.members import MEMBER_ROLES, member_argv
 from corefleet_harness.local.ports import Ports, check_port_free, fleet_ports, with_new_ranks
 from corefleet_harness.local.procs import (
     ProcStat,
@@ -94,7 +98,7 @@ from corefleet_harness.local.report import status
 from corefleet_harness.local.scaling import DEFAULT_DRAIN_TIMEOUT, scale
 from corefleet_harness.local.state import FleetRecord, ProcessRecord, load_record, save_record, state_file
 from corefleet_harness.local.stopping import down, stop_fleet
-from corefleet_harness.local.supervise import LocalFleet, spawn, start, up
+from corefleet_harness.local.supervise import LocalFleet, spawn, spawn_supervisor, start, supervise, up
 
 __all__ = [
     "DEFAULT_DRAIN_TIMEOUT",
@@ -108,11 +112,13 @@ __all__ = [
     "LAUNCHER_ARGS_END",
     "LOCALHOST",
     "LOG_DIR",
+    "MEMBER_ROLES",
     "MODEL_DIR",
     "POLL_SECONDS",
     "ROLE_COORDINATOR",
     "ROLE_ENGINE",
     "ROLE_FRONTEND",
+    "ROLE_SUPERVISOR",
     "STATE_FILE",
     "STATE_VERSION",
     "STOP_GRACE_SECONDS",
@@ -140,16 +146,19 @@ __all__ = [
     "is_moe_model",
     "is_running",
     "load_record",
+    "member_argv",
     "owns",
     "proc_cmdline",
     "proc_stat",
     "save_record",
     "scale",
     "spawn",
+    "spawn_supervisor",
     "start",
     "state_file",
     "status",
     "stop_fleet",
+    "supervise",
     "tree_rss_bytes",
     "up",
     "with_new_ranks",

@@ -34,8 +34,9 @@ def coordinator_argv(python: str, replicas: int, ports: Ports, *, moe: bool) -> 
 
 
 def frontend_argv(python: str, model: str, replicas: int, ports: Ports, token_file: Path,
-                  vllm_flags: Sequence[str], *, moe: bool = False) -> list[str]:
-    """The frontend's command line (`commands.frontend_args`), every listener on 127.0.0.1.
+                  vllm_flags: Sequence[str], *, moe: bool = False, attach: bool = False) -> list[str]:
+    """The frontend's command line (`commands.frontend_args`), every listener on 127.0.0.1, the engines'
+    sockets on the fleet's fixed ports; `attach`: a replacement frontend, re-attaching to the running engines.
 
     MoE: engine rank 0 binds the DP master address the frontend advertises; here it is loopback too
     (and so is its coordination store, with elastic EP).
@@ -58,6 +59,8 @@ def frontend_argv(python: str, model: str, replicas: int, ports: Ports, token_fi
             coordinator_back_publish_port=ports.coord_back_publish,
             engine0_address=LOCALHOST if moe else None,
             coord_store_port=ports.coord_store if moe else None,
+            engine_ports=ports.engine_ports,
+            attach=attach,
             vllm_flags=vllm_flags,
         ),
     ]

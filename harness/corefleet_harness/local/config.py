@@ -16,11 +16,14 @@ STATE_FILE = "fleet.json"
 TOKEN_FILE = "admin-token"
 LOG_DIR = "logs"
 MODEL_DIR = "models"
+FLEET_LOCK = "scale.lock"
 STATE_VERSION = 1
 
 ROLE_COORDINATOR = "coordinator"
 ROLE_FRONTEND = "frontend"
 ROLE_ENGINE = "engine"
+# A detached fleet's supervisor (`corefleet up --detach`): it replaces a lost frontend or coordinator in place.
+ROLE_SUPERVISOR = "supervisor"
 
 ENGINE_VLLM = "vllm"
 ENGINE_EMULATOR = "emulator"

@@ -27,6 +27,17 @@ class Ports:
     coord_back_publish: int
     health: tuple[int, ...]  # per rank: the engine launcher's /livez and /readyz
     coord_store: int | None = None  # elastic EP: engine 0's coordination store (its control port is the next one)
+    # The frontend's requests ROUTER and outputs PULL, fixed so that a replacement frontend binds the same and the
+    # running engines reconnect to it (as the pods' `FRONTEND_ENGINE_INPUT/OUTPUT_PORT`); None in a fleet started
+    # before they were (its frontend cannot be replaced in place).
+    engine_input: int | None = None
+    engine_output: int | None = None
+
+    @property
+    def engine_ports(self) -> tuple[int, int] | None:
+        if self.engine_input is None or self.engine_output is None:
+            return None
+        return self.engine_input, self.engine_output
 
 
 def check_port_free(port: int, what: str = "--port") -> None:
@@ -41,9 +52,10 @@ def check_port_free(port: int, what: str = "--port") -> None:
 
 def fleet_ports(http: int, replicas: int, *, elastic_ep: bool) -> Ports:
     """The ports of a new fleet serving on `http`: free ones for the admin API, the handshake, the
-    coordinator and each rank's health, and with elastic EP a free pair for the coordination store."""
+    coordinator, the frontend's engine sockets and each rank's health, and with elastic EP a free pair for the
+    coordination store."""
     try:
-        free = free_ports(5 + replicas, exclude=[http])
+        free = free_ports(7 + replicas, exclude=[http])
     except NoFreePorts as e:
         raise LocalFleetError(str(e)) from None
     store = None
@@ -53,13 +65,15 @@ def fleet_ports(http: int, replicas: int, *, elastic_ep: bool) -> Ports:
         except NoFreePorts as e:
             raise LocalFleetError(f"{e}, for the coordination store") from None
     return Ports(http=http, admin=free[0], rpc=free[1], coord_front_publish=free[2], coord_back_output=free[3],
-                 coord_back_publish=free[4], health=tuple(free[5:]), coord_store=store)
+                 coord_back_publish=free[4], engine_input=free[5], engine_output=free[6], health=tuple(free[7:]),
+                 coord_store=store)
 
 
 def with_new_ranks(ports: Ports, new_ranks: Sequence[int]) -> Ports:
     """`ports` with free health ports for `new_ranks` (consecutive, from the first rank not yet serving)."""
     try:
-        health = free_ports(len(new_ranks), exclude=[ports.http, ports.admin, ports.rpc, *ports.health])
+        health = free_ports(len(new_ranks), exclude=[ports.http, ports.admin, ports.rpc, *(ports.engine_ports or ()),
+                                                     *ports.health])
     except NoFreePorts as e:
         raise LocalFleetError(str(e)) from None
     return dataclasses.replace(ports, health=(*ports.health[:new_ranks[0]], *health))

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TextIO
 
@@ -25,25 +24,17 @@ from corefleet_harness.local.argv import engine_argv, engine_env
 from corefleet_harness.local.config import DEFAULT_READY_TIMEOUT, LOG_DIR, ROLE_ENGINE, LocalFleetError
 from corefleet_harness.local.ports import with_new_ranks
 from corefleet_harness.local.procs import owns
-from corefleet_harness.local.state import FleetRecord, load_record, save_record
+from corefleet_harness.local.state import FleetRecord, fleet_lock, load_record, save_record
 from corefleet_harness.local.stopping import stop_fleet
 from corefleet_harness.local.supervise import spawn
 from corefleet_harness.support import tail
 
-SCALE_LOCK = "scale.lock"
 SCALE_POLL_SECONDS = 0.5
 DEFAULT_DRAIN_TIMEOUT = 120.0
 
 
-@contextlib.contextmanager
-def _scale_lock(state_dir: Path) -> Iterator[None]:
-    """One `corefleet scale` at a time per fleet (the frontend refuses a second resize anyway)."""
-    with (Path(state_dir) / SCALE_LOCK).open("w") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise LocalFleetError(f"another `corefleet scale` runs for the fleet in {state_dir}") from None
-        yield
+class FrontendLost(LocalFleetError):
+    """The frontend running the resize was lost (its admin API gone, or it forgot the resize)."""
 
 
 def _print_progress(op: ResizeOperation, shown: dict[str, str], out: TextIO) -> None:
@@ -70,7 +61,7 @@ def scale(state_dir: Path, replicas: int, *, out: TextIO | None = None, err: Tex
     out, err = out or sys.stdout, err or sys.stderr
     stop = stop or threading.Event()
     try:
-        with _scale_lock(state_dir):
+        with fleet_lock(state_dir, wait=False):
             return _scale(Path(state_dir), replicas, out, join_timeout, drain_timeout, stop)
     except LocalFleetError as e:
         print(f"corefleet scale: {e}", file=err, flush=True)
@@ -111,7 +102,15 @@ def _scale(state_dir: Path, replicas: int, out: TextIO, join_timeout: float | No
     else:
         record = _start_new_engines(state_dir, record, new_ranks, replicas, None, out)
         op = _start_resize(admin, request, state_dir, leaving, new_ranks, out)
-    op = _follow(admin, resize_id, op, state_dir, record, new_ranks, stop, out)
+    try:
+        op = _follow(admin, resize_id, op, state_dir, record, new_ranks, stop, out)
+    except FrontendLost as e:
+        # The resize lived in the lost frontend: it ends with it. Its replacement (by a supervising `corefleet up`)
+        # attaches to the fleet's recorded ranks, so the new ranks' engines go and the leaving ones stay.
+        _forget_engines(state_dir, new_ranks, out)
+        _mark_retiring(state_dir, leaving, retiring=False)
+        raise LocalFleetError(f"{e}: resize {resize_id} is rolled back; the fleet serves on at {current} rank(s) "
+                              "once its frontend is replaced (`corefleet up` replaces it)") from None
     if op.phase == ResizePhase.FAILED:
         _forget_engines(state_dir, new_ranks, out)
         _mark_retiring(state_dir, leaving, retiring=False)
@@ -152,9 +151,9 @@ def _follow(admin: AdminClient, resize_id: str, op: ResizeOperation, state_dir: 
         try:
             seen = admin.resize(resize_id)
         except (OSError, AdminError) as e:
-            raise LocalFleetError(f"lost the frontend's admin API during resize {resize_id}: {e}") from None
+            raise FrontendLost(f"lost the frontend's admin API during resize {resize_id}: {e}") from None
         if seen is None:
-            raise LocalFleetError(f"the frontend no longer knows resize {resize_id} (it restarted?)")
+            raise FrontendLost(f"the frontend no longer knows resize {resize_id} (it was replaced)")
         op = seen
     _print_progress(op, shown, out)
     return op

@@ -8,15 +8,18 @@ way still leaves a record `corefleet down` can act on; `corefleet scale` adds an
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from corefleet_client.admin import AdminClient
-from corefleet_harness.local.config import STATE_FILE, STATE_VERSION, LocalFleetError
+from corefleet_harness.local.config import FLEET_LOCK, STATE_FILE, STATE_VERSION, LocalFleetError
 from corefleet_harness.local.ports import Ports
 
 
@@ -108,3 +111,17 @@ def load_record(state_dir: Path) -> FleetRecord | None:
         return FleetRecord.from_json(data)
     except (KeyError, TypeError, ValueError) as e:
         raise LocalFleetError(f"{path} is not a corefleet state file ({e}); remove it by hand") from None
+
+
+@contextlib.contextmanager
+def fleet_lock(state_dir: Path, *, wait: bool) -> Iterator[None]:
+    """One change of the fleet's processes at a time: a `corefleet scale`, or the replacement of a lost frontend or
+    coordinator (which waits for a resize to end: a resize whose frontend is lost ends at once). Without `wait`,
+    a change already running is a LocalFleetError."""
+    with (Path(state_dir) / FLEET_LOCK).open("w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            raise LocalFleetError(f"another `corefleet scale`, or the replacement of a lost frontend or coordinator, "
+                                  f"runs for the fleet in {state_dir}") from None
+        yield

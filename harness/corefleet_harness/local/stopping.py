@@ -10,6 +10,7 @@ still signalled: Linux does not reuse a pid that still names a process group.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import sys
@@ -18,7 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TextIO
 
-from corefleet_harness.local.config import LOG_DIR, STOP_GRACE_SECONDS, LocalFleetError
+from corefleet_harness.local.config import LOG_DIR, ROLE_SUPERVISOR, STOP_GRACE_SECONDS, LocalFleetError
 from corefleet_harness.local.procs import ProcStat, all_procs, boot_id, group_members, is_running, owns
 from corefleet_harness.local.state import FleetRecord, ProcessRecord, load_record, state_file
 
@@ -57,7 +58,17 @@ def stop_fleet(record: FleetRecord, grace: float = STOP_GRACE_SECONDS, reap: Cal
     wrong: an exiting leader has an empty /proc/PID/cmdline while its children still run.)
     `reap` (optional) collects exited children of the caller, so that they do not linger as
     zombies. Returns the processes that were still running and got signalled.
+
+    A detached fleet's supervisor is stopped first, and the fleet then as the state file records it: a lost
+    member it replaced meanwhile is stopped too, and nothing replaces a member being stopped.
     """
+    supervisors = tuple(p for p in record.processes if p.role == ROLE_SUPERVISOR)
+    if supervisors and len(supervisors) < len(record.processes):
+        stopped = stop_fleet(dataclasses.replace(record, processes=supervisors), grace, reap, out)
+        with contextlib.suppress(LocalFleetError):
+            record = load_record(Path(record.state_dir)) or record
+        rest = dataclasses.replace(record, processes=tuple(p for p in record.processes if p.role != ROLE_SUPERVISOR))
+        return stopped + stop_fleet(rest, grace, reap, out)
     if reap is not None:
         reap()
     targets = list(live_groups(record, all_procs()))

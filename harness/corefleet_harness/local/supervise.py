@@ -38,6 +38,7 @@ from corefleet_harness.local.config import (
     ROLE_COORDINATOR,
     ROLE_ENGINE,
     ROLE_FRONTEND,
+    ROLE_SUPERVISOR,
     STOP_GRACE_SECONDS,
     TINY_MODEL_NAME,
     TINY_MOE_MODEL_NAME,
@@ -46,9 +47,17 @@ from corefleet_harness.local.config import (
     Interrupted,
     LocalFleetError,
 )
+from corefleet_harness.local.members import MEMBER_ROLES, Replacements, member_argv
 from corefleet_harness.local.ports import Ports, check_port_free, fleet_ports
 from corefleet_harness.local.procs import all_procs, boot_id, owns, proc_stat
-from corefleet_harness.local.state import FleetRecord, ProcessRecord, load_record, save_record, state_file
+from corefleet_harness.local.state import (
+    FleetRecord,
+    ProcessRecord,
+    fleet_lock,
+    load_record,
+    save_record,
+    state_file,
+)
 from corefleet_harness.local.stopping import live_groups, stop_fleet
 from corefleet_harness.support import WaitTimeout, http_get, tail, wait_until
 from corefleet_harness.tinymodel import VLLM_CPU_FLAGS, write_tiny_model
@@ -88,6 +97,8 @@ class LocalFleet:
             if proc.retiring or (proc.role == ROLE_ENGINE and proc.rank is not None
                                  and proc.rank >= self.record.replicas):
                 continue  # leaving or joining in a resize: `corefleet scale` looks after it
+            if proc.role == ROLE_SUPERVISOR:
+                continue  # not part of the fleet it supervises
             popen = self.popens.get(proc.pid)
             if popen is not None:
                 if popen.returncode is not None:
@@ -95,6 +106,23 @@ class LocalFleet:
             elif not owns(self.record, proc):
                 done.append((proc, None))
         return done
+
+    def replace_member(self, lost: ProcessRecord) -> ProcessRecord:
+        """Start a replacement for the lost frontend or coordinator (`members`): what is left of the lost
+        process's group is stopped first (it may hold the ports), then the replacement is started under the same
+        name and log, and recorded in the lost one's place. Waits for a `corefleet scale` to end (it ends at once
+        when the frontend it follows is lost, and rolls its resize back)."""
+        state_dir = Path(self.record.state_dir)
+        with fleet_lock(state_dir, wait=True):
+            record = load_record(state_dir) or self.record
+            stop_fleet(dataclasses.replace(record, processes=(lost,)), grace=5, reap=self.reap)
+            record = dataclasses.replace(record, processes=tuple(p for p in record.processes if p != lost))
+            with Path(lost.log).open("a") as log:
+                log.write(f"\n---- corefleet: {lost.name} (pid {lost.pid}) was lost; its replacement follows ----\n")
+            self.record, popen = spawn(record, lost.role, None, member_argv(record, lost.role),
+                                       {"PYTHONUNBUFFERED": "1"})
+        self.popens[popen.pid] = popen
+        return next(p for p in self.record.processes if p.pid == popen.pid)
 
     def stop(self, grace: float = STOP_GRACE_SECONDS, out: TextIO | None = None) -> None:
         try:
@@ -302,10 +330,12 @@ def up(opts: FleetOptions, *, detach: bool, out: TextIO | None = None, err: Text
         ready = True
         _print_ready(rec, time.monotonic() - t0, out)
         if detach:
-            print("corefleet up: detached; the fleet keeps running", file=out, flush=True)
+            fleet.record, popen = spawn_supervisor(fleet.record)
+            print(f"corefleet up: detached; the fleet keeps running (its supervisor, pid {popen.pid}, replaces a "
+                  "lost frontend or coordinator)", file=out, flush=True)
             return 0
         print("corefleet up: running; Ctrl-C stops everything it started", file=out, flush=True)
-        return _supervise(fleet, stop, err)
+        return _supervise(fleet, stop, out, err)
     except LocalFleetError as e:
         print(f"corefleet up: {e}", file=err, flush=True)
         return 130 if isinstance(e, Interrupted) else 1
@@ -317,17 +347,75 @@ def up(opts: FleetOptions, *, detach: bool, out: TextIO | None = None, err: Text
             signal.signal(s, h)
 
 
-def _supervise(fleet: LocalFleet, stop: threading.Event, err: TextIO) -> int:
-    """Run until `stop` is set (0) or one of the fleet's processes exits (1, with its log's tail)."""
+def _supervise(fleet: LocalFleet, stop: threading.Event, out: TextIO, err: TextIO, *,
+               detached: bool = False) -> int:
+    """Run until `stop` is set (0), replacing a lost frontend or coordinator in place (`members`) while the
+    engines serve on. Any other process's exit, or a member that cannot be replaced, ends it (1, with the log's
+    tail: `corefleet up` then stops the fleet). `detached` (`corefleet supervise`, the supervisor `corefleet up
+    --detach` leaves running): an engine's exit is only reported (the frontend serves on without the rank, as
+    before there was a supervisor), and it ends (0) once the fleet is stopped (`corefleet down`)."""
+    replacements = Replacements()
+    reported: set[int] = set()
+    name = "corefleet supervise" if detached else "corefleet up"
     while not stop.wait(1.0):
-        gone = fleet.exited()
-        if gone:
-            proc, rc = gone[0]
+        if detached and not _still_supervised(Path(fleet.record.state_dir)):
+            return 0
+        for proc, rc in fleet.exited():
             how = f"exited with {rc}" if rc is not None else "exited"
-            print(f"corefleet up: {proc.name} (pid {proc.pid}) {how}; stopping the fleet. "
-                  f"Last lines of {proc.log}:\n{tail(proc.log)}", file=err, flush=True)
+            member = proc.role in MEMBER_ROLES
+            refusal = replacements.refusal(fleet.record, proc.role, time.monotonic()) if member else None
+            if member and refusal is None:
+                print(f"{name}: {proc.name} (pid {proc.pid}) {how}: replacing it in place, the engines serve on. "
+                      f"Last lines of {proc.log}:\n{tail(proc.log)}", file=err, flush=True)
+                replacements.count(proc.role, time.monotonic())
+                new = fleet.replace_member(proc)
+                print(f"{name}: {proc.name} replaced (pid {new.pid})", file=out, flush=True)
+                continue
+            if proc.pid in reported:
+                continue
+            reported.add(proc.pid)
+            why = f" ({refusal})" if refusal else ""
+            print(f"{name}: {proc.name} (pid {proc.pid}) {how}{why}. Last lines of {proc.log}:\n{tail(proc.log)}",
+                  file=err, flush=True)
+            if detached:
+                if not member:
+                    continue  # the frontend reports the rank Dead and serves on without it
+                print(f"{name}: the fleet cannot serve without its {proc.role}: stop it with `corefleet down` and "
+                      "start it again", file=err, flush=True)
+                return 1
+            print(f"{name}: stopping the fleet", file=err, flush=True)
             return 1
     return 0
+
+
+def _still_supervised(state_dir: Path) -> bool:
+    """Whether the state file still records this process as the fleet's supervisor (`corefleet down` forgets it)."""
+    try:
+        record = load_record(state_dir)
+    except LocalFleetError:
+        return False
+    return record is not None and any(p.role == ROLE_SUPERVISOR and p.pid == os.getpid() for p in record.processes)
+
+
+def supervisor_argv(state_dir: str, python: str = "") -> list[str]:
+    return [python or sys.executable, "-m", "corefleet_harness.cli", "supervise", "--state-dir", state_dir]
+
+
+def spawn_supervisor(record: FleetRecord) -> tuple[FleetRecord, subprocess.Popen[bytes]]:
+    """Start a detached fleet's supervisor (`corefleet supervise`), recorded like the fleet's processes, so that
+    `corefleet down` stops it (first: `stopping.stop_fleet`)."""
+    return spawn(record, ROLE_SUPERVISOR, None, supervisor_argv(record.state_dir, record.python),
+                 {"PYTHONUNBUFFERED": "1"})
+
+
+def supervise(state_dir: Path, stop: threading.Event, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """`corefleet supervise`: supervise a detached fleet until it is stopped (`_supervise`)."""
+    out, err = out or sys.stdout, err or sys.stderr
+    record = load_record(state_dir)
+    if record is None:
+        print(f"corefleet supervise: no fleet recorded in {state_dir}", file=err, flush=True)
+        return 1
+    return _supervise(LocalFleet(record, {}), stop, out, err, detached=True)
 
 
 def _print_ready(rec: FleetRecord, elapsed: float, out: TextIO) -> None:
