@@ -5,12 +5,14 @@ Each test runs the `corefleet` command as a user would: `up`, `scale` while a cl
 `status`, `down` (or Ctrl-C); and checks that the resize left the surviving processes alone and that
 stopping leaves none of the recorded processes (nor their children) running. Here with emulated engines: a
 dense fleet of 4 in the foreground, resized 4 -> 5 -> 2 and stopped with Ctrl-C; an MoE fleet with vLLM's
-elastic EP, resized 2 -> 4 -> 2 (no resize below the experts' minimum, no replacement in place). The same
+elastic EP, resized 2 -> 4 -> 2 (no resize below the experts' minimum, no replacement in place, its lost
+frontend not replaced by the supervisor `up --detach` leaves running). The same
 with real vLLM engines, 2 -> 3 -> 2: tests/e2e/test_vllm_local_fleet.py.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 from pathlib import Path
@@ -19,7 +21,7 @@ import pytest
 
 from corefleet_client.admin import AdminError, FleetState, ResizeRequest
 from corefleet_harness import local
-from corefleet_harness.support import free_ports
+from corefleet_harness.support import free_ports, wait_until
 from localfleet import CLI, corefleet, descendants, scale
 from procs import read_lines_until
 
@@ -98,5 +100,17 @@ def test_emulator_moe_fleet_with_elastic_ep_resized_2_4_2(tmp_path: Path) -> Non
         assert "MoE" in err.value.body
         assert [o.id for o in admin.resizes() if o.replace] == []
         assert admin.fleet().state == FleetState.SERVING
+        # Nor is its frontend replaced in place (elastic EP's state lives in it): the supervisor that
+        # `up --detach` left running says so and leaves.
+        rec = local.load_record(state)
+        assert rec is not None
+        supervisor = next(p for p in rec.processes if p.role == local.ROLE_SUPERVISOR)
+        assert local.owns(rec, supervisor)
+        lost = next(p for p in rec.processes if p.role == local.ROLE_FRONTEND)
+        os.kill(lost.pid, signal.SIGKILL)
+        wait_until(lambda: not local.owns(rec, supervisor), 30, "the supervisor to leave")
+        said = (logs / "supervisor.log").read_text()
+        assert "hold its elastic-EP state: not replaced in place" in said, said
+        assert "cannot serve without its frontend" in said, said
     finally:
         _cleanup(state)

@@ -31,7 +31,7 @@ from corefleet_client.admin import FLEET_PATH, FleetState, FleetStatus, RankStat
 from corefleet_harness import local
 from corefleet_harness.cli import build_parser, main
 from corefleet_harness.emulator import EMULATOR_MODULE
-from corefleet_harness.support import free_ports, wait_until
+from corefleet_harness.support import free_ports, http_get, wait_until
 from corefleet_harness.tinymodel import VLLM_CPU_FLAGS
 from corefleet_operator import __version__, builders, constants
 from factories import make_ecs
@@ -606,7 +606,8 @@ def test_up_detach_status_down(tmp_path: Path, fake_python: str) -> None:
         assert f"OpenAI endpoint: http://127.0.0.1:{opts.port}/v1" in text
         rec = local.load_record(opts.state_dir)
         assert rec is not None
-        assert [p.name for p in rec.processes] == ["coordinator", "frontend", "engine-0", "engine-1", "engine-2"]
+        assert [p.name for p in rec.processes] == ["coordinator", "frontend", "engine-0", "engine-1", "engine-2",
+                                                   "supervisor"]
         assert f"admin API: {rec.admin_url}/v1/fleet" in text
         assert all(local.owns(rec, p) for p in rec.processes)
         assert rec.model == str(opts.state_dir / "models" / "tiny-llama")
@@ -625,6 +626,52 @@ def test_up_detach_status_down(tmp_path: Path, fake_python: str) -> None:
         assert "fleet: Serving" in status_out.getvalue()
     finally:
         assert local.down(opts.state_dir, out=io.StringIO()) == 0
+    assert all(not local.is_running(local.proc_stat(p.pid)) for p in rec.processes)
+
+
+def test_the_supervisor_of_a_detached_fleet_replaces_its_lost_members_and_down_stops_it_first(
+        tmp_path: Path, fake_python: str) -> None:
+    """`up --detach` leaves `corefleet supervise` running: a killed frontend comes back with `--attach` at the
+    recorded size, a killed coordinator with its command line, under their names and logs; the engines are
+    untouched and an engine's exit is only reported; `down` stops the supervisor first, then everything."""
+    opts = _options(tmp_path, fake_python, replicas=2)
+    state = opts.state_dir
+    assert local.up(opts, detach=True, out=io.StringIO(), err=io.StringIO()) == 0
+    try:
+        rec = local.load_record(state)
+        assert rec is not None
+        supervisor = next(p for p in rec.processes if p.role == local.ROLE_SUPERVISOR)
+        assert supervisor.argv[:5] == (sys.executable, "-m", "corefleet_harness.cli", "supervise", "--state-dir")
+        engines = {p.rank: p.pid for p in rec.processes if p.role == local.ROLE_ENGINE}
+        for role in (local.ROLE_FRONTEND, local.ROLE_COORDINATOR):
+            old = next(p for p in rec.processes if p.role == role)
+            os.kill(old.pid, signal.SIGKILL)
+
+            def replaced(role: str = role, old: local.ProcessRecord = old) -> local.ProcessRecord | None:
+                latest = local.load_record(state)
+                assert latest is not None
+                new = [p for p in latest.processes if p.role == role]
+                assert len(new) == 1, new
+                return new[0] if new[0].pid != old.pid and local.owns(latest, new[0]) else None
+
+            new = wait_until(replaced, 20, f"the {role} replaced", interval=0.1)
+            assert new.argv == tuple(local.member_argv(rec, role))
+            assert ("--attach" in new.argv) == (role == local.ROLE_FRONTEND)
+            assert new.log == old.log
+            assert "its replacement follows" in Path(old.log).read_text()
+        rec = local.load_record(state)
+        assert rec is not None
+        wait_until(lambda: http_get(rec.endpoint.removesuffix("/v1") + "/health", 2, unanswered_ok=True)[0] == 200,
+                   20, "the replacement frontend serving")
+        assert {p.rank: p.pid for p in rec.processes if p.role == local.ROLE_ENGINE} == engines
+        # An engine's exit is reported, not acted on: the frontend serves on without the rank.
+        os.kill(engines[1], signal.SIGKILL)
+        log = tmp_path / "state" / "logs" / "supervisor.log"
+        wait_until(lambda: "engine-1 (pid" in log.read_text(), 20, "the supervisor to report the engine")
+        assert local.owns(rec, supervisor)
+        assert local.load_record(state) == rec  # nothing replaced for it
+    finally:
+        assert local.down(state, out=io.StringIO()) == 0
     assert all(not local.is_running(local.proc_stat(p.pid)) for p in rec.processes)
 
 
@@ -711,7 +758,7 @@ def test_up_with_a_model_directory_and_own_vllm_flags(tmp_path: Path, fake_pytho
         assert local.up(opts, detach=True, out=io.StringIO(), err=io.StringIO()) == 0
         rec = local.load_record(opts.state_dir)
         assert rec is not None
-        coordinator, frontend, *engines = (p.argv for p in rec.processes)
+        coordinator, frontend, *engines = (p.argv for p in rec.processes if p.role != local.ROLE_SUPERVISOR)
         assert "--no-wave-coordination" not in coordinator  # MoE: vLLM's wave coordination stays on
         for argv in (frontend, *engines):
             assert argv[argv.index("--") + 1] == str(model)  # absolute: the record means the same anywhere

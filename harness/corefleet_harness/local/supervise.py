@@ -397,14 +397,15 @@ def _still_supervised(state_dir: Path) -> bool:
     return record is not None and any(p.role == ROLE_SUPERVISOR and p.pid == os.getpid() for p in record.processes)
 
 
-def supervisor_argv(state_dir: str, python: str = "") -> list[str]:
-    return [python or sys.executable, "-m", "corefleet_harness.cli", "supervise", "--state-dir", state_dir]
+def supervisor_argv(state_dir: str) -> list[str]:
+    """corefleet's own command, in this interpreter (the fleet's processes may run another: `--python`)."""
+    return [sys.executable, "-m", "corefleet_harness.cli", "supervise", "--state-dir", state_dir]
 
 
 def spawn_supervisor(record: FleetRecord) -> tuple[FleetRecord, subprocess.Popen[bytes]]:
     """Start a detached fleet's supervisor (`corefleet supervise`), recorded like the fleet's processes, so that
     `corefleet down` stops it (first: `stopping.stop_fleet`)."""
-    return spawn(record, ROLE_SUPERVISOR, None, supervisor_argv(record.state_dir, record.python),
+    return spawn(record, ROLE_SUPERVISOR, None, supervisor_argv(record.state_dir),
                  {"PYTHONUNBUFFERED": "1"})
 
 
