@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -27,7 +28,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import FrameType
 
@@ -140,7 +141,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 1
 
 
-def cmd_scale(args: argparse.Namespace) -> int:
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[threading.Event]:
+    """An event SIGINT and SIGTERM set while the block runs (their handlers restored after it)."""
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -148,28 +151,25 @@ def cmd_scale(args: argparse.Namespace) -> int:
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return local.scale(_state_dir(args), args.replicas, join_timeout=args.timeout,
-                           drain_timeout=args.drain_timeout, stop=stop)
+        yield stop
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    with _stop_on_signals() as stop:
+        return local.scale(_state_dir(args), args.replicas, join_timeout=args.timeout,
+                           drain_timeout=args.drain_timeout, stop=stop)
 
 
 def cmd_supervise(args: argparse.Namespace) -> int:
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        return local.supervise(_state_dir(args), stop)
-    except local.LocalFleetError as e:
-        print(f"corefleet supervise: {e}", file=sys.stderr)
-        return 1
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    with _stop_on_signals() as stop:
+        try:
+            return local.supervise(_state_dir(args), stop)
+        except local.LocalFleetError as e:
+            print(f"corefleet supervise: {e}", file=sys.stderr)
+            return 1
 
 
 def cmd_down(args: argparse.Namespace) -> int:
