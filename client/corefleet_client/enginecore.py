@@ -128,10 +128,12 @@ _INPUT_THREAD = threading.local()  # set in the engine's input thread (vLLM's pr
 # has the same name and a new address; a SYN to the old one may go unanswered for minutes on a real network); a
 # connection whose peer went silent (its node lost: no FIN, no RST) is dropped after HEARTBEAT_TIMEOUT_MS without an
 # answer to the pings sent every HEARTBEAT_IVL_MS (libzmq answers them in its own thread: a busy peer still does), and
-# made again.
+# made again. As long as the frontend's own liveness timeout (30 s): a whole machine that stalls for seconds (seen:
+# 15 s on a 2-core test node) must not cut a rank off, and a replacement frontend takes longer than that to be
+# scheduled and started once a node is lost.
 CONNECT_TIMEOUT_MS = 3000
-HEARTBEAT_IVL_MS = 2000
-HEARTBEAT_TIMEOUT_MS = 10000
+HEARTBEAT_IVL_MS = 5000
+HEARTBEAT_TIMEOUT_MS = 30000
 CONNECTION_OPTIONS = ((zmq.CONNECT_TIMEOUT, CONNECT_TIMEOUT_MS), (zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS),
                       (zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS))
 
