@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Generator
@@ -354,3 +355,46 @@ class HealthWatch:
                 self.bad.append(f"HTTP {code}")
             self.polls += 1
             self._stop.wait(0.1)
+
+
+def kill_member_under_load(state: Path, url: str, model: str, role: str, replicas: int,
+                           timeout: float = 300.0) -> tuple[float, Load]:
+    """SIGKILL a local fleet's `role` process (frontend or coordinator) while 2 clients send requests; wait until
+    its supervisor's replacement is recorded, the endpoint serves and every rank is Serving, then until 4 more
+    requests succeeded; every request sent once it served again must have. Returns the seconds from the kill to
+    serving again, and the load."""
+    rec = local.load_record(state)
+    assert rec is not None
+    admin = rec.admin_client(timeout=5)
+    load = Load(url, model, workers=2, max_tokens=16).start()
+    try:
+        wait_until(lambda: len([o for o in load.outcomes if o.ok]) >= 4, 60, "the load to get going")
+        old = next(p.pid for p in rec.processes if p.role == role)
+        killed = time.monotonic()
+        os.kill(old, signal.SIGKILL)
+
+        def replaced() -> bool:
+            latest = local.load_record(state)
+            assert latest is not None
+            new = next(p for p in latest.processes if p.role == role)
+            if new.pid == old or not local.owns(latest, new):
+                return False
+            try:  # refused until the replacement listens
+                if http_get(f"{url}/health", 2, unanswered_ok=True)[0] != 200:
+                    return False
+                status = admin.fleet()
+            except (OSError, AdminError, ValueError):
+                return False
+            return status.state == FleetState.SERVING and [(r.rank, r.state) for r in status.ranks] == [
+                (r, RankState.SERVING) for r in range(replicas)]
+
+        wait_until(replaced, timeout, f"the {role} replaced and the fleet serving", interval=0.2)
+        back = time.monotonic()
+        wait_until(lambda: len([o for o in load.outcomes if o.ok and o.started > back]) >= 4, 60,
+                   "4 requests served after the replacement")
+    finally:
+        load.stop()
+    late = [o.detail for o in load.failures() if o.started > back]
+    assert not late, f"requests sent once the {role} served again failed: {late[:5]}; {load.summary()}"
+    print(f"{role} killed: serving again after {back - killed:.1f} s; {load.summary()}")
+    return back - killed, load

@@ -76,6 +76,7 @@ from localfleet import (
     corefleet,
     descendants,
     flags,
+    kill_member_under_load,
     scale,
     start,
 )
@@ -501,46 +502,6 @@ def test_a_killed_engine_core_is_reported_dead_and_its_rank_replaced_in_place(vl
     assert not [(p.name, rc) for p, rc in fleet.fleet.exited()], "a fleet process exited"
 
 
-def _kill_member_under_load(fleet: Fleet, role: str) -> tuple[float, Load]:
-    """SIGKILL the fleet's `role` process while 2 clients send requests; wait until the supervisor's replacement
-    serves and 4 more requests succeeded. Returns the seconds from the kill to serving again, and the load."""
-    state = Path(fleet.rec.state_dir)
-    load = Load(fleet.url, MODEL_NAME, workers=2, max_tokens=16).start()
-    try:
-        wait_until(lambda: len([o for o in load.outcomes if o.ok]) >= 4, 60, "the load to get going")
-        old = fleet.pid(role)
-        killed = time.monotonic()
-        os.kill(old, signal.SIGKILL)
-
-        def replaced() -> bool:
-            rec = local.load_record(state)
-            assert rec is not None
-            new = next(p for p in rec.processes if p.role == role)
-            if new.pid == old or not local.owns(rec, new):
-                return False
-            fleet.fleet.record = rec
-            try:  # refused until the replacement listens
-                if fleet.health() != 200:
-                    return False
-                status = fleet.status()
-            except (OSError, AdminError, ValueError):
-                return False
-            return (status.state == FleetState.SERVING
-                    and [(r.rank, r.state) for r in status.ranks] == [(r, RankState.SERVING) for r in
-                                                                       range(VLLM_REPLICAS)])
-
-        wait_until(replaced, 300, f"the {role} replaced and the fleet serving", interval=0.2)
-        back = time.monotonic()
-        wait_until(lambda: len([o for o in load.outcomes if o.ok and o.started > back]) >= 4, 60,
-                   "4 requests served after the replacement")
-    finally:
-        load.stop()
-    late = [o.detail for o in load.failures() if o.started > back]
-    assert not late, f"requests sent once the {role} served again failed: {late[:5]}; {load.summary()}"
-    print(f"{role} killed: serving again after {back - killed:.1f} s; {load.summary()}")
-    return back - killed, load
-
-
 def test_the_supervisor_replaces_a_killed_frontend_and_coordinator_in_place_the_engines_serve_on(
         vllm_fleet: Fleet) -> None:
     """What `corefleet up` does (in the foreground, or its supervisor after `--detach`): a SIGKILLed frontend is
@@ -557,14 +518,16 @@ def test_the_supervisor_replaces_a_killed_frontend_and_coordinator_in_place_the_
     try:
         engines = {r: fleet.engine_pid(r) for r in range(VLLM_REPLICAS)}
         cores = {r: engine_core(fleet, r).pid for r in range(VLLM_REPLICAS)}
-        _, load = _kill_member_under_load(fleet, local.ROLE_FRONTEND)
+        _, load = kill_member_under_load(state, fleet.url, MODEL_NAME, local.ROLE_FRONTEND, VLLM_REPLICAS)
+        fleet.fleet.record = local.load_record(state) or fleet.fleet.record
         logs = Path(rec.state_dir) / local.LOG_DIR
         for r in range(VLLM_REPLICAS):  # each engine re-announced itself and aborted what the lost frontend left
             log = (logs / f"engine-{r}.log").read_text(errors="replace")
             assert "Frontend 0 re-attached: aborted the" in log, log[-3000:]
         frontend_log = (logs / "frontend.log").read_text(errors="replace")
         assert "its replacement follows" in frontend_log
-        _, load = _kill_member_under_load(fleet, local.ROLE_COORDINATOR)
+        _, load = kill_member_under_load(state, fleet.url, MODEL_NAME, local.ROLE_COORDINATOR, VLLM_REPLICAS)
+        fleet.fleet.record = local.load_record(state) or fleet.fleet.record
         assert not load.failures(), load.summary()  # the coordinator's loss fails no request
         assert {r: fleet.engine_pid(r) for r in range(VLLM_REPLICAS)} == engines
         assert {r: engine_core(fleet, r).pid for r in range(VLLM_REPLICAS)} == cores

@@ -8,7 +8,8 @@ machine without what a check needs fails it with the reason (never a skip counte
 * A dense fleet on one GPU: `corefleet up` with 2 real vLLM engines sharing GPU 0 (the tiny model, dummy
   weights, a small memory share each), served through its OpenAI endpoint and resized 2 -> 3 -> 2 in place
   while a client keeps sending requests: none fails and the surviving engines keep their processes (the CPU
-  twin is tests/e2e/test_local.py).
+  twin is tests/e2e/test_local.py); and its frontend SIGKILLed under load, replaced in place while the engines
+  keep their processes and GPU memory (the CPU twin is tests/e2e/test_frontend.py).
 * MoE elastic EP: hack/gpu-moe-resize.sh (a real MoE model resized 2 -> 3 -> 2 through corefleet's elastic-EP
   client, one GPU per rank): it needs 3 GPUs and COREFLEET_GPU_MOE_MODEL, a local model directory.
 """
@@ -19,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,7 @@ from corefleet_harness import local
 from corefleet_harness.support import free_ports
 from corefleet_harness.tinymodel import write_tiny_model
 from fleettest import Load
+from localfleet import kill_member_under_load
 
 pytestmark = pytest.mark.gpu
 
@@ -86,6 +89,55 @@ def test_dense_fleet_on_one_gpu_serves_and_resizes_2_3_2_in_place(tmp_path: Path
             load.stop()
         assert len(load.outcomes) > 10, load.summary()
         assert not load.failures(), load.summary()
+    finally:
+        if local.load_record(state) is not None:
+            local.down(state)
+
+
+def gpu_memory_by_pid() -> dict[int, int]:
+    """The GPU memory (MiB) each process holds, as nvidia-smi reports its compute processes."""
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, f"nvidia-smi failed: {out.stderr[-2000:]}"
+    return {int(pid): int(mib) for pid, mib in (line.split(",") for line in out.stdout.splitlines() if line.strip())}
+
+
+def test_dense_fleet_on_one_gpu_keeps_its_engines_and_their_memory_when_its_frontend_is_killed(
+        tmp_path: Path) -> None:
+    """Issue 25's device check: 2 real vLLM engines sharing GPU 0 (a tenth of its memory each); the frontend
+    SIGKILLed under load is replaced in place by the supervisor `corefleet up --detach` left running: the engines
+    keep their processes and the GPU memory they hold (weights and KV cache, never loaded again), every request
+    sent once it serves again succeeds, and so does one pinned to each rank."""
+    gpus()
+    state = tmp_path / "state"
+    model = write_tiny_model(tmp_path / "tiny")
+    port = free_ports(1)[0]
+    try:
+        up = corefleet("up", "--detach", "--replicas", "2", "--port", str(port), "--state-dir", str(state),
+                       "--model", str(model), "--", *GPU_FLAGS, timeout=900)
+        assert up.returncode == 0, f"stdout:\n{up.stdout}\nstderr:\n{up.stderr}"
+        rec = local.load_record(state)
+        assert rec is not None
+        engines = {p.rank: p.pid for p in rec.processes if p.role == local.ROLE_ENGINE}
+        held = gpu_memory_by_pid()
+        assert len(held) >= 2, f"the engine cores hold no GPU memory: {held}"
+        seconds, _ = kill_member_under_load(state, f"http://127.0.0.1:{port}", "tiny", local.ROLE_FRONTEND, 2,
+                                            timeout=600)
+        print(f"frontend killed on the GPU fleet: serving again after {seconds:.1f} s")
+        rec = local.load_record(state)
+        assert rec is not None
+        assert {p.rank: p.pid for p in rec.processes if p.role == local.ROLE_ENGINE} == engines
+        after = gpu_memory_by_pid()
+        # The same processes hold at least the memory they held (serving may grow PyTorch's cache): nothing loaded
+        # again, no new process on the GPU.
+        assert set(after) == set(held), (held, after)
+        assert all(after[pid] >= held[pid] for pid in held), (held, after)
+        for rank in (0, 1):
+            body = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 8}).encode()
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body, headers={
+                "Content-Type": "application/json", "X-data-parallel-rank": str(rank)})
+            with urllib.request.urlopen(req, timeout=120) as r:
+                assert r.status == 200
     finally:
         if local.load_record(state) is not None:
             local.down(state)
