@@ -107,10 +107,19 @@ def build_parser() -> argparse.ArgumentParser:
 def install_release_utility(fd: int) -> None:
     """Give vLLM's engine core the utility call `RELEASE_UTILITY` (vLLM looks a utility up by name on the engine
     core: `EngineCoreProc._handle_client_request`), which tells the launcher through `fd` that the frontend
-    drained and released this engine. Each call writes a line; the launcher needs one."""
+    drained and released this engine. With several frontends (the engine's clients: one input address each, from
+    its handshake), each drains its own requests and releases with its client index: the launcher is told once
+    every client released. Each call that completes the set writes a line; the launcher needs one."""
     os.set_inheritable(fd, False)  # not the executor's workers'
 
-    def release(self: EngineCoreProc) -> bool:
+    def release(self: EngineCoreProc, client_index: int = 0) -> bool:
+        released: set[int] = self.__dict__.setdefault("_corefleet_released_by", set())
+        released.add(client_index)
+        clients = len(self.addresses.inputs)
+        if len(released) < clients:
+            logger.info("Released by frontend %d; waiting for %d more frontend(s)", client_index,
+                        clients - len(released))
+            return True
         try:
             os.write(fd, b"released\n")
         except OSError as e:  # the launcher is gone: nothing waits for the release

@@ -399,6 +399,41 @@ def enginecore() -> ModuleType:
     return enginecore
 
 
+def test_the_launcher_is_told_of_the_release_once_every_frontend_released(enginecore: ModuleType,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several frontends (the engine's clients): each drains its own requests and releases the engine with its
+    client index; the launcher's pipe gets its line once all of them did (a repeat counts once)."""
+    from vllm.v1.engine.core import EngineCoreProc
+
+    from corefleet_client.admin import RELEASE_UTILITY
+
+    monkeypatch.setattr(EngineCoreProc, RELEASE_UTILITY, None, raising=False)  # restored after the test
+    read_end, write_end = os.pipe()
+    os.set_blocking(read_end, False)
+    try:
+        enginecore.install_release_utility(write_end)
+        release = getattr(EngineCoreProc, RELEASE_UTILITY)
+
+        def lines() -> bytes:
+            try:
+                return os.read(read_end, 100)
+            except BlockingIOError:
+                return b""
+
+        two = SimpleNamespace(addresses=SimpleNamespace(inputs=["tcp://f0:1", "tcp://f1:1"]))
+        assert release(two, 1) is True
+        assert release(two, 1) is True  # the same frontend again: still one of two
+        assert lines() == b""
+        assert release(two, 0) is True
+        assert lines() == b"released\n"
+        one = SimpleNamespace(addresses=SimpleNamespace(inputs=["tcp://f0:1"]))
+        assert release(one) is True  # one frontend (an older one passes no index): released at once
+        assert lines() == b"released\n"
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
 def test_unresolvable_frontend_fails_with_a_message(enginecore: ModuleType) -> None:
     error = enginecore.wait_resolvable("no-such-frontend.invalid", 29550, timeout=0)
     assert error is not None

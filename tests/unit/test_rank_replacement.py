@@ -270,6 +270,7 @@ class FakeClient:
     def __init__(self, fleet: Fleet, handshake_error: Exception | None = None,
                  ready_error: Exception | None = None) -> None:
         self.fleet = fleet
+        self.client_index = 1  # one of several frontends: it releases an engine under its own index
         self.vllm_config = SimpleNamespace(
             parallel_config=SimpleNamespace(data_parallel_master_ip="127.0.0.1", data_parallel_rpc_port=29550),
             cache_config=SimpleNamespace(num_gpu_blocks=200))
@@ -476,7 +477,7 @@ def test_a_vacating_replacement_drains_releases_and_waits_for_the_engine_to_stop
     op = fleet.resize("vac")
     assert op is not None
     assert (op.phase, op.error, op.rank(1).state) == (ResizePhase.COMPLETED, "", RankState.SERVING)
-    assert releases == [(identity(1), RELEASE_UTILITY, (), RankState.DRAINING, 0)]
+    assert releases == [(identity(1), RELEASE_UTILITY, (client.client_index,), RankState.DRAINING, 0)]
     assert client.members.failed == []
     assert client.joiner.handshakes == [([1], "tcp://127.0.0.1:29550")]
     assert 1 not in client.members.lost

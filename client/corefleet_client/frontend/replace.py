@@ -149,7 +149,8 @@ class Replacement:
         """Tell a drained rank's engine that its pod may stop (best effort: without the answer, the pod stops at the
         end of its grace period)."""
         try:
-            answer = await self.members.send_utility_call(identity(rank), RELEASE_UTILITY, ())
+            answer = await self.members.send_utility_call(identity(rank), RELEASE_UTILITY,
+                                                          (self.members.client.client_index,))
             await asyncio.wait_for(answer, RELEASE_ANSWER_TIMEOUT_S)
         except Exception as e:  # any failure (not sent, no answer in time, an error answer): not released
             logger.warning("Rank %d did not confirm its release (%s: %s); its pod stops at the end of its grace "
