@@ -948,6 +948,9 @@ class RecoveryStatus:
         "When the next recovery may start (backoff).", format="date-time"))
     observedGeneration: int = field(default=0, metadata=meta(
         "The spec generation the streak belongs to.", minimum=0))
+    members: int = field(default=0, metadata=meta(
+        "Frontend or coordinator losses of the streak replaced in place (the engines serving on); a third one "
+        "recreates the fleet.", minimum=0))
 
     def __post_init__(self) -> None:
         _bound(self, "reason", C.MAX_STATUS_MESSAGE)

@@ -532,7 +532,10 @@ def check_member_invariants(world: World, before: Observed, p: Plan, created: li
         if not interrupted:
             assert (op.fromReplicas, op.toReplicas) == (old.replicas, old.replicas)
         assert new.recovery is not None
-        assert new.recovery.attempt <= 2, new.recovery
+        assert new.recovery.members <= 2, new.recovery  # the streak's first two member losses only
+        assert new.recovery.members == (old.recovery.members if old.recovery is not None
+                                        and old.recovery.observedGeneration == new.recovery.observedGeneration
+                                        and new.recovery.attempt > 1 else 0) + 1, (old.recovery, new.recovery)
         assert new.recovery.retryAt == new.recovery.lostAt
         assert [e.reason for e in p.events].count("MemberLost") == 1
         assert "RankLost" not in [e.reason for e in p.events]
@@ -2135,6 +2138,37 @@ def test_a_third_member_loss_in_one_streak_recreates_the_fleet_with_its_backoff(
         next(e.message for e in p.events if e.reason == "RankLost")
     w.converge(max_steps=100)
     assert w.current().phase == "Running"
+
+
+def test_a_ranks_loss_in_the_streak_does_not_count_against_the_members_replaced_in_place() -> None:
+    """The CI run's order: a rank lost, then the frontend, then the coordinator, within one streak: both members
+    are still replaced in place (only member losses count, `status.recovery.members`); a third member loss
+    recreates the fleet."""
+    w = running(2)
+    w.fail("a-engine-1")
+    w.step()
+    step_until(w, replaced, max_steps=40, what="the rank replacement")
+    w.converge()
+    assert w.status.recovery is not None
+    assert (w.status.recovery.attempt, w.status.recovery.members) == (1, 0)
+    for attempt, role in ((2, "frontend"), (3, "coordinator")):
+        w.fail(member("a", role))
+        p = w.step()
+        assert [e.reason for e in p.events] == ["MemberLost"], p.events
+        assert f"recovery {attempt} of 5 now" in p.events[0].message
+        step_until(w, member_replaced, max_steps=40)
+        w.converge()
+        assert w.status.recovery is not None
+        assert (w.status.recovery.attempt, w.status.recovery.members) == (attempt, attempt - 1)
+        assert (w.status.recoveries, w.status.fleetGeneration) == (attempt, 1)
+    w.fail("a-frontend")
+    p = w.step()
+    assert w.status.phase == "Recovering"
+    assert (w.status.recoveries, w.status.fleetGeneration) == (4, 2)
+    assert w.status.recovery is not None
+    assert w.status.recovery.members == 2
+    assert "recreating the fleet at 2 ranks (incarnation 2), recovery 4 of 5" in \
+        next(e.message for e in p.events if e.reason == "RankLost")
 
 
 def test_an_operator_restart_mid_member_replacement_continues_the_same_operation() -> None:

@@ -750,10 +750,12 @@ def test_only_a_serving_dense_fleet_that_lost_only_its_members_replaces_them_in_
         assert members_in_place(fleet, basis, lost, roles, changed) is expected, (status.phase, lost, roles)
 
 
-def test_a_lost_frontend_starts_a_member_replacement_without_backoff_as_attempt_one_or_two() -> None:
+def test_a_lost_frontend_starts_a_member_replacement_without_backoff_as_the_streaks_first_or_second() -> None:
     pods = [pod("coordinator"), pod("frontend", phase="Failed"), *(pod(r) for r in range(3))]
-    for attempt, expected in ((0, True), (1, True), (2, False)):
-        streak = RecoveryStatus(attempt=attempt, lostAt=at(-5), observedGeneration=1) if attempt else None
+    # (attempt, members replaced before): only member losses count; a rank's (attempt 1, none) does not.
+    for attempt, members, expected in ((0, 0, True), (1, 1, True), (1, 0, True), (2, 1, True), (2, 2, False)):
+        streak = RecoveryStatus(attempt=attempt, lostAt=at(-5), observedGeneration=1, members=members) \
+            if attempt else None
         step = decide_after(serving(phase="Degraded" if attempt else "Running", recovery=streak), pods,
                             Losses(lost=((None, "frontend (pod f-frontend) failed"),), members=("frontend",)))
         assert isinstance(step, Step)
@@ -768,9 +770,11 @@ def test_a_lost_frontend_starts_a_member_replacement_without_backoff_as_attempt_
             assert [e.reason for e in step.events] == ["MemberLost"]
             assert [(a.name, a.uid) for a in step.replacing.actions] == [  # type: ignore[union-attr]
                 ("f-frontend", "uid-f-frontend-1")]
-        else:  # a third loss in the streak: the fleet is recreated, with its backoff
+            assert step.recovery.members == members + 1
+        else:  # a third member loss in the streak: the fleet is recreated, with its backoff
             assert (step.generation, step.new_incarnation, step.phase) == (2, True, "Recovering")
             assert [e.reason for e in step.events] == ["RankLost"]
+            assert step.recovery.members == members
 
 
 def test_a_member_replacement_deletes_waits_creates_and_completes() -> None:

@@ -21,9 +21,10 @@ an operator restart):
 * Completed once every new pod is Ready (events FrontendReplaced or CoordinatorReplaced).
 
 It is a recovery like any other (an attempt of the streak, `recoveries`), but its new pods are not held
-by the streak's backoff (the engines are fine and the endpoint is down meanwhile): only a loss that is
-attempt 1 or 2 of its streak is replaced in place (`MAX_ATTEMPT`), so a crash loop of the frontend or
-coordinator still ends in a recreated fleet, with its backoff, and in the budget. A new pod that ends,
+by the streak's backoff (the engines are fine and the endpoint is down meanwhile): only the first two member
+losses of a streak are replaced in place (`MAX_MEMBER_REPLACEMENTS`, counted in `status.recovery.members`; the
+streak's other losses, a rank's, do not count), so a crash loop of the frontend or coordinator still ends in a
+recreated fleet, with its backoff, and in the budget. A new pod that ends,
 or no end within readyTimeoutSeconds + FRONTEND_GRACE_SECONDS after the operation began, is `lost`:
 the whole fleet is recreated; so is a fleet that loses anything else meanwhile (an engine, the other
 member); a loss seen while the operation is still Pending is the same event as the member's (a lost node's pods
@@ -50,8 +51,8 @@ from corefleet_operator.planner.common import FRONTEND_GRACE_SECONDS, delete_pod
 from corefleet_operator.planner.replace import ReplaceStep
 from corefleet_operator.status import POD_TERMINAL
 
-# A member lost as attempt 1 or 2 of its streak is replaced in place; a later one recreates the fleet.
-MAX_ATTEMPT = 2
+# The first two member losses of a streak are replaced in place; a third recreates the fleet.
+MAX_MEMBER_REPLACEMENTS = 2
 
 
 def member_name(fleet: str, role: MemberRole) -> str:
@@ -80,7 +81,7 @@ def members_in_place(fleet: FleetRef, basis: Basis, lost: Iterable[tuple[int | N
                      roles: Iterable[MemberRole], changed: bool) -> bool:
     """Whether this pass's losses are replaced in place as members: only the frontend and/or coordinator pods
     (`roles`, one loss each), lost from a dense fleet that serves in its current incarnation and configuration
-    with nothing in flight. (The streak's attempt is `planner.step`'s to check: `MAX_ATTEMPT`.)"""
+    with nothing in flight. (The streak's count of them is `planner.step`'s to check: `MAX_MEMBER_REPLACEMENTS`.)"""
     losses = list(lost)
     roles = set(roles)
     old = basis.old

@@ -100,10 +100,11 @@ def next_attempt(current: RecoveryStatus | None, budget: int, settings: PlanSett
     return Attempt(number=number, budget=budget, wait=backoff_seconds(number, settings.backoff_scale))
 
 
-def recovery_for(attempt: Attempt, reason: str, spec_generation: int, now: str) -> RecoveryStatus:
-    """The streak's record of a loss now (`status.recovery`): its new pods wait until retryAt."""
+def recovery_for(attempt: Attempt, reason: str, spec_generation: int, now: str, members: int = 0) -> RecoveryStatus:
+    """The streak's record of a loss now (`status.recovery`): its new pods wait until retryAt; `members`: the
+    streak's member losses replaced in place so far, this one included."""
     return RecoveryStatus(attempt=attempt.number, lostAt=now, reason=reason, retryAt=later(now, attempt.wait),
-                          observedGeneration=spec_generation)
+                          observedGeneration=spec_generation, members=members)
 
 
 def when(attempt: Attempt, recovery: RecoveryStatus) -> str:

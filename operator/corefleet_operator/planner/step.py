@@ -37,7 +37,7 @@ from corefleet_operator.planner.common import Plan, PlanSettings, listed
 from corefleet_operator.planner.follow import Flight
 from corefleet_operator.planner.losses import Losses
 from corefleet_operator.planner.members import (
-    MAX_ATTEMPT,
+    MAX_MEMBER_REPLACEMENTS,
     interrupted_resize,
     listed_members,
     members_in_place,
@@ -165,7 +165,10 @@ def _recover(fleet: FleetRef, observed: Observed, basis: Basis, losses: Losses, 
     kind = "replacement" if running is not None and (running.replace or running.members) else "resize"
     again = folded(running, basis)  # the same event as the member loss (a node's pods going one at a time)
     attempt = rec.next_attempt(basis.streak, fleet.spec.scaling.maxRecoveries, settings, again=again)
-    members = not attempt.exhausted and attempt.number <= MAX_ATTEMPT \
+    # The streak's member losses replaced in place, this one included (a folded loss is the same event's).
+    replaced = basis.streak.members if basis.streak is not None else 0
+    member_count = replaced + (0 if again else 1)
+    members = not attempt.exhausted and member_count <= MAX_MEMBER_REPLACEMENTS \
         and members_in_place(fleet, basis, losses.lost, losses.members, losses.changed)
     interrupted = interrupted_resize(fleet, basis, losses.members) if members else None
     if interrupted is not None:
@@ -175,7 +178,8 @@ def _recover(fleet: FleetRef, observed: Observed, basis: Basis, losses: Losses, 
     if attempt.exhausted:
         return rec.give_up(fleet, observed, basis.old, step.operation, attempt, reason, step.recoveries,
                            step.events, now)
-    recovery = rec.recovery_for(attempt, reason, observed.generation, now)
+    recovery = rec.recovery_for(attempt, reason, observed.generation, now,
+                                members=member_count if members else replaced)
     step = replace(step, recovery=recovery, recoveries=step.recoveries + (0 if again else 1))
     count = f"recovery {attempt.number} of {attempt.budget} {rec.when(attempt, recovery)}"
     if in_place(fleet, basis, losses.lost, losses.changed):
