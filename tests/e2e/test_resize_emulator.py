@@ -323,23 +323,33 @@ def test_a_killed_dense_rank_is_replaced_in_place_while_rank_0_serves(setup: Set
     assert [r.state for r in status.ranks] == [RankState.SERVING] * 2
 
 
-def test_a_frontend_killed_mid_resize_recovers_the_fleet_at_the_committed_size(setup: Setup) -> None:
-    """Last: it recreates the fleet."""
+def test_a_frontend_killed_mid_scale_up_is_replaced_in_place_and_the_resize_rolled_back_then_run_again(
+        setup: Setup) -> None:
+    """The frontend SIGKILLed while a scale-up 2 -> 3 waits for rank 2 (Preparing): the resize lived in it, so it
+    is rolled back (ResizeFailed: rank 2's pod goes), the frontend is replaced in place and re-attaches to ranks 0
+    and 1 (the emulator answers corefleet's attach call as corefleet's engine does), and the resize runs again, as
+    `replicas` still asks: one recovery, the same incarnation, ranks 0 and 1 never recreated."""
     s = setup
     s.fleet.scale(2)
     s.settle(2)
     before = s.fleet.status()
+    uids = s.fleet.uids()
+    events = len(s.fleet.events())
     s.fleet.scale(3)
     s.fleet.wait_operation("Preparing", timeout=SETTLE)
     os.killpg(s.runner.pod(constants.frontend_name(NAME)).popen.pid, signal.SIGKILL)  # type: ignore[union-attr]
-    wait_until(lambda: s.fleet.status().get("phase") == "Recovering", 60, "Recovering", diagnose=s.fleet.describe)
+    wait_until(lambda: "FrontendReplaced" in {r for r, _ in s.fleet.events()[events:]}, 2 * SETTLE,
+               "the frontend replaced in place", diagnose=s.fleet.describe)
+    s.settle(3, timeout=2 * SETTLE)  # the resize run again once the frontend was back
+    story = s.fleet.events()[events:]
+    told = {reason: message for reason, message in story}
+    assert "rolled back to 2 ranks" in told.get("ResizeFailed", ""), story
+    assert "MemberLost" in told, story
+    assert not {"Recovering", "Restarting", "RankLost"} & set(told), story
     st = s.fleet.status()
-    assert st["recoveries"] == before["recoveries"] + 1
-    assert st["replicas"] == 2  # the committed size
-    assert st["operation"]["phase"] == "Failed"
-    # The operator posts a plan's events after it wrote the status and acted (issue 9, defect 6).
-    wait_until(lambda: {"RankLost", "ResizeFailed"} <= {r for r, _ in s.fleet.events()}, 60,
-               "the RankLost and ResizeFailed events", diagnose=s.fleet.describe)
-    s.settle(3, timeout=2 * SETTLE)  # recovered at 2, then resized to the 3 asked for
-    st = s.fleet.status()
-    assert (st["fleetGeneration"], st["recoveries"]) == (before["fleetGeneration"] + 1, before["recoveries"] + 1), st
+    assert (st["fleetGeneration"], st["recoveries"]) == (before["fleetGeneration"], before["recoveries"] + 1), st
+    after = s.fleet.uids()
+    for rank in (0, 1):
+        name = constants.engine_name(NAME, rank)
+        assert after[name] == uids[name], f"{name} was recreated"
+    assert after[constants.frontend_name(NAME)] != uids[constants.frontend_name(NAME)]

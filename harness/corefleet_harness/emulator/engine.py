@@ -30,6 +30,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from corefleet_client.admin import ATTACH_UTILITY
 from corefleet_client.coordstore import tcp_socket
 from corefleet_harness.emulator import wire
 from corefleet_harness.emulator.config import EmulatorConfig
@@ -308,8 +309,14 @@ class EmulatedEngineCore:
             while not self._threads_stop.is_set():
                 for sock, _ in poller.poll(timeout=int(POLL_S * 1000)):
                     decoded = self._decode_input(decoder, sock.recv_multipart(copy=False))
-                    if decoded is not None:
-                        self.input_queue.put_nowait(decoded)
+                    if decoded is None:
+                        continue
+                    request_type, request = decoded
+                    if request_type == EngineCoreRequestType.UTILITY and request[2] == ATTACH_UTILITY:
+                        # corefleet's engine (`enginecore.announce_again_on_attach`): a replacement frontend's
+                        # client waits for this engine's ready response on its new connection.
+                        sock.send(payload)
+                    self.input_queue.put_nowait(decoded)
 
     def _decode_input(self, decoder: wire.InputDecoder,
                       frames: list[Any]) -> tuple[EngineCoreRequestType, Any] | None:
@@ -541,6 +548,7 @@ class EmulatedEngineCore:
         "release_kv_cache_memory", "execute_dummy_batch", "add_lora", "remove_lora", "list_loras", "pin_lora",
         "set_weight_version", "get_weight_version", "profile", "collective_rpc", "save_sharded_state",
         "compute_weight_checksums", "get_kv_cache_group_metadata",
+        ATTACH_UTILITY,  # corefleet's engine adds it (`enginecore.install_attach_support`)
     )
     # ... and those only DPEngineCoreProc (MoE, DP > 1) has.
     DP_UTILITY_METHODS = ("reinitialize_distributed", "commit_prepared_elastic_ep", "barrier")
@@ -580,6 +588,16 @@ class EmulatedEngineCore:
             result.add_done_callback(done)
             return
         enqueue(result)
+
+    def corefleet_attach(self, client_index: int) -> int:
+        """corefleet's `ATTACH_UTILITY` (`enginecore.install_attach_support`): a replacement frontend re-attached
+        under `client_index`; what its lost predecessor left here is aborted (no client waits for it)."""
+        with self._stats_lock:
+            orphans = [rid for rid, req in self.scheduler.requests.items() if req.client_index == client_index]
+            self.scheduler.abort_requests(orphans)
+        logger.info("Frontend %d re-attached: aborted the %d request(s) its predecessor left", client_index,
+                    len(orphans))
+        return len(orphans)
 
     def get_supported_tasks(self) -> tuple[str, ...]:
         return ("generate",)
