@@ -106,7 +106,7 @@ def test_crd_carries_the_recovery_budget_and_the_recovery_status() -> None:
     scaling = schema["spec"]["properties"]["scaling"]["properties"]
     assert scaling["maxRecoveries"] == {**scaling["maxRecoveries"], "type": "integer", "default": 5, "minimum": 0}
     recovery = schema["status"]["properties"]["recovery"]
-    assert set(recovery["properties"]) == {"attempt", "lostAt", "reason", "retryAt", "observedGeneration"}
+    assert set(recovery["properties"]) == {"attempt", "lostAt", "reason", "retryAt", "observedGeneration", "members"}
     assert recovery["properties"]["reason"]["maxLength"] == constants.MAX_STATUS_MESSAGE
 
 
