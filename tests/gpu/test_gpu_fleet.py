@@ -16,11 +16,13 @@ machine without what a check needs fails it with the reason (never a skip counte
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -61,7 +63,10 @@ def corefleet(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
 
 
-def test_dense_fleet_on_one_gpu_serves_and_resizes_2_3_2_in_place(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def dense_fleet(tmp_path: Path) -> Iterator[tuple[Path, int]]:
+    """`corefleet up --detach`: 2 real vLLM engines sharing GPU 0 (the tiny model, `GPU_FLAGS`); its state
+    directory and port; stopped afterwards."""
     gpus()
     state = tmp_path / "state"
     model = write_tiny_model(tmp_path / "tiny")
@@ -70,6 +75,14 @@ def test_dense_fleet_on_one_gpu_serves_and_resizes_2_3_2_in_place(tmp_path: Path
         up = corefleet("up", "--detach", "--replicas", "2", "--port", str(port), "--state-dir", str(state),
                        "--model", str(model), "--", *GPU_FLAGS, timeout=900)
         assert up.returncode == 0, f"stdout:\n{up.stdout}\nstderr:\n{up.stderr}"
+        yield state, port
+    finally:
+        if local.load_record(state) is not None:
+            local.down(state)
+
+
+def test_dense_fleet_on_one_gpu_serves_and_resizes_2_3_2_in_place(tmp_path: Path) -> None:
+    with dense_fleet(tmp_path) as (state, port):
         load = Load(f"http://127.0.0.1:{port}", "tiny", workers=2, max_tokens=16, pause_s=0.2).start()
         try:
             for n in (3, 2):
@@ -89,9 +102,6 @@ def test_dense_fleet_on_one_gpu_serves_and_resizes_2_3_2_in_place(tmp_path: Path
             load.stop()
         assert len(load.outcomes) > 10, load.summary()
         assert not load.failures(), load.summary()
-    finally:
-        if local.load_record(state) is not None:
-            local.down(state)
 
 
 def gpu_memory_by_pid() -> dict[int, int]:
@@ -108,14 +118,7 @@ def test_dense_fleet_on_one_gpu_keeps_its_engines_and_their_memory_when_its_fron
     SIGKILLed under load is replaced in place by the supervisor `corefleet up --detach` left running: the engines
     keep their processes and the GPU memory they hold (weights and KV cache, never loaded again), every request
     sent once it serves again succeeds, and so does one pinned to each rank."""
-    gpus()
-    state = tmp_path / "state"
-    model = write_tiny_model(tmp_path / "tiny")
-    port = free_ports(1)[0]
-    try:
-        up = corefleet("up", "--detach", "--replicas", "2", "--port", str(port), "--state-dir", str(state),
-                       "--model", str(model), "--", *GPU_FLAGS, timeout=900)
-        assert up.returncode == 0, f"stdout:\n{up.stdout}\nstderr:\n{up.stderr}"
+    with dense_fleet(tmp_path) as (state, port):
         rec = local.load_record(state)
         assert rec is not None
         engines = {p.rank: p.pid for p in rec.processes if p.role == local.ROLE_ENGINE}
@@ -138,9 +141,6 @@ def test_dense_fleet_on_one_gpu_keeps_its_engines_and_their_memory_when_its_fron
                 "Content-Type": "application/json", "X-data-parallel-rank": str(rank)})
             with urllib.request.urlopen(req, timeout=120) as r:
                 assert r.status == 200
-    finally:
-        if local.load_record(state) is not None:
-            local.down(state)
 
 
 def test_moe_fleet_resizes_2_3_2_through_elastic_ep_on_three_gpus() -> None:
