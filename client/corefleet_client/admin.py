@@ -92,6 +92,9 @@ class ResizePhase(enum.StrEnum):
     PENDING = "Pending"  # accepted, not started yet
     PREPARING = "Preparing"  # scale-up: the new ranks handshake and load their model
     DRAINING = "Draining"  # scale-down: the leaving ranks get no new requests and finish their in-flight ones
+    # One of several frontends (a follower, driven by frontend 0): its new ranks announced themselves to it, or its
+    # leaving ranks drained; it waits for frontend 0's commit (k-frontends design).
+    PREPARED = "Prepared"
     COMMITTING = "Committing"  # the membership changes (routing, stats, coordinator)
     COMPLETED = "Completed"  # the fleet serves at the new size
     FAILED = "Failed"  # the fleet is where it was (fleet_intact) or must be recreated (not fleet_intact)
@@ -161,6 +164,9 @@ class ResizeRequest:
     # ranks that still serve are drained first (no new request, in-flight ones finish within drain_timeout_s),
     # then released (their engine may exit) and replaced once their connection is gone.
     vacate: bool = False
+    # Sent by frontend 0 to the fleet's other frontends (k-frontends design): this frontend's part of frontend 0's
+    # resize with the same id. It stops at Prepared until frontend 0 commits it (POST .../commit).
+    follower: bool = False
 
     def validate(self) -> str | None:
         """Why the request is malformed, or None."""
@@ -180,6 +186,8 @@ class ResizeRequest:
             return f"replace names a rank twice: {list(self.replace)}"
         if self.vacate and not self.replace:
             return "vacate needs the ranks it replaces (replace)"
+        if self.follower and self.replace:
+            return "a follower's part of a resize cannot replace ranks"
         return None
 
     def to_json(self) -> dict[str, Any]:
@@ -189,6 +197,8 @@ class ResizeRequest:
             del out["replace"]
         if not self.vacate:  # likewise
             del out["vacate"]
+        if not self.follower:  # likewise
+            del out["follower"]
         return out
 
     @classmethod
@@ -213,10 +223,13 @@ class ResizeRequest:
         replace = data.get("replace", [])
         if not isinstance(replace, list) or any(isinstance(r, bool) or not isinstance(r, int) for r in replace):
             raise ValueError("replace must be a list of rank numbers")
-        vacate = data.get("vacate", False)
-        if not isinstance(vacate, bool):
-            raise ValueError("vacate must be a boolean")
-        return cls(id=data["id"], replicas=replicas, **timeouts, replace=tuple(replace), vacate=vacate)
+        flags = {}
+        for name in ("vacate", "follower"):
+            flags[name] = data.get(name, False)
+            if not isinstance(flags[name], bool):
+                raise ValueError(f"{name} must be a boolean")
+        return cls(id=data["id"], replicas=replicas, **timeouts, replace=tuple(replace), vacate=flags["vacate"],
+                   follower=flags["follower"])
 
 
 @dataclass(frozen=True)
@@ -237,6 +250,7 @@ class ResizeOperation(_Ranked):
     # MoE (elastic EP): the fleet's redundant experts at to_replicas (vLLM's R'); a new rank's pod is started with
     # it in --eplb-config. None for dense fleets.
     num_redundant_experts: int | None = None
+    follower: bool = False  # a follower's part of frontend 0's resize (ResizeRequest.follower)
 
     @property
     def scale_up(self) -> bool:
@@ -261,6 +275,7 @@ class ResizeOperation(_Ranked):
             replace=tuple(int(r) for r in data.get("replace", ())),
             num_redundant_experts=None if data.get("num_redundant_experts") is None
             else int(data["num_redundant_experts"]),
+            follower=bool(data.get("follower", False)),
         )
 
 
@@ -373,3 +388,7 @@ class AdminClient:
     def cancel_resize(self, resize_id: str, reason: str) -> ResizeOperation:
         return ResizeOperation.from_json(self._call("POST", f"{RESIZES_PATH}/{resize_id}/cancel",
                                                     {"reason": reason})[1])
+
+    def commit_resize(self, resize_id: str) -> ResizeOperation:
+        """A follower's Prepared part of a resize goes on to its commit (frontend 0 calls it on every follower)."""
+        return ResizeOperation.from_json(self._call("POST", f"{RESIZES_PATH}/{resize_id}/commit", {})[1])

@@ -115,7 +115,7 @@ def _local_options(args: argparse.Namespace) -> local.FleetOptions:
         replicas=args.replicas, engine=args.engine, model=args.model, port=args.port,
         state_dir=_state_dir(args), vllm_flags=tuple(args.vllm_flags) if args.vllm_flags else None,
         moe=args.moe, token_delay_ms=args.token_delay_ms, ready_timeout=args.timeout,
-        elastic_ep_max=args.elastic_ep_max, gpus_per_rank=args.gpus_per_rank,
+        elastic_ep_max=args.elastic_ep_max, gpus_per_rank=args.gpus_per_rank, frontends=args.frontends,
     )
 
 
@@ -197,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "dummy weights)")
     up.add_argument("--moe", action="store_true", help="with the default model: its Mixtral (MoE) variant")
     up.add_argument("--port", type=int, default=local.DEFAULT_PORT, help="the OpenAI API's port on 127.0.0.1")
+    up.add_argument("--frontends", type=int, default=1,
+                    help="frontend processes, each a client of every engine, sharing the OpenAI API's port (dense "
+                         "models; default 1)")
     up.add_argument("--state-dir", help=state_help)
     up.add_argument("--detach", action="store_true", help="return once the fleet serves and leave it running")
     up.add_argument("--timeout", type=float, help="seconds to wait for the fleet to serve (default: "

@@ -55,6 +55,10 @@ class AdminBackend(Protocol):
 
     def resizes(self) -> list[ResizeOperation]: ...
 
+    def commit_resize(self, resize_id: str) -> ResizeOperation:
+        """A follower's Prepared part of a resize goes on (raises ResizeRefused)."""
+        ...
+
     def cancel_resize(self, resize_id: str, reason: str) -> ResizeOperation:
         """The operation, failed by the cancel; raises ResizeRefused (404, or 409 once it committed)."""
         ...
@@ -153,6 +157,10 @@ class _Handler(BaseHTTPRequestHandler):
             prefix, suffix = RESIZES_PATH + "/", "/cancel"
             if path.startswith(prefix) and path.endswith(suffix):
                 self._cancel_resize(path[len(prefix):-len(suffix)], body)
+                return
+            if path.startswith(prefix) and path.endswith("/commit"):
+                op = self.server.backend.commit_resize(path[len(prefix):-len("/commit")])
+                self._send(HTTPStatus.OK, op.to_json())
                 return
             self._error(HTTPStatus.NOT_FOUND, f"no such path {path}")
         except ValueError as e:

@@ -42,6 +42,7 @@ from corefleet_client.admin import RankState
 from corefleet_client.frontend.attach import announcer
 from corefleet_client.frontend.elastic import ElasticResize
 from corefleet_client.frontend.fleet import ExpertLayout, Fleet
+from corefleet_client.frontend.followers import Followers
 from corefleet_client.frontend.handshake import Handshake
 from corefleet_client.frontend.liveness import Liveness, connection_lost
 from corefleet_client.frontend.membership import Joiner, Membership, rank_of
@@ -54,9 +55,11 @@ from corefleet_client.frontend.types import Cancels, FleetOptions
 logger = logging.getLogger("corefleet.frontend")
 
 
-def client_factory(options: FleetOptions, fleet: Fleet) -> Callable[..., KubeDPLBClient]:
-    """What vLLM's client factory builds for this frontend's fleet (`vllm_compat.use_client_factory`)."""
-    return functools.partial(KubeDPLBClient, options=options, fleet=fleet)
+def client_factory(options: FleetOptions, fleet: Fleet,
+                   followers: Followers | None = None) -> Callable[..., KubeDPLBClient]:
+    """What vLLM's client factory builds for this frontend's fleet (`vllm_compat.use_client_factory`); `followers`:
+    frontend 0's view of the fleet's other frontends, which it drives through each resize."""
+    return functools.partial(KubeDPLBClient, options=options, fleet=fleet, followers=followers)
 
 
 def describe_model(fleet: Fleet, vllm_config: Any) -> None:
@@ -96,7 +99,8 @@ class KubeDPLBClient(DPLBAsyncMPClient):  # type: ignore[misc]  # vLLM is not ty
 
     def __init__(self, vllm_config: Any, executor_class: Any, log_stats: bool,
                  client_addresses: dict[str, Any] | None = None, client_count: int = 1, client_index: int = 0,
-                 renderer: Any = None, *, options: FleetOptions, fleet: Fleet) -> None:
+                 renderer: Any = None, *, options: FleetOptions, fleet: Fleet,
+                 followers: Followers | None = None) -> None:
         if client_addresses:
             raise ValueError("corefleet's frontend is one API server that binds its own engine sockets")
         check_client_index(options, client_count, client_index)
@@ -111,7 +115,7 @@ class KubeDPLBClient(DPLBAsyncMPClient):  # type: ignore[misc]  # vLLM is not ty
                                          client_index, renderer)
         if options.attach:
             logger.info("Re-attached to the %d running engine(s)", len(self.core_engines))
-        self._serve(options, fleet, self._handshake)
+        self._serve(options, fleet, self._handshake, followers)
 
     # vllm_compat change 11: the utility futures by call id, as vLLM's MPClient.__init__ sets them, in a dict that
     # drops an answer to a call this client did not make (its output task captures the dict when it starts).
@@ -123,7 +127,7 @@ class KubeDPLBClient(DPLBAsyncMPClient):  # type: ignore[misc]  # vLLM is not ty
     def utility_results(self, results: dict[int, Any]) -> None:
         self._utility_results = vllm_compat.UtilityResults(results)
 
-    def _serve(self, options: FleetOptions, fleet: Fleet, joiner: Joiner) -> None:
+    def _serve(self, options: FleetOptions, fleet: Fleet, joiner: Joiner, followers: Followers | None) -> None:
         """Every rank joined: the components over this client's routing tables, then requests may flow."""
         # A send to an identity the ROUTER has no connection for raises EHOSTUNREACH instead of
         # being dropped silently: that is how a request to a dead rank fails fast.
@@ -134,7 +138,7 @@ class KubeDPLBClient(DPLBAsyncMPClient):  # type: ignore[misc]  # vLLM is not ty
         liveness = self._liveness = Liveness(members, options)
         cancels = Cancels()
         self._elastic = ElasticResize(members, cancels, options)
-        self._resizes = ResizeOperations(members, cancels, DenseResize(members, cancels), self._elastic,
+        self._resizes = ResizeOperations(members, cancels, DenseResize(members, cancels, followers), self._elastic,
                                          Replacement(members, cancels, liveness), asyncio.get_running_loop())
         fleet.serving(members, self._resizes)
         logger.info("All %d engine(s) joined; serving", len(self.core_engines))

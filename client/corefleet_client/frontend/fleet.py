@@ -65,6 +65,8 @@ class ResizeRunner(Protocol):
 
     def cancel_resize(self, resize_id: str, reason: str) -> None: ...
 
+    def commit_resize(self, resize_id: str) -> None: ...
+
 
 @dataclass
 class RankRecord:
@@ -108,12 +110,15 @@ class ExpertLayout:
 class Fleet:
     """Ranks, counters and resize operations of one frontend (see the module docstring)."""
 
-    def __init__(self, model: str, data_parallel_size: int, vllm_version: str = "", frontends: int = 1) -> None:
+    def __init__(self, model: str, data_parallel_size: int, vllm_version: str = "", frontends: int = 1,
+                 client_index: int = 0) -> None:
         self.model = model
         self.vllm_version = vllm_version
-        # Frontends that are clients of the same engines (k-frontends design): a membership change would have to reach
-        # all of them, which no resize does yet, so with more than one the fleet's size is fixed.
+        # Frontends that are clients of the same engines (k-frontends design): frontend 0 takes resizes and drives
+        # each of the others through its part (a follower's: `ResizeRequest.follower`); replacements of ranks reach
+        # only one frontend, so they are refused with more than one.
         self.frontends = frontends
+        self.client_index = client_index
         self._lock = threading.Lock()
         self._size = data_parallel_size  # the committed size
         self._ranks: dict[int, RankRecord] = {
@@ -217,10 +222,7 @@ class Fleet:
                 raise ResizeRefused(HTTPStatus.CONFLICT,
                                     f"resize {current.id!r} ({current.from_replicas} -> {current.to_replicas}) "
                                     f"is {current.phase}; one resize runs at a time", current)
-            if self.frontends > 1:
-                raise ResizeRefused(HTTPStatus.NOT_IMPLEMENTED,
-                                    f"this fleet has {self.frontends} frontends: resizes and replacements of ranks "
-                                    "reach only one frontend, so they are not supported with more than one yet")
+            self._check_role(request)
             if self._runner is None:
                 raise ResizeRefused(HTTPStatus.SERVICE_UNAVAILABLE, "the fleet is still starting: its ranks are "
                                     "joining")
@@ -238,6 +240,23 @@ class Fleet:
                         op.from_replicas, op.to_replicas, op.drain_timeout_s, op.join_timeout_s)
         runner.run_resize(op.id)
         return True, op
+
+    def _check_role(self, request: ResizeRequest) -> None:
+        """With several frontends: frontend 0 takes resizes, the others only their part of one (under the lock)."""
+        if request.follower and self.client_index == 0:
+            raise ResizeRefused(HTTPStatus.BAD_REQUEST, "this is frontend 0, which drives resizes: a follower's part "
+                                "goes to one of the other frontends")
+        if not request.follower and self.client_index > 0:
+            raise ResizeRefused(HTTPStatus.CONFLICT, f"this is frontend {self.client_index} of {self.frontends}: "
+                                "resizes go to frontend 0, which drives every frontend through its part")
+        if self.frontends > 1 and request.replace:
+            raise ResizeRefused(HTTPStatus.NOT_IMPLEMENTED,
+                                f"this fleet has {self.frontends} frontends: a replacement of ranks reaches only one "
+                                "of them, so it is not supported with more than one yet (the fleet is recreated)")
+        if self.frontends > 1 and self.moe:
+            raise ResizeRefused(HTTPStatus.NOT_IMPLEMENTED,
+                                f"this MoE fleet has {self.frontends} frontends: vLLM's elastic EP tells only its "
+                                "first client of a resize, so an MoE fleet with more than one cannot resize")
 
     def _resize_op(self, request: ResizeRequest) -> ResizeOperation:
         """A resize's operation: Pending, or Completed if the size is already right (under the lock)."""
@@ -268,7 +287,7 @@ class Fleet:
         return ResizeOperation(id=request.id, from_replicas=frm, to_replicas=to, phase=ResizePhase.PENDING,
                                ranks=ranks, started_at=now, drain_timeout_s=request.drain_timeout_s,
                                join_timeout_s=request.join_timeout_s, message="accepted",
-                               num_redundant_experts=redundant)
+                               num_redundant_experts=redundant, follower=request.follower)
 
     def _replace_op(self, request: ResizeRequest, replace: tuple[int, ...]) -> ResizeOperation:
         """A replacement's operation, Pending, once its preconditions hold (under the lock); raises ResizeRefused."""
@@ -360,6 +379,26 @@ class Fleet:
         assert runner is not None  # an operation exists only once the fleet serves
         logger.warning("Resize %s: cancel requested: %s", resize_id, reason)
         runner.cancel_resize(resize_id, reason)
+        return op
+
+    def commit_resize(self, resize_id: str) -> ResizeOperation:
+        """A follower's part of a resize, Prepared, goes on to its commit (frontend 0 calls this once every frontend
+        is Prepared); idempotent once it commits."""
+        with self._lock:
+            op = self._ops.get(resize_id)
+            if op is None:
+                raise ResizeRefused(HTTPStatus.NOT_FOUND, f"no resize {resize_id!r}")
+            if not op.follower:
+                raise ResizeRefused(HTTPStatus.BAD_REQUEST, f"resize {resize_id!r} is not a follower's part: it "
+                                    "commits by itself", op)
+            if op.phase in (ResizePhase.COMMITTING, ResizePhase.COMPLETED):
+                return op
+            if op.phase != ResizePhase.PREPARED:
+                raise ResizeRefused(HTTPStatus.CONFLICT, f"resize {resize_id!r} is {op.phase}, not "
+                                    f"{ResizePhase.PREPARED}: {op.error or op.message}", op)
+            runner = self._runner
+        assert runner is not None
+        runner.commit_resize(resize_id)
         return op
 
     # ---- the admin API's view ------------------------------------------------------------------

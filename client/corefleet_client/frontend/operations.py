@@ -6,7 +6,9 @@ the operation then runs as a task on vLLM's event loop, by the component for its
 replacement of Dead dense ranks (`frontend.replace`), an elastic-EP resize of an MoE fleet
 (`frontend.elastic`), or a dense scale-up or scale-down (`frontend.resize`). Whatever ends it is
 recorded on the operation: `ResizeFailed` with its `fleet_intact`, a shutdown (the fleet must be
-recreated), or an unexpected error (logged, and the fleet recreated too). `cancel_resize` asks the
+recreated), or an unexpected error (logged, and the fleet recreated too). A follower's part of
+frontend 0's resize (several frontends) runs by `frontend.followers` up to Prepared, and goes on
+when frontend 0 calls `commit_resize`. `cancel_resize` asks the
 operation to stop: it stops at its next checkpoint (`types.Cancels`), or at once while it waits for
 joining ranks' handshake; once it committed, `Fleet.cancel_resize` refuses.
 """
@@ -17,6 +19,7 @@ import asyncio
 import logging
 
 from corefleet_client.frontend.elastic import ElasticResize
+from corefleet_client.frontend.followers import FollowerResize
 from corefleet_client.frontend.membership import Membership
 from corefleet_client.frontend.replace import Replacement
 from corefleet_client.frontend.resize import DenseResize
@@ -34,6 +37,7 @@ class ResizeOperations:
         self.fleet = members.fleet
         self.cancels = cancels
         self.dense = dense
+        self.follower = FollowerResize(members, cancels)  # this frontend's part of frontend 0's resizes
         self.elastic = elastic
         self.replacement = replacement
         self._loop = loop  # vLLM's, where every operation runs
@@ -45,6 +49,9 @@ class ResizeOperations:
 
     def cancel_resize(self, resize_id: str, reason: str) -> None:
         self._loop.call_soon_threadsafe(self._cancel, resize_id, reason)
+
+    def commit_resize(self, resize_id: str) -> None:
+        self._loop.call_soon_threadsafe(self.follower.commit, resize_id)
 
     # ---- on the event loop -------------------------------------------------------------------------
     def stop(self) -> None:
@@ -67,7 +74,9 @@ class ResizeOperations:
         op = self.fleet.resize(resize_id)
         assert op is not None
         try:
-            if op.replace:
+            if op.follower:
+                await (self.follower.scale_up(op) if op.scale_up else self.follower.scale_down(op))
+            elif op.replace:
                 await self.replacement.replace(op)
             elif self.fleet.moe:
                 await (self.elastic.scale_up(op) if op.scale_up else self.elastic.scale_down(op))

@@ -37,6 +37,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -44,7 +45,10 @@ from corefleet_client.admin import RankState, ResizeOperation, ResizePhase
 from corefleet_client.frontend.fleet import describe
 from corefleet_client.frontend.handshake import handshake_address, handshake_failure
 from corefleet_client.frontend.membership import Membership
-from corefleet_client.frontend.types import Cancels, ResizeFailed
+from corefleet_client.frontend.types import COMMIT_GRACE_S, Cancels, ResizeFailed
+
+if TYPE_CHECKING:  # followers.py builds on this module's drain
+    from corefleet_client.frontend.followers import FollowerLost, Followers
 
 logger = logging.getLogger("corefleet.frontend")
 
@@ -100,22 +104,57 @@ async def _end_leftovers(members: Membership, op: ResizeOperation, rank: int) ->
 
 
 class DenseResize:
-    """Scale-up and scale-down of a dense fleet (see the module docstring)."""
+    """Scale-up and scale-down of a dense fleet (see the module docstring); with several frontends, frontend 0 drives
+    the others through their part of each (`followers`, see `frontend.followers`)."""
 
-    def __init__(self, members: Membership, cancels: Cancels) -> None:
+    def __init__(self, members: Membership, cancels: Cancels, followers: Followers | None = None) -> None:
         self.members = members
         self.fleet = members.fleet
         self.cancels = cancels
+        self.followers = followers
 
     async def scale_up(self, op: ResizeOperation) -> None:
         to = op.to_replicas
         new = list(range(op.from_replicas, to))
         await self._join(op, new)
+        await self._followers_prepared(op, new)
         # 3. Commit: loggers first, then routing, then the stats task and the coordinator.
         self.fleet.update_resize(op.id, phase=ResizePhase.COMMITTING, message=f"adding {describe(new)}")
         await self.members.add_ranks(new, to)
+        await self._commit_followers(op, list(self.followers.admins) if self.followers else [])
         self.fleet.commit_size(to)
         self.fleet.finish_resize(op.id)
+
+    async def _followers_prepared(self, op: ResizeOperation, new: list[int]) -> None:
+        """Every other frontend read the new ranks' ready responses (Prepared), or the scale-up fails: the followers
+        are cancelled and the new ranks retired again (nothing was routed to them)."""
+        followers = self.followers
+        if followers is None:
+            return
+        self.fleet.update_resize(op.id, message=f"every frontend reads the ready responses of {describe(new)}")
+        try:
+            lost = await followers.start(op, (ResizePhase.PREPARED,), time.monotonic() + COMMIT_GRACE_S, self.cancels)
+        except ResizeFailed as e:
+            lost, why = {}, str(e)
+        else:
+            why = "; ".join(str(e) for e in lost.values())
+        if not lost and not why:
+            return
+        await followers.cancel(op, f"resize {op.id} failed on frontend 0: {why}")
+        for rank in new:
+            self.fleet.set_rank(rank, RankState.RETIRED, f"joined, then retired again: {why}")
+            self.fleet.forget_rank(rank)
+        raise ResizeFailed(f"not every frontend can route to {describe(new)}: {why}")
+
+    async def _commit_followers(self, op: ResizeOperation, indexes: list[int]) -> None:
+        """Each Prepared follower commits its part; one that cannot is lost (its replacement attaches at the new
+        size)."""
+        if self.followers is None:
+            return
+        lost = await self.followers.commit(op, indexes)
+        for index, why in lost.items():
+            logger.warning("Resize %s: frontend %d did not commit its part (%s): it is lost, and its replacement "
+                           "attaches at %d ranks", op.id, index, why, op.to_replicas)
 
     async def _join(self, op: ResizeOperation, new: list[int]) -> None:
         """Phases 1 and 2 of a scale-up. Before the commit nothing has changed: on a failure the fleet serves on
@@ -154,16 +193,22 @@ class DenseResize:
         fleet.update_resize(op.id, phase=ResizePhase.DRAINING,
                             message=f"{describe(leaving)} finish their in-flight requests "
                                     f"(at most {op.drain_timeout_s:g}s)")
-        stop_routing_to(members, op, leaving)
+        started = time.monotonic()
         try:
+            draining = await self._followers_draining(op, started)
+            stop_routing_to(members, op, leaving)
             await drain(members, self.cancels, op, leaving)
-        except ResizeFailed:
+            drained = await self._followers_drained(op, draining, started)
+        except ResizeFailed as e:
             serve_on(members, leaving)  # cancelled: they serve on
+            if self.followers is not None:
+                await self.followers.cancel(op, f"resize {op.id} stopped on frontend 0: {e}")
             raise
         # 2. Commit: cut the lists together, without an await in between.
         fleet.update_resize(op.id, phase=ResizePhase.COMMITTING, message=f"removing {describe(leaving)}")
         marker = members.cut_routing(to)
         await members.shrink(frm, to, marker)
+        await self._commit_followers(op, drained)
         # 3. Forget them; the operator may delete their pods.
         for rank in leaving:
             died = members.retire(rank)
@@ -173,3 +218,34 @@ class DenseResize:
         fleet.commit_size(to)
         fleet.finish_resize(op.id)
 
+
+    async def _followers_draining(self, op: ResizeOperation, started: float) -> list[int]:
+        """Every other frontend stopped routing to the leaving ranks (Draining, or already drained): the followers
+        that did; one that cannot be reached is passed over (it is lost)."""
+        if self.followers is None:
+            return []
+        lost = await self.followers.start(op, (ResizePhase.DRAINING, ResizePhase.PREPARED),
+                                          started + COMMIT_GRACE_S, self.cancels)
+        self._pass_over(op, lost)
+        return [i for i in self.followers.admins if i not in lost]
+
+    async def _followers_drained(self, op: ResizeOperation, draining: list[int], started: float) -> list[int]:
+        """The followers that drained their requests on the leaving ranks (Prepared) within the drain timeout."""
+        if self.followers is None:
+            return []
+        lost = await self.followers.wait(op, draining, (ResizePhase.PREPARED,),
+                                         started + op.drain_timeout_s + COMMIT_GRACE_S, self.cancels)
+        self._pass_over(op, lost)
+        return [i for i in draining if i not in lost]
+
+    @staticmethod
+    def _pass_over(op: ResizeOperation, lost: dict[int, FollowerLost]) -> None:
+        """Followers that cannot be reached are passed over (lost: their replacements attach at the new size); one
+        that refused or failed its part still routes to the leaving ranks, so the scale-down stops."""
+        refused = {i: e for i, e in lost.items() if e.reachable}
+        if refused:
+            raise ResizeFailed("not every frontend stopped routing to the leaving ranks: "
+                               + "; ".join(str(e) for e in refused.values()))
+        for index, why in lost.items():
+            logger.warning("Resize %s: frontend %d is passed over (%s): it is lost, and its replacement attaches at "
+                           "%d ranks", op.id, index, why, op.to_replicas)

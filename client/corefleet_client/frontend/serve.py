@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -20,14 +21,16 @@ from typing import Any
 import prometheus_client
 import uvloop
 import vllm
-from vllm.entrypoints.launchers.api_server.entry import run_server
+from vllm.entrypoints.launchers.api_server.entry import run_server, run_server_worker
 from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+from vllm.entrypoints.launchers.launcher import setup_server
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from corefleet_client import vllm_compat
 from corefleet_client.frontend.adminserver import AdminServer
 from corefleet_client.frontend.client import client_factory
 from corefleet_client.frontend.fleet import Fleet
+from corefleet_client.frontend.followers import Followers
 from corefleet_client.frontend.metrics import FleetCollector
 from corefleet_client.frontend.types import FleetOptions
 
@@ -89,9 +92,23 @@ def server_kwargs(options: FleetOptions) -> dict[str, Any]:
     return {"client_config": {"client_count": options.client_count, "client_index": options.client_index}}
 
 
-def install_vllm_changes(options: FleetOptions, fleet: Fleet) -> None:
+async def run_api_server(args: argparse.Namespace, options: FleetOptions) -> None:
+    """vLLM's API server for this frontend. Several frontends on one host (local mode) share the HTTP port as vLLM's
+    own API servers do (`SO_REUSEPORT`: the kernel spreads connections over them); a pod's frontend binds it alone."""
+    if options.client_count == 1:
+        await run_server(args)
+        return
+    def interrupt_init(*_: object) -> None:  # as run_server: a SIGTERM before uvicorn installs its handlers stops it
+        raise KeyboardInterrupt("terminated")
+
+    signal.signal(signal.SIGTERM, interrupt_init)
+    listen_address, sock = setup_server(args, reuse_port=True)
+    await run_server_worker(listen_address, sock, args, **server_kwargs(options))
+
+
+def install_vllm_changes(options: FleetOptions, fleet: Fleet, followers: Followers | None = None) -> None:
     """corefleet's changes to vLLM in this process (`vllm_compat`), its client built for this fleet."""
-    vllm_compat.use_client_factory(client_factory(options, fleet))
+    vllm_compat.use_client_factory(client_factory(options, fleet, followers))
     vllm_compat.install_fleet_health_check()
     vllm_compat.install_async_llm_hook()
     vllm_compat.install_public_route_filter()
@@ -104,9 +121,11 @@ def serve(opts: argparse.Namespace, token: str, vllm_argv: Sequence[str]) -> int
     options = fleet_options(opts)
     served = args.served_model_name[0] if args.served_model_name else args.model
     fleet = Fleet(model=served, data_parallel_size=args.data_parallel_size, vllm_version=vllm.__version__,
-                  frontends=options.client_count)
+                  frontends=options.client_count, client_index=options.client_index)
     prometheus_client.REGISTRY.register(FleetCollector(fleet))  # beside vLLM's series on /metrics
-    install_vllm_changes(options, fleet)
+    # Frontend 0 drives the others through each resize, over their admin APIs (the same port on each one's host).
+    followers = Followers.of(options.frontend_addresses, opts.admin_port, token) if not options.follower else None
+    install_vllm_changes(options, fleet, followers)
     try:
         admin = AdminServer(opts.admin_host, opts.admin_port, token, fleet)
     except OSError as e:
@@ -115,7 +134,7 @@ def serve(opts: argparse.Namespace, token: str, vllm_argv: Sequence[str]) -> int
         return 1
     admin.start()
     try:
-        uvloop.run(run_server(args, **server_kwargs(options)))
+        uvloop.run(run_api_server(args, options))
     except KeyboardInterrupt:
         logger.info("Interrupted before the server started; exiting")
     finally:

@@ -22,6 +22,10 @@ from typing import Any, Protocol
 
 from corefleet_client.admin import ResizeOperation
 
+# Several frontends (frontend.followers): how long a follower's Prepared part of a resize waits for frontend 0's commit
+# (beyond a scale-down's drain timeout) before it decides by itself, and how long frontend 0 waits for the followers.
+COMMIT_GRACE_S = 60.0
+
 # A score no live rank reaches: vLLM's router picks the lowest (waiting, running) load.
 UNROUTABLE = 1 << 60
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from corefleet_client import commands
-from corefleet_harness.local.config import ENGINE_EMULATOR, ENGINE_MODULES, ENGINE_VLLM, LOCALHOST
+from corefleet_harness.local.config import ENGINE_EMULATOR, ENGINE_MODULES, ENGINE_VLLM, LOCALHOST, frontend_host
 from corefleet_harness.local.ports import Ports
 
 
@@ -34,13 +34,19 @@ def coordinator_argv(python: str, replicas: int, ports: Ports, *, moe: bool) -> 
 
 
 def frontend_argv(python: str, model: str, replicas: int, ports: Ports, token_file: Path,
-                  vllm_flags: Sequence[str], *, moe: bool = False, attach: bool = False) -> list[str]:
+                  vllm_flags: Sequence[str], *, moe: bool = False, attach: bool = False, frontends: int = 1,
+                  client_index: int = 0) -> list[str]:
     """The frontend's command line (`commands.frontend_args`), every listener on 127.0.0.1, the engines'
     sockets on the fleet's fixed ports; `attach`: a replacement frontend, re-attaching to the running engines.
+
+    Several frontends (`frontends`): frontend `client_index` binds its engine sockets and admin API on its own
+    loopback address (`config.frontend_host`), and all of them share the OpenAI API's port on 127.0.0.1.
 
     MoE: engine rank 0 binds the DP master address the frontend advertises; here it is loopback too
     (and so is its coordination store, with elastic EP).
     """
+    own = frontend_host(client_index)
+    several = frontends > 1
     return [
         *commands.command(commands.FRONTEND_MODULE, python),
         *commands.frontend_args(
@@ -48,9 +54,9 @@ def frontend_argv(python: str, model: str, replicas: int, ports: Ports, token_fi
             dp_size=replicas,
             host=LOCALHOST,
             port=ports.http,
-            dp_address=LOCALHOST,
+            dp_address=own,
             rpc_port=ports.rpc,
-            admin_host=LOCALHOST,
+            admin_host=own,
             admin_port=ports.admin,
             admin_token_file=str(token_file),
             coordinator_address=LOCALHOST,
@@ -60,6 +66,9 @@ def frontend_argv(python: str, model: str, replicas: int, ports: Ports, token_fi
             engine0_address=LOCALHOST if moe else None,
             coord_store_port=ports.coord_store if moe else None,
             engine_ports=ports.engine_ports,
+            advertise_address=own if several else None,
+            frontend_addresses=[frontend_host(i) for i in range(frontends)] if several else (),
+            client_index=client_index,
             attach=attach,
             vllm_flags=vllm_flags,
         ),

@@ -12,6 +12,14 @@ from corefleet_client import commands
 from corefleet_harness.emulator import EMULATOR_MODULE
 
 LOCALHOST = "127.0.0.1"
+MAX_FRONTENDS = 8
+
+
+def frontend_host(index: int) -> str:
+    """Where local frontend `index` binds its engine sockets and admin API: a loopback address of its own (Linux
+    routes all of 127.0.0.0/8 to lo), so that every frontend uses the fleet's same fixed ports, as each frontend pod
+    does on its own IP. Their OpenAI API shares one port on 127.0.0.1 (`SO_REUSEPORT`)."""
+    return f"127.0.0.{1 + index}"
 STATE_FILE = "fleet.json"
 TOKEN_FILE = "admin-token"
 LOG_DIR = "logs"
@@ -73,6 +81,7 @@ class FleetOptions:
     # and `corefleet scale` resizes through vLLM's elastic-EP protocol. vLLM runs EPLB only on GPUs.
     elastic_ep_max: int | None = None
     gpus_per_rank: int = 0  # > 0: each engine rank sees its own GPUs (CUDA_VISIBLE_DEVICES)
+    frontends: int = 1  # frontend processes, each one of vLLM's clients of every engine, sharing the HTTP port
 
     def validate(self) -> None:
         if self.replicas < 1:
@@ -88,3 +97,8 @@ class FleetOptions:
                                   f"({self.replicas})")
         if self.gpus_per_rank < 0:
             raise LocalFleetError(f"--gpus-per-rank must be >= 0, not {self.gpus_per_rank}")
+        if not 1 <= self.frontends <= MAX_FRONTENDS:
+            raise LocalFleetError(f"--frontends must be in 1..{MAX_FRONTENDS}, not {self.frontends}")
+        if self.frontends > 1 and (self.moe or self.elastic_ep_max is not None):
+            raise LocalFleetError("--frontends above 1 is for dense models: vLLM's elastic EP tells only its first "
+                                  "client of a resize, and a MoE fleet's frontend holds its elastic-EP state")

@@ -27,15 +27,16 @@ MAX_REPLACEMENTS = 5
 REPLACEMENT_WINDOW_S = 300.0
 
 
-def member_argv(record: FleetRecord, role: str) -> list[str]:
-    """The command line of a replacement for the fleet's `role` (frontend or coordinator), at its recorded size."""
+def member_argv(record: FleetRecord, role: str, index: int = 0) -> list[str]:
+    """The command line of a replacement for the fleet's `role` (frontend `index`, or the coordinator), at its
+    recorded size."""
     python = record.python or sys.executable
     moe = is_moe_model(record.model)
     if role == ROLE_COORDINATOR:
         return coordinator_argv(python, record.replicas, record.ports, moe=moe)
     if role == ROLE_FRONTEND:
         return frontend_argv(python, record.model, record.replicas, record.ports, Path(record.token_file),
-                             record.vllm_flags, moe=moe, attach=True)
+                             record.vllm_flags, moe=moe, attach=True, frontends=record.frontends, client_index=index)
     raise ValueError(f"not a member role: {role!r}")
 
 
@@ -46,8 +47,9 @@ class Replacements:
         self.limit, self.window_s = limit, window_s
         self._times: dict[str, deque[float]] = {}
 
-    def refusal(self, record: FleetRecord, role: str, now: float) -> str | None:
-        """None if the lost `role` can be replaced in place; else why the fleet cannot keep its engines."""
+    def refusal(self, record: FleetRecord, role: str, now: float, name: str | None = None) -> str | None:
+        """None if the lost `role` (the process `name`, one of several frontends) can be replaced in place; else why
+        the fleet cannot keep its engines."""
         if role not in MEMBER_ROLES:
             raise ValueError(f"not a member role: {role!r}")
         if is_moe_model(record.model):
@@ -55,12 +57,14 @@ class Replacements:
         if role == ROLE_FRONTEND and record.ports.engine_ports is None:
             return "the fleet was started without fixed engine ports (an older corefleet): its engines cannot " \
                    "find a replacement frontend"
-        times = self._times.get(role, deque())
+        name = name or role
+        times = self._times.get(name, deque())
         while times and now - times[0] > self.window_s:
             times.popleft()
         if len(times) >= self.limit:
-            return f"the {role} was replaced {len(times)} times within {self.window_s:.0f} s (a crash loop)"
+            return f"the {name} was replaced {len(times)} times within {self.window_s:.0f} s (a crash loop)"
         return None
 
-    def count(self, role: str, now: float) -> None:
-        self._times.setdefault(role, deque()).append(now)
+    def count(self, name: str, now: float) -> None:
+        """One more replacement of the process `name` (its role, for the one frontend or the coordinator)."""
+        self._times.setdefault(name, deque()).append(now)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from corefleet_client.admin import AdminClient
-from corefleet_harness.local.config import FLEET_LOCK, STATE_FILE, STATE_VERSION, LocalFleetError
+from corefleet_harness.local.config import FLEET_LOCK, STATE_FILE, STATE_VERSION, LocalFleetError, frontend_host
 from corefleet_harness.local.ports import Ports
 
 
@@ -63,6 +63,11 @@ class FleetRecord:
     token_delay_ms: int | None = None
     python: str = ""
     gpus_per_rank: int = 0
+    frontends: int = 1  # frontend processes: frontend 0 ("frontend"), then "frontend-1" ... (rank: client index)
+
+    def frontend_admin_url(self, index: int) -> str:
+        """Frontend `index`'s admin API (frontend 0's is `admin_url`: resizes go there)."""
+        return self.admin_url if index == 0 else f"http://{frontend_host(index)}:{self.ports.admin}"
 
     @property
     def elastic_ep(self) -> bool:

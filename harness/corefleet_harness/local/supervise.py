@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TextIO
 
 from corefleet_client import commands
-from corefleet_client.admin import AdminError, FleetState, FleetStatus, RankState
+from corefleet_client.admin import AdminClient, AdminError, FleetState, FleetStatus, RankState
 from corefleet_harness.local.argv import coordinator_argv, engine_argv, engine_env, frontend_argv, is_moe_model
 from corefleet_harness.local.config import (
     DEFAULT_READY_TIMEOUT,
@@ -119,7 +119,7 @@ class LocalFleet:
             record = dataclasses.replace(record, processes=tuple(p for p in record.processes if p != lost))
             with Path(lost.log).open("a") as log:
                 log.write(f"\n---- corefleet: {lost.name} (pid {lost.pid}) was lost; its replacement follows ----\n")
-            self.record, popen = spawn(record, lost.role, None, member_argv(record, lost.role),
+            self.record, popen = spawn(record, lost.role, lost.rank, member_argv(record, lost.role, lost.rank or 0),
                                        {"PYTHONUNBUFFERED": "1"})
         self.popens[popen.pid] = popen
         return next(p for p in self.record.processes if p.pid == popen.pid)
@@ -134,14 +134,15 @@ class LocalFleet:
             state_file(Path(self.record.state_dir)).unlink(missing_ok=True)
 
     def wait_ready(self, timeout: float, stop: threading.Event | None = None) -> None:
-        """Poll until the frontend's /health is 200 and the admin API reports every rank Serving.
+        """Poll until the frontend's /health is 200 and every frontend's admin API reports every rank Serving.
 
         Fails at once with the log tail of a process that exits, or at the deadline with the log
         tail of the slowest one (the first engine that is not ready, else the frontend).
         """
         rec = self.record
         health = rec.endpoint.removesuffix("/v1") + "/health"
-        admin = rec.admin_client(timeout=2)
+        token = Path(rec.token_file).read_text().strip()
+        admins = [AdminClient(rec.frontend_admin_url(i), token, timeout=2) for i in range(rec.frontends)]
         last = "nothing checked yet"
 
         def serving() -> bool:
@@ -154,15 +155,18 @@ class LocalFleet:
             if http_get(health, 2, unanswered_ok=True)[0] != 200:
                 last = f"the frontend's {health} is not 200 yet"
                 return False
-            try:
-                fleet = admin.fleet()
-            except (OSError, AdminError, ValueError, KeyError) as e:
-                last = f"admin API: {e}"
-                return False
-            if _fleet_serving(fleet, rec.replicas):
-                return True
-            last = f"admin API: fleet {fleet.state}, ranks " + ", ".join(f"{r.rank} {r.state}" for r in fleet.ranks)
-            return False
+            for i, admin in enumerate(admins):
+                which = f"frontend {i}'s admin API" if rec.frontends > 1 else "admin API"
+                try:
+                    fleet = admin.fleet()
+                except (OSError, AdminError, ValueError, KeyError) as e:
+                    last = f"{which}: {e}"
+                    return False
+                if not _fleet_serving(fleet, rec.replicas):
+                    last = f"{which}: fleet {fleet.state}, ranks " + ", ".join(f"{r.rank} {r.state}"
+                                                                              for r in fleet.ranks)
+                    return False
+            return True
 
         try:
             wait_until(serving, timeout, "the fleet serving", interval=POLL_SECONDS)
@@ -260,8 +264,12 @@ def _start_order(opts: FleetOptions, model: _Model, ports: Ports,
     n = opts.replicas
     plan: list[tuple[str, int | None, list[str], dict[str, str]]] = [
         (ROLE_COORDINATOR, None, coordinator_argv(opts.python, n, ports, moe=model.moe), {"PYTHONUNBUFFERED": "1"}),
-        (ROLE_FRONTEND, None, frontend_argv(opts.python, model.path, n, ports, token_file, model.flags, moe=model.moe),
-         {"PYTHONUNBUFFERED": "1"}),
+    ]
+    plan += [  # frontend 0 keeps its one-frontend name ("frontend"); the others are "frontend-1", ...
+        (ROLE_FRONTEND, i or None, frontend_argv(opts.python, model.path, n, ports, token_file, model.flags,
+                                                 moe=model.moe, frontends=opts.frontends, client_index=i),
+         {"PYTHONUNBUFFERED": "1"})
+        for i in range(opts.frontends)
     ]
     plan += [
         (ROLE_ENGINE, r, engine_argv(opts.python, opts.engine, model.path, n, r, ports, model.flags,
@@ -292,7 +300,7 @@ def start(opts: FleetOptions) -> LocalFleet:
         replicas=opts.replicas, endpoint=f"http://{LOCALHOST}:{ports.http}/v1",
         admin_url=f"http://{LOCALHOST}:{ports.admin}", token_file=str(token_file), ports=ports, boot_id=boot_id(),
         started_at=time.time(), vllm_flags=model.flags, token_delay_ms=opts.token_delay_ms, python=opts.python,
-        gpus_per_rank=opts.gpus_per_rank,
+        gpus_per_rank=opts.gpus_per_rank, frontends=opts.frontends,
     )
     (state_dir / LOG_DIR).mkdir(exist_ok=True)
     fleet = LocalFleet(record, {})
@@ -321,7 +329,8 @@ def up(opts: FleetOptions, *, detach: bool, out: TextIO | None = None, err: Text
     fleet: LocalFleet | None = None
     ready = False
     try:
-        print(f"corefleet up: starting {opts.replicas} {opts.engine} engine(s), a coordinator and a frontend "
+        frontends = "a frontend" if opts.frontends == 1 else f"{opts.frontends} frontends"
+        print(f"corefleet up: starting {opts.replicas} {opts.engine} engine(s), a coordinator and {frontends} "
               f"in {opts.state_dir}", file=out, flush=True)
         fleet = start(opts)
         rec = fleet.record
@@ -363,11 +372,11 @@ def _supervise(fleet: LocalFleet, stop: threading.Event, out: TextIO, err: TextI
         for proc, rc in fleet.exited():
             how = f"exited with {rc}" if rc is not None else "exited"
             member = proc.role in MEMBER_ROLES
-            refusal = replacements.refusal(fleet.record, proc.role, time.monotonic()) if member else None
+            refusal = replacements.refusal(fleet.record, proc.role, time.monotonic(), proc.name) if member else None
             if member and refusal is None:
                 print(f"{name}: {proc.name} (pid {proc.pid}) {how}: replacing it in place, the engines serve on. "
                       f"Last lines of {proc.log}:\n{tail(proc.log)}", file=err, flush=True)
-                replacements.count(proc.role, time.monotonic())
+                replacements.count(proc.name, time.monotonic())
                 new = fleet.replace_member(proc)
                 print(f"{name}: {proc.name} replaced (pid {new.pid})", file=out, flush=True)
                 continue

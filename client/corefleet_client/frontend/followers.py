@@ -1,0 +1,262 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Several frontends per fleet (docs/design/k-frontends.md §3): frontend 0 drives each resize through every frontend.
+
+Every frontend is one of vLLM's clients of every engine, so a change of the fleet's membership must
+reach each of them. Frontend 0 (the *lead*) takes resizes from the operator and drives the others
+(*followers*) through their part over their admin APIs (the fleet's token; the admin port on each
+frontend's own host): `Followers` is the lead's side, `FollowerResize` a follower's.
+
+Scale-up N -> M:
+  1. The lead runs the handshake of ranks N..M-1. Their INIT names every frontend's sockets, so each
+     new engine sends its ready response to every frontend; the lead reads its own.
+  2. Each follower is sent its part (`ResizeRequest.follower`): it reads the new ranks' ready
+     responses from its own requests socket and stops at Prepared.
+  3. Once every follower is Prepared, the lead commits (it routes to the new ranks), then commits
+     each follower. No frontend routes to a new rank before every frontend can. A follower that fails
+     its part, or cannot be reached, fails the resize: the other followers are cancelled and the new
+     ranks retired again (nothing was routed to them); the fleet serves on at N.
+
+Scale-down M -> N:
+  1. Each follower is sent its part: it stops routing to ranks N..M-1 at once and drains its own
+     requests on them (the same drain timeout); the lead stops routing to them once every follower
+     did, and drains its own.
+  2. Once every follower is Prepared (drained), the lead commits, then commits each follower; only
+     then does it report the leaving ranks Retired (their pods may go). A follower that cannot be
+     reached is passed over: it is lost, and its replacement attaches at the new size.
+
+A follower left Prepared without the lead's commit (the lead was lost, or is hung) decides by itself
+once `COMMIT_GRACE_S` passed, as the operator does for a lost frontend: a scale-up's new ranks are
+retired (the operator rolls the resize back), a scale-down is committed (the operator finishes it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import urllib.error
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TypeVar
+
+from corefleet_client.admin import (
+    AdminClient,
+    AdminError,
+    RankState,
+    ResizeOperation,
+    ResizePhase,
+    ResizeRequest,
+)
+from corefleet_client.frontend.fleet import describe
+from corefleet_client.frontend.membership import Membership
+from corefleet_client.frontend.resize import drain, serve_on, stop_routing_to
+from corefleet_client.frontend.types import COMMIT_GRACE_S, Cancels, ResizeFailed
+
+logger = logging.getLogger("corefleet.frontend")
+
+# A follower whose admin API does not answer for this long is lost (a restart of its pod takes longer).
+UNREACHABLE_S = 5.0
+POLL_S = 0.05
+ADMIN_CALL_TIMEOUT_S = 5.0
+
+T = TypeVar("T")
+
+
+class FollowerLost(Exception):
+    """A follower did not carry out its part: its admin API did not answer for `UNREACHABLE_S` (`reachable` False: it is
+    gone, and its replacement attaches at the committed size), or it refused or failed its part (`reachable`)."""
+
+    def __init__(self, message: str, *, reachable: bool = True) -> None:
+        super().__init__(message)
+        self.reachable = reachable
+
+
+class Followers:
+    """The lead's side: the other frontends' admin APIs, by client index (see the module docstring)."""
+
+    def __init__(self, admins: dict[int, AdminClient]) -> None:
+        self.admins = admins
+
+    @classmethod
+    def of(cls, addresses: Iterable[str], admin_port: int, token: str) -> Followers | None:
+        """Frontend 0's followers from every frontend's advertised host (entry 0 is the lead itself); None for one."""
+        hosts = list(addresses)[1:]
+        if not hosts:
+            return None
+        return cls({i: AdminClient(f"http://{_host(h)}:{admin_port}", token, timeout=ADMIN_CALL_TIMEOUT_S)
+                    for i, h in enumerate(hosts, start=1)})
+
+    async def _call(self, index: int, what: Callable[[AdminClient], T]) -> T:
+        """One admin call on follower `index`, retried while it cannot be reached, for at most UNREACHABLE_S."""
+        deadline = time.monotonic() + UNREACHABLE_S
+        while True:
+            try:
+                return await asyncio.to_thread(what, self.admins[index])
+            except AdminError:
+                raise
+            except (urllib.error.URLError, OSError, TimeoutError) as e:
+                if time.monotonic() >= deadline:
+                    raise FollowerLost(f"frontend {index} did not answer for {UNREACHABLE_S:g}s: {e}",
+                                       reachable=False) from None
+            await asyncio.sleep(POLL_S * 4)
+
+    async def _part(self, index: int, op: ResizeOperation) -> ResizeOperation:
+        request = ResizeRequest(id=op.id, replicas=op.to_replicas, drain_timeout_s=op.drain_timeout_s,
+                                join_timeout_s=op.join_timeout_s, follower=True)
+        try:
+            _, part = await self._call(index, lambda admin: admin.start_resize(request))
+        except AdminError as e:
+            raise FollowerLost(f"frontend {index} refused its part: {e}") from None
+        return part
+
+    async def _until(self, index: int, op: ResizeOperation, phases: tuple[ResizePhase, ...],
+                     deadline: float, cancels: Cancels | None) -> ResizeOperation:
+        """Follower `index`'s part of `op` once it reached one of `phases`; FollowerLost if it failed or is gone."""
+        while True:
+            if cancels is not None:
+                cancels.check(op)
+            part = await self._call(index, lambda admin: admin.resize(op.id))
+            if part is None:
+                raise FollowerLost(f"frontend {index} has no part of resize {op.id} (it was restarted)")
+            if part.phase in phases:
+                return part
+            if part.phase == ResizePhase.FAILED:
+                raise FollowerLost(f"frontend {index}'s part failed: {part.error}")
+            if time.monotonic() >= deadline:
+                raise FollowerLost(f"frontend {index}'s part is still {part.phase} ({part.message})")
+            await asyncio.sleep(POLL_S)
+
+    async def start(self, op: ResizeOperation, phases: tuple[ResizePhase, ...], deadline: float,
+                    cancels: Cancels) -> dict[int, FollowerLost]:
+        """Send every follower its part and wait until each reached one of `phases`; those that did not, by index."""
+        async def one(index: int) -> None:
+            await self._part(index, op)
+            await self._until(index, op, phases, deadline, cancels)
+        return await self._each(one)
+
+    async def wait(self, op: ResizeOperation, indexes: Iterable[int], phases: tuple[ResizePhase, ...],
+                   deadline: float, cancels: Cancels) -> dict[int, FollowerLost]:
+        """Until every follower in `indexes` reached one of `phases`; those that did not, by index."""
+        return await self._each(lambda index: self._until(index, op, phases, deadline, cancels), indexes)
+
+    async def commit(self, op: ResizeOperation, indexes: Iterable[int]) -> dict[int, FollowerLost]:
+        """Commit each follower's Prepared part and wait until it completed; those that did not, by index."""
+        async def one(index: int) -> None:
+            try:
+                await self._call(index, lambda admin: admin.commit_resize(op.id))
+            except AdminError as e:
+                raise FollowerLost(f"frontend {index} refused the commit: {e}") from None
+            await self._until(index, op, (ResizePhase.COMPLETED,), time.monotonic() + COMMIT_GRACE_S, None)
+        return await self._each(one, indexes)
+
+    async def cancel(self, op: ResizeOperation, reason: str) -> None:
+        """Best effort: every follower's part of `op` stops (one that cannot be reached decides by itself)."""
+        async def one(index: int) -> None:
+            try:
+                await self._call(index, lambda admin: admin.cancel_resize(op.id, reason))
+            except AdminError as e:
+                if e.status != 404:
+                    raise FollowerLost(f"frontend {index} refused the cancel: {e}") from None
+        lost = await self._each(one)
+        for index, why in lost.items():
+            logger.warning("Resize %s: frontend %d's part was not cancelled: %s", op.id, index, why)
+
+    async def _each(self, one: Callable[[int], Awaitable[object]],
+                    indexes: Iterable[int] | None = None) -> dict[int, FollowerLost]:
+        """`one(index)` for every follower (or `indexes`) at once; those that raised FollowerLost, by index."""
+        chosen = sorted(self.admins if indexes is None else indexes)
+        results = await asyncio.gather(*(one(i) for i in chosen), return_exceptions=True)
+        lost: dict[int, FollowerLost] = {}
+        for index, result in zip(chosen, results, strict=True):
+            if isinstance(result, FollowerLost):
+                lost[index] = result
+            elif isinstance(result, BaseException):
+                raise result
+        return lost
+
+
+def _host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+class FollowerResize:
+    """A follower's part of the lead's resize (see the module docstring): up to Prepared, then the lead's commit."""
+
+    def __init__(self, members: Membership, cancels: Cancels) -> None:
+        self.members = members
+        self.fleet = members.fleet
+        self.cancels = cancels
+        self._commits: dict[str, asyncio.Event] = {}
+
+    def commit(self, resize_id: str) -> None:
+        """The lead committed (on the event loop)."""
+        self._commits.setdefault(resize_id, asyncio.Event()).set()
+
+    async def _committed(self, op: ResizeOperation, deadline: float) -> bool:
+        """Prepared until the lead commits (True) or the deadline passes (False); raises ResizeFailed on a cancel."""
+        self.fleet.update_resize(op.id, phase=ResizePhase.PREPARED, message="waiting for frontend 0's commit")
+        event = self._commits.setdefault(op.id, asyncio.Event())
+        try:
+            while not event.is_set():
+                self.cancels.check(op)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(event.wait(), min(left, 0.2))
+            return True
+        finally:
+            self._commits.pop(op.id, None)
+
+    async def scale_up(self, op: ResizeOperation) -> None:
+        new = list(range(op.from_replicas, op.to_replicas))
+        self.fleet.update_resize(op.id, phase=ResizePhase.PREPARING,
+                                 message=f"reading the ready responses of {describe(new)}")
+        try:
+            self.cancels.check(op)
+            await self.members.joiner.read_ready_responses(new)
+            for rank in new:
+                self.fleet.set_rank(rank, RankState.JOINING, "announced itself; waiting for frontend 0's commit")
+            committed = await self._committed(op, time.monotonic() + COMMIT_GRACE_S)
+            if not committed:
+                raise ResizeFailed(f"frontend 0 did not commit within {COMMIT_GRACE_S:g}s of this frontend's "
+                                   "Prepared: the new ranks were not added (the scale-up is rolled back)")
+        except ResizeFailed as e:
+            for rank in new:
+                self.fleet.set_rank(rank, RankState.RETIRED, f"not added: {e}")
+                self.fleet.forget_rank(rank)
+            raise
+        self.fleet.update_resize(op.id, phase=ResizePhase.COMMITTING, message=f"adding {describe(new)}")
+        await self.members.add_ranks(new, op.to_replicas)
+        self.fleet.commit_size(op.to_replicas)
+        self.fleet.finish_resize(op.id)
+
+    async def scale_down(self, op: ResizeOperation) -> None:
+        members, fleet = self.members, self.fleet
+        frm, to = op.from_replicas, op.to_replicas
+        leaving = list(range(to, frm))
+        deadline = time.monotonic() + op.drain_timeout_s + COMMIT_GRACE_S
+        fleet.update_resize(op.id, phase=ResizePhase.DRAINING,
+                            message=f"{describe(leaving)} finish this frontend's in-flight requests "
+                                    f"(at most {op.drain_timeout_s:g}s)")
+        stop_routing_to(members, op, leaving)
+        try:
+            await drain(members, self.cancels, op, leaving)
+            committed = await self._committed(op, deadline)
+        except ResizeFailed:
+            serve_on(members, leaving)
+            raise
+        if not committed:
+            logger.warning("Resize %s: frontend 0 did not commit within %gs; committing this frontend's part by "
+                           "itself (a scale-down whose driver is lost is finished)", op.id,
+                           op.drain_timeout_s + COMMIT_GRACE_S)
+        fleet.update_resize(op.id, phase=ResizePhase.COMMITTING, message=f"removing {describe(leaving)}")
+        marker = members.cut_routing(to)
+        await members.shrink(frm, to, marker)
+        for rank in leaving:
+            died = members.retire(rank)
+            fleet.set_rank(rank, RankState.RETIRED, f"retired by resize {op.id}"
+                           + (f" (it died while draining: {died})" if died else ""))
+            fleet.forget_rank(rank)
+        fleet.commit_size(to)
+        fleet.finish_resize(op.id)
