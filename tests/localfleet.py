@@ -143,12 +143,12 @@ class Fleet:
 
 
 def start(tmp: Path, engine: str, replicas: int, model: str, vllm_flags: tuple[str, ...], max_tokens_long: int,
-          token_delay_ms: int | None, ready_timeout: float, liveness_timeout: float = 30.0,
+          token_delay_ms: int | None, ready_timeout: float, liveness_timeout: float = 30.0, frontends: int = 1,
           ) -> Generator[Fleet, None, None]:
     """A ready fleet (a generator for a fixture: stopped when it resumes)."""
     port = free_ports(1)[0]
     opts = local.FleetOptions(replicas=replicas, engine=engine, model=model, port=port, state_dir=tmp / "state",
-                              vllm_flags=vllm_flags, token_delay_ms=token_delay_ms)
+                              vllm_flags=vllm_flags, token_delay_ms=token_delay_ms, frontends=frontends)
     with pytest.MonkeyPatch.context() as env:  # the frontend's --liveness-timeout (local mode passes none)
         env.setenv(ENV_LIVENESS_TIMEOUT, str(liveness_timeout))
         fleet = local.start(opts)

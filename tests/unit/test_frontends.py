@@ -13,7 +13,6 @@ import inspect
 import queue
 import re
 import threading
-from http import HTTPStatus
 from types import SimpleNamespace
 from typing import Any
 
@@ -28,14 +27,13 @@ from vllm.v1.engine.utils import EngineZmqAddresses
 from vllm.v1.serial_utils import MsgpackDecoder
 
 from corefleet_client import commands
-from corefleet_client.admin import ResizeRequest
 from corefleet_client.frontend import __main__ as frontend_main
 from corefleet_client.frontend import handshake as handshake_module
 from corefleet_client.frontend import serve
 from corefleet_client.frontend.client import check_client_index
 from corefleet_client.frontend.fleet import Fleet
 from corefleet_client.frontend.handshake import Handshake, advertised_addresses
-from corefleet_client.frontend.types import FleetOptions, ResizeRefused
+from corefleet_client.frontend.types import FleetOptions
 from corefleet_harness.support import free_ports
 
 HOSTS = ("f-0.fleet", "f-1.fleet", "f-2.fleet")
@@ -129,14 +127,6 @@ def test_the_client_refuses_an_index_vllm_did_not_pass_through() -> None:
     check_client_index(options(frontend_addresses=HOSTS, client_index=1), 3, 1)
     with pytest.raises(ValueError, match="client 0 of 1, but this is frontend 1 of 3"):
         check_client_index(options(frontend_addresses=HOSTS, client_index=1), 1, 0)
-
-
-def test_a_fleet_of_several_frontends_refuses_resizes() -> None:
-    fleet = Fleet("tiny", 2, frontends=3)
-    with pytest.raises(ResizeRefused) as refused:
-        fleet.start_resize(ResizeRequest(id="r1", replicas=3))
-    assert refused.value.status == HTTPStatus.NOT_IMPLEMENTED
-    assert "3 frontends" in refused.value.message
 
 
 # ---- INIT and the handshake ----------------------------------------------------------------------------------------

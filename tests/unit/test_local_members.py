@@ -110,3 +110,48 @@ def test_a_state_file_written_before_the_engine_ports_reads_as_a_fleet_without_t
     assert loaded is not None
     assert loaded.ports.engine_ports is None
     assert loaded.ports.health == rec.ports.health
+
+
+def test_several_local_frontends_each_bind_their_own_loopback_address_and_share_the_http_port(
+        tmp_path: Path) -> None:
+    """`corefleet up --frontends 2`: every frontend at the fleet's same fixed ports on its own 127.0.0.x (as each
+    pod on its own IP), its index and every frontend's address on its command line; the OpenAI API on 127.0.0.1,
+    shared. A lost frontend 1 comes back as frontend 1, attaching."""
+    rec = dataclasses.replace(_record(tmp_path), frontends=2)
+    first, second = (local.frontend_argv("/py", rec.model, 3, rec.ports, Path(rec.token_file), rec.vllm_flags,
+                                         frontends=2, client_index=i) for i in range(2))
+    again = local.member_argv(rec, local.ROLE_FRONTEND, 1)
+    for argv, host in ((first, "127.0.0.1"), (second, "127.0.0.2"), (again, "127.0.0.2")):
+        assert _flag(argv, "--frontend-addresses") == "127.0.0.1,127.0.0.2"
+        assert (_flag(argv, "--advertise-address"), _flag(argv, "--admin-host"),
+                _flag(argv, "--data-parallel-address")) == (host, host, host)
+        assert (_flag(argv, "--host"), _flag(argv, "--port")) == ("127.0.0.1", str(rec.ports.http))
+        assert _flag(argv, "--admin-port") == str(rec.ports.admin)
+    assert [_flag(a, "--client-index") for a in (first, second, again)] == ["0", "1", "1"]
+    assert "--attach" in again
+    assert rec.frontend_admin_url(0) == rec.admin_url
+    assert rec.frontend_admin_url(1) == f"http://127.0.0.2:{rec.ports.admin}"
+    one = local.frontend_argv("/py", rec.model, 3, rec.ports, Path(rec.token_file), rec.vllm_flags)
+    assert "--frontend-addresses" not in one  # one frontend: its command line as before
+    assert "--advertise-address" not in one
+
+
+@pytest.mark.parametrize(("options", "problem"), [
+    (local.FleetOptions(frontends=0), "--frontends must be in 1..8, not 0"),
+    (local.FleetOptions(frontends=9), "--frontends must be in 1..8, not 9"),
+    (local.FleetOptions(frontends=2, moe=True), "--frontends above 1 is for dense models"),
+])
+def test_the_number_of_local_frontends_is_checked(options: local.FleetOptions, problem: str) -> None:
+    with pytest.raises(local.LocalFleetError, match=problem):
+        options.validate()
+
+
+def test_each_frontend_has_its_own_crash_loop_limit(tmp_path: Path) -> None:
+    rec = dataclasses.replace(_record(tmp_path), frontends=2)
+    replacements = Replacements(limit=2, window_s=60)
+    for t in (0.0, 1.0):
+        assert replacements.refusal(rec, local.ROLE_FRONTEND, t, "frontend-1") is None
+        replacements.count("frontend-1", t)
+    assert "the frontend-1 was replaced 2 times" in (replacements.refusal(rec, local.ROLE_FRONTEND, 2.0,
+                                                                          "frontend-1") or "")
+    assert replacements.refusal(rec, local.ROLE_FRONTEND, 2.0, "frontend") is None  # frontend 0 is not in a loop

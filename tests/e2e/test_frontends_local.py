@@ -1,0 +1,166 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Two frontends over the same real vLLM engines, in local mode (`corefleet up --frontends 2`).
+
+Each frontend is one of vLLM's clients of every engine (its own sockets, its client index) and they share the
+OpenAI API's port (`SO_REUSEPORT`: the kernel spreads connections over them), as K frontend pods share the
+fleet's Service. One fleet serves the whole module (2 real vLLM engines, 2 frontends):
+
+* `corefleet scale` 2 -> 3 -> 2 under load: frontend 0 drives the other through each resize (docs/design/
+  k-frontends.md): no request fails, every frontend routes to rank 2 while it serves, and neither knows it once it
+  retired; ranks 0-1 keep their processes.
+* frontend 1 SIGKILLed under load (the supervisor `corefleet up --detach` leaves running replaces it in place,
+  `--attach` with its client index): only requests that were on it fail, the endpoint keeps answering through
+  frontend 0, and the replacement takes traffic again; the engines' processes are untouched.
+
+Heavy (real vLLM, up to 3 engines): on shared machines run the e2e tier under `flock /tmp/corefleet-heavy.lock`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from corefleet_client.admin import AdminClient, AdminError, FleetState, RankState
+from corefleet_client.frontend.__main__ import ENV_LIVENESS_TIMEOUT
+from corefleet_harness import local
+from corefleet_harness.support import wait_until
+from corefleet_harness.tinymodel import write_tiny_model
+from fleettest import Load
+from localfleet import MODEL_NAME, Fleet, Held, corefleet, engine_pids, flags, start
+
+pytestmark = pytest.mark.e2e
+
+REPLICAS = 2
+FRONTENDS = 2
+CONTEXT = 1024
+WORKERS = 4  # clients, each with one request at a time: enough connections for the kernel to use both frontends
+
+
+@pytest.fixture(scope="module")
+def held(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Held]:
+    tmp = tmp_path_factory.mktemp("frontends")
+    model = str(write_tiny_model(tmp / "tiny", context=CONTEXT))
+    h = Held(tmp, REPLICAS, lambda d: start(d, local.ENGINE_VLLM, REPLICAS, model, flags(CONTEXT),
+                                            max_tokens_long=CONTEXT - 64, token_delay_ms=None, ready_timeout=600,
+                                            liveness_timeout=8, frontends=FRONTENDS))
+    yield h
+    h.close()
+
+
+@pytest.fixture
+def fleet(held: Held) -> Fleet:
+    return held.get()
+
+
+def admins(fleet: Fleet) -> list[AdminClient]:
+    """Every frontend's admin API, by client index."""
+    rec = fleet.rec
+    token = Path(rec.token_file).read_text().strip()
+    return [AdminClient(rec.frontend_admin_url(i), token, timeout=10) for i in range(rec.frontends)]
+
+
+def served(admin: AdminClient) -> dict[int, int]:
+    """Requests this frontend sent to each rank it knows."""
+    return {r.rank: r.requests_total for r in admin.fleet().ranks}
+
+
+def test_two_frontends_share_the_endpoint_and_resize_2_3_2_in_place_under_load(fleet: Fleet) -> None:
+    state = Path(fleet.rec.state_dir)
+    frontends = admins(fleet)
+    before = engine_pids(state)
+    load = Load(fleet.url, MODEL_NAME, workers=WORKERS, max_tokens=16, pause_s=0.2).start()
+    try:
+        wait_until(lambda: all(sum(served(a).values()) > 0 for a in frontends), 120,
+                   "every frontend serving requests of the shared endpoint")
+        up = corefleet("scale", "3", "--state-dir", str(state), timeout=600)
+        assert up.returncode == 0, f"stdout:\n{up.stdout}\nstderr:\n{up.stderr}"
+        for i, admin in enumerate(frontends):
+            status = admin.fleet()
+            assert status.data_parallel_size == 3, (i, status)
+            assert [(r.rank, r.state) for r in status.ranks] == [(r, RankState.SERVING) for r in range(3)], (i, status)
+        # Every frontend routes to the new rank while it serves.
+        wait_until(lambda: all(served(a).get(2, 0) > 0 for a in frontends), 120, "every frontend routing to rank 2")
+        down = corefleet("scale", "2", "--state-dir", str(state), timeout=600)
+        assert down.returncode == 0, f"stdout:\n{down.stdout}\nstderr:\n{down.stderr}"
+        # Neither frontend knows rank 2 once it retired (its engine is stopped: a request sent there would fail).
+        for i, admin in enumerate(frontends):
+            status = admin.fleet()
+            assert [(r.rank, r.state) for r in status.ranks] == [(r, RankState.SERVING) for r in range(2)], (i, status)
+        mark = time.monotonic()
+        wait_until(lambda: len([o for o in load.outcomes if o.ok and o.started > mark]) >= 8, 60,
+                   "8 requests served at 2 ranks")
+    finally:
+        load.stop()
+    assert not load.failures(), load.summary()
+    after = engine_pids(state)
+    assert after == {r: before[r] for r in range(REPLICAS)}, (before, after)
+    logs = state / local.LOG_DIR
+    follower = (logs / "frontend-1.log").read_text(errors="replace")
+    for what in ("Prepared: waiting for frontend 0's commit", "Committing: adding rank 2",
+                 "Committing: removing rank 2"):
+        assert what in follower, follower[-3000:]
+    print(f"2 -> 3 -> 2 with 2 frontends: {load.summary()}")
+
+
+def test_a_killed_frontend_fails_only_its_requests_and_its_replacement_takes_traffic_again(fleet: Fleet) -> None:
+    state = Path(fleet.rec.state_dir)
+    rec = local.load_record(state)
+    assert rec is not None
+    with pytest.MonkeyPatch.context() as env:  # the replacement frontend's --liveness-timeout, as the fleet's
+        env.setenv(ENV_LIVENESS_TIMEOUT, str(fleet.liveness_timeout))
+        rec, supervisor = local.spawn_supervisor(rec)
+    fleet.fleet.record = rec
+    engines = engine_pids(state)
+    lead, follower = admins(fleet)
+    victim = next(p for p in rec.processes if p.role == local.ROLE_FRONTEND and p.rank == 1)
+    load = Load(fleet.url, MODEL_NAME, workers=WORKERS, max_tokens=32, pause_s=0.05).start()
+    try:
+        wait_until(lambda: sum(served(follower).values()) > 0 and len([o for o in load.outcomes if o.ok]) >= 8,
+                   120, "frontend 1 taking traffic")
+        os.kill(victim.pid, signal.SIGKILL)
+        wait_until(lambda: not local.is_running(local.proc_stat(victim.pid)), 30, "frontend 1 gone", interval=0.01)
+        dead_at = time.monotonic()
+        lead_before = sum(served(lead).values())
+
+        def replaced() -> bool:
+            latest = local.load_record(state)
+            assert latest is not None
+            new = next(p for p in latest.processes if p.role == local.ROLE_FRONTEND and p.rank == 1)
+            if new.pid == victim.pid or not local.owns(latest, new):
+                return False
+            try:
+                status = follower.fleet()
+            except (OSError, AdminError, ValueError):
+                return False
+            return status.state == FleetState.SERVING and [(r.rank, r.state) for r in status.ranks] == [
+                (r, RankState.SERVING) for r in range(REPLICAS)]
+
+        wait_until(replaced, 300, "frontend 1 replaced and serving", interval=0.2)
+        back = time.monotonic()
+        # The endpoint answered through frontend 0 meanwhile, and the replacement takes traffic again.
+        assert sum(served(lead).values()) > lead_before
+        assert len([o for o in load.outcomes if o.ok and dead_at < o.started < back]) > 0, load.summary()
+        wait_until(lambda: sum(served(follower).values()) >= 4, 120, "the replacement frontend 1 serving requests")
+    finally:
+        load.stop()
+        latest = local.load_record(state)
+        assert latest is not None  # the supervisor leaves once the state file no longer records it
+        fleet.fleet.record = dataclasses.replace(latest, processes=tuple(
+            p for p in latest.processes if p.role != local.ROLE_SUPERVISOR))
+        local.save_record(fleet.fleet.record)
+        assert supervisor.wait(30) == 0
+    # Only what was on frontend 1 when it died failed: at most one request per client, each sent before it died.
+    failed = load.failures()
+    assert len(failed) <= WORKERS, load.summary()
+    assert all(o.started < dead_at for o in failed), [(o.started - dead_at, o.detail) for o in failed]
+    assert engine_pids(state) == engines
+    for r in range(REPLICAS):  # each engine re-announced itself to frontend 1 and aborted what it had left
+        log = (state / local.LOG_DIR / f"engine-{r}.log").read_text(errors="replace")
+        assert "Frontend 1 re-attached: aborted the" in log, log[-3000:]
+    print(f"frontend 1 killed: serving again after {back - dead_at:.1f} s; {load.summary()}")

@@ -1,0 +1,235 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Several frontends (docs/design/k-frontends.md, step 3): frontend 0 drives every frontend through each resize.
+
+Shown without an engine, over real admin APIs on 127.0.0.1: who takes which request (frontend 0 resizes, the
+others only their part of one, nobody replaces ranks with several frontends), a follower's part committed only
+once Prepared, and frontend 0's side (`Followers`): each part sent, waited for and committed; a follower that does
+not answer is told apart from one that refused or failed (a scale-down passes over the first and stops for the
+second). The whole protocol over real vLLM engines: tests/e2e/test_frontends_local.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http import HTTPStatus
+
+import pytest
+
+from corefleet_client.admin import (
+    AdminClient,
+    AdminError,
+    ResizeOperation,
+    ResizePhase,
+    ResizeRequest,
+)
+from corefleet_client.frontend import followers as followers_module
+from corefleet_client.frontend.adminserver import AdminServer
+from corefleet_client.frontend.fleet import Fleet
+from corefleet_client.frontend.followers import FollowerLost, Followers
+from corefleet_client.frontend.resize import DenseResize
+from corefleet_client.frontend.types import Cancels, ResizeFailed, ResizeRefused
+from corefleet_harness.support import free_port
+
+TOKEN = "t0ken"
+
+
+class View:
+    def lb_counts(self, rank: int) -> tuple[int, int, float]:
+        return 0, 0, 0.0
+
+    def in_flight(self, rank: int) -> int:
+        return 0
+
+
+@dataclass
+class Scripted:
+    """A follower's event-loop side, scripted: its part goes to Prepared at once (or fails, `fail`), and completes on
+    frontend 0's commit."""
+
+    fleet: Fleet
+    fail: str = ""
+    commits: list[str] = field(default_factory=list)
+
+    def run_resize(self, resize_id: str) -> None:
+        if self.fail:
+            self.fleet.finish_resize(resize_id, error=self.fail)
+        else:
+            self.fleet.update_resize(resize_id, phase=ResizePhase.PREPARED, message="waiting for frontend 0's commit")
+
+    def cancel_resize(self, resize_id: str, reason: str) -> None:
+        self.fleet.finish_resize(resize_id, error=f"cancelled: {reason}")
+
+    def commit_resize(self, resize_id: str) -> None:
+        self.commits.append(resize_id)
+        self.fleet.update_resize(resize_id, phase=ResizePhase.COMMITTING)
+        self.fleet.finish_resize(resize_id)
+
+
+@dataclass
+class Frontend:
+    fleet: Fleet
+    runner: Scripted
+    server: AdminServer
+    admin: AdminClient
+
+
+@pytest.fixture
+def frontends() -> Iterator[list[Frontend]]:
+    """Frontend 0 and two followers of a 2-rank fleet, each with its admin API."""
+    made = []
+    try:
+        for index in range(3):
+            fleet = Fleet("tiny", 2, frontends=3, client_index=index)
+            server = AdminServer("127.0.0.1", 0, TOKEN, fleet)
+            server.start()
+            runner = Scripted(fleet)
+            fleet.serving(View(), runner)
+            made.append(Frontend(fleet, runner, server, AdminClient(f"http://127.0.0.1:{server.port}", TOKEN)))
+        yield made
+    finally:
+        for f in made:
+            f.server.stop()
+
+
+def lead_side(frontends: list[Frontend], *, unreachable: tuple[int, ...] = ()) -> Followers:
+    """Frontend 0's `Followers` over these frontends' admin APIs (an unreachable one: a port nothing listens on)."""
+    admins = {i: AdminClient(f"http://127.0.0.1:{free_port() if i in unreachable else f.server.port}", TOKEN,
+                             timeout=1) for i, f in enumerate(frontends) if i > 0}
+    return Followers(admins)
+
+
+def operation(frm: int = 2, to: int = 3, resize_id: str = "up-1") -> ResizeOperation:
+    return ResizeOperation(id=resize_id, from_replicas=frm, to_replicas=to, phase=ResizePhase.PREPARING,
+                           drain_timeout_s=5, join_timeout_s=60)
+
+
+# ---- who takes which request -----------------------------------------------------------------------------------
+def test_frontend_0_takes_resizes_and_the_others_only_their_part_of_one(frontends: list[Frontend]) -> None:
+    lead, follower = frontends[0].admin, frontends[1].admin
+    with pytest.raises(AdminError) as err:
+        follower.start_resize(ResizeRequest(id="up-1", replicas=3))
+    assert err.value.status == HTTPStatus.CONFLICT
+    assert "resizes go to frontend 0" in err.value.body
+    with pytest.raises(AdminError) as err:
+        lead.start_resize(ResizeRequest(id="up-1", replicas=3, follower=True))
+    assert err.value.status == HTTPStatus.BAD_REQUEST
+    started, part = follower.start_resize(ResizeRequest(id="up-1", replicas=3, follower=True))
+    assert started
+    assert part.follower
+    assert (follower.resize("up-1") or part).phase == ResizePhase.PREPARED
+    started, op = lead.start_resize(ResizeRequest(id="up-1", replicas=3))
+    assert started
+    assert not op.follower
+
+
+def test_with_several_frontends_ranks_are_not_replaced_and_an_moe_fleet_does_not_resize() -> None:
+    fleet = Fleet("tiny", 2, frontends=2)
+    with pytest.raises(ResizeRefused) as refused:
+        fleet.start_resize(ResizeRequest(id="rep-1", replicas=2, replace=(1,)))
+    assert refused.value.status == HTTPStatus.NOT_IMPLEMENTED
+    assert "2 frontends" in refused.value.message
+    fleet.moe = True
+    with pytest.raises(ResizeRefused) as refused:
+        fleet.start_resize(ResizeRequest(id="up-1", replicas=3))
+    assert refused.value.status == HTTPStatus.NOT_IMPLEMENTED
+    assert "elastic EP tells only its first client" in refused.value.message
+
+
+def test_a_follower_request_round_trips_and_cannot_replace_ranks() -> None:
+    request = ResizeRequest(id="up-1", replicas=3, follower=True)
+    assert ResizeRequest.from_json(request.to_json()) == request
+    assert "follower" not in ResizeRequest(id="up-1", replicas=3).to_json()  # as before, for older frontends
+    assert ResizeRequest(id="r", replicas=2, replace=(1,), follower=True).validate() == \
+        "a follower's part of a resize cannot replace ranks"
+    with pytest.raises(ValueError, match="follower must be a boolean"):
+        ResizeRequest.from_json({"id": "up-1", "replicas": 3, "follower": "yes"})
+
+
+def test_a_followers_part_commits_only_once_prepared_and_only_once(frontends: list[Frontend]) -> None:
+    f = frontends[1]
+    with pytest.raises(AdminError) as err:
+        f.admin.commit_resize("nope")
+    assert err.value.status == HTTPStatus.NOT_FOUND
+    f.runner.run_resize = lambda resize_id: None  # type: ignore[method-assign]  # stays Pending
+    f.admin.start_resize(ResizeRequest(id="up-1", replicas=3, follower=True))
+    with pytest.raises(AdminError) as err:
+        f.admin.commit_resize("up-1")
+    assert err.value.status == HTTPStatus.CONFLICT
+    assert "Pending, not Prepared" in err.value.body
+    f.fleet.update_resize("up-1", phase=ResizePhase.PREPARED)
+    assert f.admin.commit_resize("up-1").phase == ResizePhase.PREPARED  # as it was: the commit runs on the loop
+    assert f.admin.commit_resize("up-1").phase == ResizePhase.COMPLETED  # frontend 0 retrying: nothing again
+    assert f.runner.commits == ["up-1"]
+    lead = frontends[0]
+    lead.runner.run_resize = lambda resize_id: None  # type: ignore[method-assign]
+    lead.admin.start_resize(ResizeRequest(id="up-2", replicas=3))
+    with pytest.raises(AdminError) as err:
+        lead.admin.commit_resize("up-2")
+    assert err.value.status == HTTPStatus.BAD_REQUEST
+
+
+# ---- frontend 0's side ----------------------------------------------------------------------------------------
+def test_frontend_0_sends_each_follower_its_part_waits_until_prepared_and_commits_it(
+        frontends: list[Frontend]) -> None:
+    followers = lead_side(frontends)
+    op = operation()
+
+    async def drive() -> tuple[dict[int, FollowerLost], dict[int, FollowerLost]]:
+        started = await followers.start(op, (ResizePhase.PREPARED,), 1e12, Cancels())
+        committed = await followers.commit(op, [1, 2])
+        return started, committed
+
+    assert asyncio.run(drive()) == ({}, {})
+    for f in frontends[1:]:
+        part = f.fleet.resize("up-1")
+        assert part is not None
+        assert part.follower
+        assert part.phase == ResizePhase.COMPLETED
+        assert f.runner.commits == ["up-1"]
+
+
+def test_a_follower_that_does_not_answer_is_lost_unreachable_and_one_that_fails_is_lost_reachable(
+        frontends: list[Frontend], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(followers_module, "UNREACHABLE_S", 0.5)
+    frontends[2].runner.fail = "no ready response from rank 2 within 30s of its READY"
+    followers = lead_side(frontends, unreachable=(1,))
+    lost = asyncio.run(followers.start(operation(), (ResizePhase.PREPARED,), 1e12, Cancels()))
+    assert sorted(lost) == [1, 2]
+    assert not lost[1].reachable
+    assert "did not answer for 0.5s" in str(lost[1])
+    assert lost[2].reachable
+    assert "no ready response from rank 2" in str(lost[2])
+
+
+def test_a_cancel_of_frontend_0s_resize_stops_waiting_for_the_followers(frontends: list[Frontend]) -> None:
+    for f in frontends[1:]:
+        f.runner.run_resize = lambda resize_id: None  # type: ignore[method-assign]  # never Prepared
+    followers, cancels, op = lead_side(frontends), Cancels(), operation()
+    stop = threading.Timer(0.3, cancels.request, args=(op.id, "the operator cancelled it"))
+    stop.start()
+    with pytest.raises(ResizeFailed, match="cancelled: the operator cancelled it"):
+        asyncio.run(followers.start(op, (ResizePhase.PREPARED,), 1e12, cancels))
+    asyncio.run(followers.cancel(op, "resize up-1 stopped on frontend 0"))
+    for f in frontends[1:]:
+        part = f.fleet.resize("up-1")
+        assert part is not None
+        assert part.phase == ResizePhase.FAILED
+        assert "stopped on frontend 0" in part.error
+
+
+def test_a_scale_down_passes_over_an_unreachable_follower_and_stops_for_one_that_refused() -> None:
+    op = operation(3, 2, "down-1")
+    DenseResize._pass_over(op, {1: FollowerLost("gone", reachable=False)})  # its replacement attaches at 2
+    with pytest.raises(ResizeFailed, match="not every frontend stopped routing to the leaving ranks: busy"):
+        DenseResize._pass_over(op, {1: FollowerLost("gone", reachable=False), 2: FollowerLost("busy")})
+
+
+def test_followers_are_every_frontend_but_the_first_on_the_shared_admin_port() -> None:
+    assert Followers.of(["f-0.fleet"], 8081, TOKEN) is None
+    several = Followers.of(["f-0.fleet", "f-1.fleet", "fd00::2"], 8081, TOKEN)
+    assert several is not None
+    assert {i: a.base_url for i, a in several.admins.items()} == {1: "http://f-1.fleet:8081",
+                                                                   2: "http://[fd00::2]:8081"}
