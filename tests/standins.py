@@ -13,12 +13,16 @@ class RecordingRunner:
 
     runs: list[str] = field(default_factory=list)
     cancels: list[tuple[str, str]] = field(default_factory=list)
+    commits: list[str] = field(default_factory=list)
 
     def run_resize(self, resize_id: str) -> None:
         self.runs.append(resize_id)
 
     def cancel_resize(self, resize_id: str, reason: str) -> None:
         self.cancels.append((resize_id, reason))
+
+    def commit_resize(self, resize_id: str) -> None:
+        self.commits.append(resize_id)
 
 
 class IdleView:

@@ -63,6 +63,9 @@ class Static:
     def cancel_resize(self, resize_id: str, reason: str) -> ResizeOperation:
         raise AssertionError("not called")
 
+    def commit_resize(self, resize_id: str) -> ResizeOperation:
+        raise AssertionError("not called")
+
 
 @pytest.fixture
 def server() -> Iterator[AdminServer]:

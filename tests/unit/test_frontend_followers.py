@@ -32,16 +32,9 @@ from corefleet_client.frontend.followers import FollowerLost, Followers
 from corefleet_client.frontend.resize import DenseResize
 from corefleet_client.frontend.types import Cancels, ResizeFailed, ResizeRefused
 from corefleet_harness.support import free_port
+from standins import IdleView
 
 TOKEN = "t0ken"
-
-
-class View:
-    def lb_counts(self, rank: int) -> tuple[int, int, float]:
-        return 0, 0, 0.0
-
-    def in_flight(self, rank: int) -> int:
-        return 0
 
 
 @dataclass
@@ -86,7 +79,7 @@ def frontends() -> Iterator[list[Frontend]]:
             server = AdminServer("127.0.0.1", 0, TOKEN, fleet)
             server.start()
             runner = Scripted(fleet)
-            fleet.serving(View(), runner)
+            fleet.serving(IdleView(), runner)
             made.append(Frontend(fleet, runner, server, AdminClient(f"http://127.0.0.1:{server.port}", TOKEN)))
         yield made
     finally:

@@ -97,6 +97,9 @@ class Runner:
     def cancel_resize(self, resize_id: str, reason: str) -> None:
         pass
 
+    def commit_resize(self, resize_id: str) -> None:
+        raise AssertionError("a replacement is not a follower's part")
+
 
 class View:
     def lb_counts(self, rank: int) -> tuple[int, int, float]:

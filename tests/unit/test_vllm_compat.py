@@ -188,7 +188,7 @@ def make_client(ranks: int, engines: Engines, interval: float = 0.01, timeout: f
     client.client_count = 1
     client.outputs_queue = asyncio.Queue()
     client._ensure_output_queue_task = lambda: None  # type: ignore[method-assign]  # no output socket here
-    client._serve(options, fleet, Handshake(client, options, fleet))
+    client._serve(options, fleet, Handshake(client, options, fleet), None)
     client._members.async_llm = SimpleNamespace(output_processor=Requests())
     return client
 
