@@ -98,7 +98,7 @@ CONFIG_SECTION_NAMES: Mapping[str, str] = {
     "frontendResources": "frontend.resources", "coordinatorResources": "coordinator.resources",
     "readyTimeoutSeconds": "scaling.readyTimeoutSeconds", "storage": "storage",
     "engineTemplate": "engine.podTemplate", "frontendTemplate": "frontend.podTemplate",
-    "coordinatorTemplate": "coordinator.podTemplate",
+    "coordinatorTemplate": "coordinator.podTemplate", "frontendReplicas": "frontend.replicas",
 }
 
 
@@ -151,6 +151,10 @@ def _config_payload(spec: EngineCoreSetSpec) -> dict[str, Any]:
         "coordinatorTemplate": spec.coordinator.podTemplate,
     }
     payload.update({key: to_json(value) for key, value in optional.items() if value is not None})
+    # The engines learn every frontend's sockets when they start: a change of the count recreates the fleet. Left
+    # out at 1, so that a fleet from before the field keeps its hash.
+    if spec.frontend.replicas != 1:
+        payload["frontendReplicas"] = spec.frontend.replicas
     return payload
 
 
@@ -282,7 +286,7 @@ def coordinator_pod(fleet: FleetRef, *, dp_size: int, fleet_generation: int = 0)
 
 
 def frontend_pod(fleet: FleetRef, *, dp_size: int, coordinator_address: str, fleet_generation: int = 0,
-                 num_redundant_experts: int | None = None, attach: bool = False) -> JSON:
+                 num_redundant_experts: int | None = None, attach: bool = False, index: int = 0) -> JSON:
     """The vLLM API server with corefleet's DPLB client, the engines' handshake ROUTER and the admin API.
 
     vLLM's flags mirror the engines' (same model, parallel layout and user args, so the frontend's
@@ -293,11 +297,16 @@ def frontend_pod(fleet: FleetRef, *, dp_size: int, coordinator_address: str, fle
     frontend binds the same and the running engines reconnect to it; `attach`: this pod replaces a lost
     frontend while the engines run (`planner.members`): it re-attaches to them instead of the startup
     handshake. Neither enters the configuration hash (pods are created only when missing, so a running
-    frontend keeps its arguments).
+    frontend keeps its arguments). `index`: frontend `index` of `spec.frontend.replicas` (several: each knows every
+    frontend's DNS name and its own client index; frontend 0 runs the engines' handshake and drives resizes).
     """
     _check_size(dp_size)
     spec = fleet.spec
-    name = constants.frontend_name(fleet.name)
+    count = spec.frontend.replicas
+    if not 0 <= index < count:
+        raise ValueError(f"frontend {index} is outside the fleet's {count} frontend(s)")
+    name = constants.frontend_name(fleet.name, index)
+    addresses = [constants.pod_dns(fleet.name, n, fleet.namespace) for n in constants.frontend_names(fleet.name, count)]
     token_file = f"{constants.ADMIN_TOKEN_DIR}/{constants.ADMIN_TOKEN_KEY}"
     # The launcher's admin listener binds 0.0.0.0 by default: no --admin-host.
     args = commands.frontend_args(
@@ -316,7 +325,9 @@ def frontend_pod(fleet: FleetRef, *, dp_size: int, coordinator_address: str, fle
         engine0_address=_engine0_address(fleet),
         coord_store_port=_coord_store_port(fleet),
         engine_ports=(constants.FRONTEND_ENGINE_INPUT_PORT, constants.FRONTEND_ENGINE_OUTPUT_PORT),
-        advertise_address=constants.pod_dns(fleet.name, name, fleet.namespace),
+        advertise_address=addresses[index],
+        frontend_addresses=addresses if count > 1 else (),
+        client_index=index,
         attach=attach,
         vllm_flags=[
             "--tensor-parallel-size", str(spec.engine.tensorParallelSize),
@@ -455,7 +466,7 @@ def pod_disruption_budgets(fleet: FleetRef, *, dp_size: int, engine_disruptions:
     """
     disruptions = 0 if fleet.spec.expertParallel else max(0, engine_disruptions)
     engines = max(0, dp_size - disruptions)
-    control = 2 if dp_size else 0
+    control = 1 + fleet.spec.frontend.replicas if dp_size else 0  # the coordinator and every frontend
     return [
         _budget(fleet, constants.engines_budget_name(fleet.name),
                 {"matchLabels": constants.selector_labels(fleet.name, constants.ROLE_ENGINE)}, engines),
@@ -496,13 +507,13 @@ def fleet_children(
     scale_up_ranks: frozenset[int] = frozenset(),
     num_redundant_experts: int | None = None,
     engine_disruptions: int = 1,
-    frontend_attach: bool = False,
+    frontend_attach: frozenset[int] = frozenset(),
 ) -> list[JSON]:
     """Every object of a fleet of `dp_size` ranks, in a stable order: the Secret, the Services, the
     PodDisruptionBudget, the NetworkPolicy (if any), the coordinator, the frontend, then the engines by rank.
     `num_redundant_experts` (MoE): the redundant experts every rank and the frontend start with, if not the
     user's (`status.redundantExperts` of a fleet recreated at a size it was resized to). `frontend_attach`: the
-    frontend replaces a lost one while the engines run (`frontend_pod`'s `attach`)."""
+    frontends (by index) that replace lost ones while the engines run (`frontend_pod`'s `attach`)."""
     _check_size(dp_size)
     unknown = sorted(r for r in scale_up_ranks if not 0 <= r < dp_size)
     if unknown:
@@ -512,9 +523,10 @@ def fleet_children(
     coordinator_address = constants.pod_dns(fleet.name, constants.coordinator_name(fleet.name), ns)
     children = fleet_objects(fleet, admin_token=admin_token, dp_size=dp_size, engine_disruptions=engine_disruptions)
     children.append(coordinator_pod(fleet, dp_size=dp_size, fleet_generation=fleet_generation))
-    children.append(frontend_pod(fleet, dp_size=dp_size, coordinator_address=coordinator_address,
-                                 fleet_generation=fleet_generation, num_redundant_experts=num_redundant_experts,
-                                 attach=frontend_attach))
+    children += [frontend_pod(fleet, dp_size=dp_size, coordinator_address=coordinator_address,
+                              fleet_generation=fleet_generation, num_redundant_experts=num_redundant_experts,
+                              attach=index in frontend_attach, index=index)
+                 for index in range(fleet.spec.frontend.replicas)]
     children += [
         engine_pod(fleet, rank, dp_size=dp_size, frontend_address=frontend_address,
                    scale_up=rank in scale_up_ranks, fleet_generation=fleet_generation,

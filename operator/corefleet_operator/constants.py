@@ -131,8 +131,18 @@ RESERVED_ANNOTATION_PREFIXES: Final = (f"{GROUP}/",)
 # --- Names of a fleet's children (derived from the EngineCoreSet's name) ------------------------
 
 
-def frontend_name(fleet: str) -> str:
-    return f"{fleet}-frontend"
+def frontend_member(index: int) -> str:
+    """Frontend `index`'s member name (its pod's name after the fleet's): frontend 0 keeps the one-frontend name."""
+    return ROLE_FRONTEND if index == 0 else f"{ROLE_FRONTEND}-{index}"
+
+
+def frontend_name(fleet: str, index: int = 0) -> str:
+    """Frontend `index`'s pod (`spec.frontend.replicas`): `NAME-frontend`, then `NAME-frontend-1`, ..."""
+    return f"{fleet}-{frontend_member(index)}"
+
+
+def frontend_names(fleet: str, count: int) -> list[str]:
+    return [frontend_name(fleet, i) for i in range(count)]
 
 
 def coordinator_name(fleet: str) -> str:
@@ -208,6 +218,8 @@ CHART_REPOSITORY: Final = f"oci://{IMAGE_REGISTRY}/charts"  # `helm push` target
 # server's cap; a client-side `kubectl apply` keeps a copy of the spec there): under 1 MiB in all
 # (tests/integration/test_admission.py writes the largest status onto the largest spec).
 MAX_REPLICAS: Final = 512
+# Frontend pods per fleet (spec.frontend.replicas): each is one of vLLM's clients of every engine.
+MAX_FRONTENDS: Final = 8
 MAX_ENGINE_ARGS: Final = 128  # items of spec.engine.args
 MAX_ENGINE_ARG_LENGTH: Final = 1536  # characters of one item (a JSON --compilation-config fits)
 MAX_ENV_VARS: Final = 256  # items of spec.engine.env

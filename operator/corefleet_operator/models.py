@@ -657,6 +657,13 @@ class FrontendSpec:
         "stalls every stream)."))
     service: ServiceSpec = field(default_factory=ServiceSpec, metadata=meta("The frontend Service."))
     podTemplate: PodTemplate | None = field(default=None, metadata=meta(_template_doc("frontend")))
+    replicas: int = field(default=1, metadata=meta(
+        f"Frontend pods, at most {C.MAX_FRONTENDS}, behind the fleet's Service: each one of vLLM's clients of every "
+        "engine (its own sockets and client index), for API throughput beyond one process and so that the loss of "
+        "one leaves the endpoint answering. Frontend 0 drives every resize through all of them. Dense fleets only "
+        "(vLLM's elastic EP tells only its first client of a resize). The engines learn every frontend's address "
+        "when they start, so a change recreates the fleet (every engine restarts). With more than one, a lost "
+        "engine rank recreates the fleet instead of being replaced alone.", minimum=1, maximum=C.MAX_FRONTENDS))
 
     CEL_RULES: ClassVar[tuple[tuple[str, str, str], ...]] = (_other_roles_rule(C.CONTAINER_FRONTEND),)
 
@@ -718,7 +725,7 @@ class EngineCoreSetSpec:
         "MoE model with elastic expert parallelism (needs GPUs, NCCL and EPLB). If false, ranks are "
         "independent dense engines and a resize is a membership change."))
     engine: EngineSpec = field(default_factory=EngineSpec, metadata=meta("The engine pods."))
-    frontend: FrontendSpec = field(default_factory=FrontendSpec, metadata=meta("The frontend pod."))
+    frontend: FrontendSpec = field(default_factory=FrontendSpec, metadata=meta("The frontend pods."))
     coordinator: CoordinatorSpec = field(default_factory=CoordinatorSpec, metadata=meta("The coordinator pod."))
     scheduling: SchedulingSpec = field(default_factory=SchedulingSpec, metadata=meta(
         "Placement of every fleet pod."))
@@ -736,6 +743,9 @@ class EngineCoreSetSpec:
     CEL_RULES: ClassVar[tuple[tuple[str, str, str], ...]] = (
         ("!has(self.maxReplicas) || self.replicas <= self.maxReplicas",
          "replicas must not exceed maxReplicas", ""),
+        ("!self.expertParallel || self.frontend.replicas == 1",
+         "frontend.replicas must be 1 with expertParallel: true: vLLM's elastic EP tells only its first client "
+         "(frontend) of a resize, so the others would route to ranks that left", ""),
         (f"!(self.frontend.port in [{C.FRONTEND_ADMIN_PORT}, {C.DP_RPC_PORT}])",
          f"frontend.port must not be {C.FRONTEND_ADMIN_PORT} or {C.DP_RPC_PORT}: they carry the fleet's admin "
          "and handshake traffic", ""),
@@ -791,6 +801,9 @@ class EngineCoreSetSpec:
             raise SpecError(f"spec.engine.args[{problem[0]}]", problem[1])
         if self.frontend.port in RESERVED_PORTS:
             raise SpecError("spec.frontend.port", f"port {self.frontend.port} is reserved for fleet traffic")
+        if self.expertParallel and self.frontend.replicas != 1:
+            raise SpecError("spec.frontend.replicas", "must be 1 with expertParallel: true (vLLM's elastic EP tells "
+                                                      "only its first client of a resize)")
         reserved_env = self.reserved_env
         for i, var in enumerate(self.engine.env):
             if var.get("name") in reserved_env:
@@ -871,8 +884,11 @@ FleetPhase = Literal["Pending", "Starting", "Running", "Restarting", "Scaling", 
                      "Failed"]
 OperationPhase = Literal["Pending", "Preparing", "Draining", "Committing", "Completed", "Failed"]
 OPERATION_DONE: tuple[OperationPhase, ...] = ("Completed", "Failed")
-MemberRole = Literal["coordinator", "frontend"]  # C.ROLE_COORDINATOR, C.ROLE_FRONTEND
+# A member: the coordinator or a frontend, by the name its pod has after the fleet's (`coordinator`, `frontend`,
+# `frontend-1`, ...: C.frontend_member).
+MemberRole = str
 MEMBER_ROLES: tuple[MemberRole, ...] = ("coordinator", "frontend")
+MEMBER_PATTERN = rf"^(coordinator|frontend(-[1-{C.MAX_FRONTENDS - 1}])?)$"
 
 
 @dataclass(frozen=True)
@@ -905,6 +921,13 @@ class RankStatus:
 
 
 @dataclass(frozen=True)
+class FrontendStatus:
+    pod: str = field(metadata=meta("The frontend's pod (frontend 0 first)."))
+    ready: bool = field(default=False, metadata=meta(
+        "Ready: in the fleet's Service endpoints (its /health answers: at least one rank serves through it)."))
+
+
+@dataclass(frozen=True)
 class OperationStatus:
     id: str = field(metadata=meta("Identifier of the resize (the frontend's operation id)."))
     fromReplicas: int = field(metadata=meta("Committed size before.", minimum=0))
@@ -922,8 +945,9 @@ class OperationStatus:
         "A replacement in place (fromReplicas == toReplicas): the lost ranks of a dense fleet given new pods while "
         "the other ranks serve on; empty for a resize.", maxItems=C.MAX_REPLICAS))
     members: tuple[MemberRole, ...] = field(default=(), metadata=meta(
-        "A replacement in place of the fleet's frontend and/or coordinator (their roles; fromReplicas == "
-        "toReplicas): new pods, the engines serve on; empty otherwise.", maxItems=len(MEMBER_ROLES)))
+        "A replacement in place of the fleet's coordinator and/or frontends (their pods' names after the fleet's: "
+        "coordinator, frontend, frontend-1, ...; fromReplicas == toReplicas): new pods, the engines serve on; "
+        "empty otherwise.", maxItems=1 + C.MAX_FRONTENDS, items={"pattern": MEMBER_PATTERN}))
 
     def __post_init__(self) -> None:
         _bound(self, "message", C.MAX_STATUS_MESSAGE)
@@ -978,6 +1002,9 @@ class EngineCoreSetStatus:
         "needs identical ranks, or a recovery). Every fleet pod carries the incarnation it belongs to.",
         minimum=0))
     endpoint: str = field(default="", metadata=meta("The OpenAI-compatible endpoint (Service URL)."))
+    frontends: tuple[FrontendStatus, ...] = field(default=(), metadata=meta(
+        "The current incarnation's frontend pods (spec.frontend.replicas) and which of them serve.",
+        maxItems=C.MAX_FRONTENDS))
     redundantExperts: int | None = field(default=None, metadata=meta(
         "MoE fleets: the redundant experts (vLLM's num_redundant_experts) at the committed size after the last "
         "in-place resize, as the frontend computed them. Elastic EP keeps the physical experts per rank; a "

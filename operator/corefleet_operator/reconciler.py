@@ -214,7 +214,7 @@ class FleetReconciler:
         actions = self.executor.unexpected(the_plan.actions, (p.name for p in observed.pods))
         failures = await self.executor.carry_out(actions, own=observed.objects.keys(), frontend_at=frontend_at,
                                                  token=observed.admin_token)
-        if lost_frontend is not None:
+        if lost_frontend:
             failures += await self._replace_frontend(name, lost_frontend, failures, blocked)
         stuck_failures, self._next_stuck = await self.executor.force_delete_stuck(indexes.terminating.get(key, []),
                                                                                   self.post)
@@ -248,19 +248,18 @@ class FleetReconciler:
         self.status_problem = message
         return not parsed.identity_unreadable
 
-    def _admin_token(self, observed: Observed, fleet: str) -> tuple[Observed, Delete | None]:
-        """Remember the token in the fleet's Secret; after a restart that finds no Secret while a
-        frontend runs, that token is lost: the frontend pod must go (returned) with a new token."""
+    def _admin_token(self, observed: Observed, fleet: str) -> tuple[Observed, tuple[Delete, ...]]:
+        """Remember the token in the fleet's Secret; after a restart that finds no Secret while frontends
+        run, that token is lost: every frontend pod must go (returned) with a new token (frontend 0 reaches
+        the others with it)."""
         if ("Secret", constants.admin_secret_name(fleet)) in observed.objects:
             self.token, self.token_seen = observed.admin_token, True
-            return observed, None
+            return observed, ()
         observed = dataclasses.replace(observed, admin_token=self.token)
         if self.token_seen:
-            return observed, None  # deleted while we ran: written back with the token we saw
-        running = next((p for p in observed.pods if p.role == constants.ROLE_FRONTEND and not p.terminating), None)
-        if running is None:
-            return observed, None
-        return observed, Delete("v1", "Pod", running.name, running.uid)
+            return observed, ()  # deleted while we ran: written back with the token we saw
+        return observed, tuple(Delete("v1", "Pod", p.name, p.uid) for p in observed.pods
+                               if p.role == constants.ROLE_FRONTEND and not p.terminating)
 
     async def _ask_frontend(self, observed: Observed, frontend_at: PodObs | None) -> Observed:
         """`observed` with what the frontend's admin API says: of the resize in flight, or, while the fleet
@@ -300,10 +299,10 @@ class FleetReconciler:
         self.written_status = status.to_json()
         self.written_over = str(self.body["metadata"].get("resourceVersion"))  # the live body, now
 
-    async def _replace_frontend(self, fleet: str, lost_frontend: Delete, failures: Sequence[ActionFailure],
+    async def _replace_frontend(self, fleet: str, lost_frontend: Sequence[Delete], failures: Sequence[ActionFailure],
                                 blocked: set[str]) -> list[ActionFailure]:
         """After a restart that found the admin Secret gone (its token lost): once the Secret is written
-        with the new token, delete the frontend pod that reads the old one (once: the token is ours now)."""
+        with the new token, delete the frontend pods that read the old one (once: the token is ours now)."""
         secret = target("Secret", constants.admin_secret_name(fleet))
         refused: list[ActionFailure] = []
         if any(f.target == secret for f in failures) or secret in blocked:
@@ -311,10 +310,10 @@ class FleetReconciler:
         else:
             self._post([Event("Warning", "AdminTokenLost",
                               f"the admin Secret {constants.admin_secret_name(fleet)} is gone and this operator "
-                              f"(restarted) never saw the token frontend pod {lost_frontend.name} reads: "
-                              "wrote a new token and deleted the frontend, so the fleet recovers with one "
-                              "that uses it")])
-            refused = await self.executor.carry_out([lost_frontend])
+                              f"(restarted) never saw the token frontend pod(s) "
+                              f"{', '.join(d.name for d in lost_frontend)} read: wrote a new token and deleted "
+                              "the frontend, so the fleet recovers with one that uses it")])
+            refused = await self.executor.carry_out(list(lost_frontend))
         self.token_seen = True
         return refused
 

@@ -22,6 +22,7 @@ from corefleet_operator.models import (
     EngineCoreSetStatus,
     FleetPhase,
     FleetRef,
+    FrontendStatus,
     OperationStatus,
     RankPhase,
     RankStatus,
@@ -119,7 +120,8 @@ class _Facts:
     now: str
     by_name: Mapping[str, PodObs]  # the pods of the decided incarnation
     ready: int  # ranks serving, below the committed size
-    frontend_ready: bool
+    frontend_ready: bool  # at least one frontend serves the Service
+    frontends_ready: int = 0
 
     @property
     def n(self) -> int:
@@ -151,10 +153,13 @@ def compute_status(fleet: FleetRef, generation: int, old: EngineCoreSetStatus, p
                    decision: Decision, now: str) -> EngineCoreSetStatus:
     """The whole status for the pods that belong to the fleet's current incarnation."""
     by_name = {p.name: p for p in pods if p.fleet_generation == decision.fleet_generation}
-    frontend = by_name.get(constants.frontend_name(fleet.name))
+    frontends = tuple(FrontendStatus(pod=name, ready=_serving(by_name.get(name)))
+                      for name in constants.frontend_names(fleet.name, fleet.spec.frontend.replicas)) \
+        if decision.replicas > 0 else ()
     facts = _Facts(fleet=fleet, decision=decision, generation=generation, now=now, by_name=by_name,
                    ready=sum(1 for rk in decision.ranks if rk.phase == "Serving" and rk.rank < decision.replicas),
-                   frontend_ready=frontend is not None and frontend.ready and frontend.phase == "Running")
+                   frontend_ready=any(f.ready for f in frontends),
+                   frontends_ready=sum(1 for f in frontends if f.ready))
     conditions = old.conditions
     if decision.new_incarnation:  # a new incarnation's readiness deadline starts now
         conditions = tuple(c for c in conditions if c.type != PROGRESSING)
@@ -174,6 +179,7 @@ def compute_status(fleet: FleetRef, generation: int, old: EngineCoreSetStatus, p
         recovery=decision.recovery,
         fleetGeneration=decision.fleet_generation,
         endpoint=endpoint(fleet),
+        frontends=frontends,
         redundantExperts=decision.redundant_experts,
     )
 
@@ -185,7 +191,9 @@ def _available(f: _Facts) -> Condition:
     if f.decision.phase == "Stopped":
         return f.cond(AVAILABLE, False, "Stopped", "replicas is 0")
     if f.frontend_ready and f.ready > 0:
-        return f.cond(AVAILABLE, True, "RanksServing", f"{f.ready}/{f.n} ranks serving")
+        count = f.fleet.spec.frontend.replicas
+        through = f" through {f.frontends_ready}/{count} frontends" if count > 1 else ""
+        return f.cond(AVAILABLE, True, "RanksServing", f"{f.ready}/{f.n} ranks serving{through}")
     if not f.frontend_ready:
         return f.cond(AVAILABLE, False, "FrontendNotReady", "the frontend is not ready")
     return f.cond(AVAILABLE, False, "NoRanksServing", f"0/{f.n} ranks serving")
@@ -288,8 +296,13 @@ def _members_of(op: OperationStatus) -> str:
 def _members(fleet: FleetRef, replicas: int) -> list[str]:
     if replicas == 0:
         return []
-    return [constants.coordinator_name(fleet.name), constants.frontend_name(fleet.name),
+    return [constants.coordinator_name(fleet.name), *constants.frontend_names(fleet.name, fleet.spec.frontend.replicas),
             *(constants.engine_name(fleet.name, r) for r in range(replicas))]
+
+
+def _serving(pod: PodObs | None) -> bool:
+    """A frontend pod in the Service's endpoints: Running and Ready."""
+    return pod is not None and pod.ready and pod.phase == "Running"
 
 
 def _pod_state(pod: PodObs | None) -> str:

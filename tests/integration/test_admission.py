@@ -83,6 +83,8 @@ SIZES: dict[str, tuple[dict[str, Any], list[str]]] = {
                      ["spec.engine.args[0]", "may not be more than 1536 bytes"]),
     "257-env": ({"engine": {"env": [{"name": f"V{i}", "value": "1"} for i in range(257)]}},
                 ["spec.engine.env", "must have at most 256 items"]),
+    "9-frontends": ({"frontend": {"replicas": 9}}, ["spec.frontend.replicas", "less than or equal to 8"]),
+    "0-frontends": ({"frontend": {"replicas": 0}}, ["spec.frontend.replicas", "greater than or equal to 1"]),
 }
 
 

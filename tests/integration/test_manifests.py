@@ -119,6 +119,8 @@ INVALID: dict[str, tuple[dict[str, Any], list[str]]] = {
     "unknown-field": ({"replica": 2}, ['unknown field "spec.replica"']),
     "frontend-port-reserved": ({"frontend": {"port": 29550}},
                                ["frontend.port must not be 8001 or 29550: they carry the fleet's admin"]),
+    "moe-two-frontends": ({"expertParallel": True, "frontend": {"replicas": 2}},
+                          ["frontend.replicas must be 1 with expertParallel: true: vLLM's elastic EP tells only"]),
 }
 
 

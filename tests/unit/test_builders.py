@@ -599,7 +599,8 @@ def test_the_frontend_binds_fixed_engine_ports_under_its_dns_name_and_attaches_o
     fleet = (make_ecs("a").expert_parallel() if moe else make_ecs("a")).replicas(2).obj()
     dns = constants.pod_dns("a", constants.frontend_name("a"), fleet.namespace)
     for attach in (False, True):
-        pod = _by_name(_children(fleet, 2, frontend_attach=attach))[constants.frontend_name("a")]
+        pod = _by_name(_children(fleet, 2, frontend_attach=frozenset({0}) if attach else frozenset()))[
+            constants.frontend_name("a")]
         container = pod["spec"]["containers"][0]
         args = container["args"]
         head = args[:args.index("--")]  # the launcher's own arguments
@@ -613,7 +614,40 @@ def test_the_frontend_binds_fixed_engine_ports_under_its_dns_name_and_attaches_o
         assert all(len(name) <= 15 for name in ports)
         # Neither the ports nor attach are configuration: a replacement frontend belongs to the running fleet.
         assert pod["metadata"]["annotations"][constants.ANNOTATION_SPEC_HASH] == builders.fleet_config_hash(fleet.spec)
-    engines = [o for o in _children(fleet, 2, frontend_attach=True) if o["kind"] == "Pod"
+    engines = [o for o in _children(fleet, 2, frontend_attach=frozenset({0})) if o["kind"] == "Pod"
                and o["metadata"]["labels"][constants.LABEL_ROLE] != constants.ROLE_FRONTEND]
     assert engines == [o for o in _children(fleet, 2) if o["kind"] == "Pod"
                        and o["metadata"]["labels"][constants.LABEL_ROLE] != constants.ROLE_FRONTEND]
+
+
+def test_several_frontends_each_know_every_frontends_address_and_their_own_index_and_attach_alone() -> None:
+    """spec.frontend.replicas = 3: pods NAME-frontend, NAME-frontend-1, NAME-frontend-2 behind the one Service, each
+    advertising its own DNS name and listing all three by client index; frontend 0 alone runs the handshake (the
+    engines' --data-parallel-address). A replacement attaches only the frontend it replaces. The count enters the
+    configuration (a change recreates the fleet), but 1 leaves the hash as before the field."""
+    fleet = make_ecs("a").replicas(2).set("frontend.replicas", 3).obj()
+    names = constants.frontend_names("a", 3)
+    assert names == ["a-frontend", "a-frontend-1", "a-frontend-2"]
+    dns = [constants.pod_dns("a", n, fleet.namespace) for n in names]
+    pods = _by_name(_children(fleet, 2, frontend_attach=frozenset({2})))
+    for index, name in enumerate(names):
+        head = pods[name]["spec"]["containers"][0]["args"]
+        head = head[:head.index("--")]
+        assert head[head.index("--frontend-addresses") + 1] == ",".join(dns)
+        assert head[head.index("--client-index") + 1] == str(index)
+        assert head[head.index("--advertise-address") + 1] == dns[index]
+        assert ("--attach" in head) is (index == 2)
+        assert pods[name]["spec"]["hostname"] == name
+        assert pods[name]["metadata"]["labels"][constants.LABEL_ROLE] == constants.ROLE_FRONTEND
+    engine = pods[constants.engine_name("a", 1)]["spec"]["containers"][0]["args"]
+    assert dns[0] in " ".join(engine)  # the engines handshake with frontend 0
+    one = make_ecs("a").replicas(2).obj()
+    assert builders.fleet_config_hash(one.spec) == builders.fleet_config_hash(
+        make_ecs("a").replicas(2).set("frontend.replicas", 1).obj().spec)
+    assert builders.fleet_config_hash(fleet.spec) != builders.fleet_config_hash(one.spec)
+    assert builders.changed_sections(fleet.spec, builders.config_sections(one.spec)) == ["frontend.replicas"]
+    head = _by_name(_children(one, 2))["a-frontend"]["spec"]["containers"][0]["args"]
+    assert "--frontend-addresses" not in head  # one frontend: its command line as before
+    budgets = {o["metadata"]["name"]: o["spec"]["minAvailable"] for o in _children(fleet, 2)
+               if o["kind"] == "PodDisruptionBudget"}
+    assert budgets[constants.fleet_service_name("a")] == 4  # the coordinator and the 3 frontends: no disruption

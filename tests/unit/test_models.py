@@ -8,6 +8,7 @@ one in tests/integration/test_admission.py.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -67,6 +68,9 @@ def refused(raw: dict[str, Any]) -> SpecError:
     (spec(engine={"resources": {"limits": {f"r{i}": "1" for i in range(65)}}}), "spec.engine.resources.limits",
      "65 entries exceed"),
     (spec(engine={"shmSize": "lots"}), "spec.engine.shmSize", "does not match"),
+    (spec(frontend={"replicas": 9}), "spec.frontend.replicas", "9 exceeds the maximum 8"),
+    (spec(frontend={"replicas": 2}, expertParallel=True), "spec.frontend.replicas",
+     "must be 1 with expertParallel: true"),
 ])
 def test_a_spec_beyond_a_bound_is_refused_naming_the_field(raw: dict[str, Any], path: str, text: str) -> None:
     err = refused(raw)
@@ -317,16 +321,13 @@ def test_parse_keeps_working_for_existing_callers() -> None:
 def test_an_operation_names_the_members_it_replaces_and_reads_them_back() -> None:
     assert set(MEMBER_ROLES) == {constants.ROLE_FRONTEND, constants.ROLE_COORDINATOR}
     op = OperationStatus(id="replace-frontend-g1-x", fromReplicas=2, toReplicas=2, phase="Pending",
-                         members=("coordinator", "frontend"))
+                         members=("coordinator", "frontend", "frontend-1"))
     status = EngineCoreSetStatus(replicas=2, operation=op)
-    assert status.to_json()["operation"]["members"] == ["coordinator", "frontend"]
+    assert status.to_json()["operation"]["members"] == ["coordinator", "frontend", "frontend-1"]
     assert EngineCoreSetStatus.parse_report(status.to_json()) == (status, (), False)
     schema = crd.status_schema()["properties"]["operation"]["properties"]["members"]
-    assert (schema["maxItems"], schema["items"]["enum"]) == (2, ["coordinator", "frontend"])
-    # An unknown role (a newer operator's) is left out, and named.
-    raw = {**status.to_json(), "operation": {**status.to_json()["operation"], "members": ["frontend", "router"]}}
-    parsed, problems, unreadable = EngineCoreSetStatus.parse_report(raw)
-    assert parsed.operation is not None
-    assert parsed.operation.members == ("frontend",)
-    assert problems
-    assert not unreadable
+    assert schema["maxItems"] == 1 + constants.MAX_FRONTENDS
+    pattern = re.compile(schema["items"]["pattern"])
+    assert [m for m in ("coordinator", "frontend", "frontend-1", "frontend-7") if pattern.match(m)] == [
+        "coordinator", "frontend", "frontend-1", "frontend-7"]
+    assert not [m for m in ("frontend-0", "frontend-8", "router", "frontend-") if pattern.match(m)]

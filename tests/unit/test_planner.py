@@ -371,7 +371,8 @@ def check_invariants(world: World, before: Observed, p: Plan) -> None:
             continue
         if new.replicas == 0 or new.phase == "Failed":  # stopped, or given up (check_recovery_invariants)
             continue
-        if new.operation is not None and q.role in new.operation.members and not new.operation.done:
+        if new.operation is not None and not new.operation.done \
+                and q.name in {member(world.fleet.name, m) for m in new.operation.members}:
             # a lost frontend's or coordinator's old pod, replaced in place: only before the new one is created
             assert new.operation.phase == "Pending", (q.name, new.operation)
             continue
@@ -563,9 +564,11 @@ def check_member_invariants(world: World, before: Observed, p: Plan, created: li
         if role == constants.ROLE_ENGINE:
             assert not running, obj["metadata"]["name"]  # no engine is created while the members are replaced
         if role == constants.ROLE_FRONTEND:
-            # --attach exactly when a frontend is created by a replacement of the frontend in place
+            # --attach exactly when a frontend is created by a replacement of that frontend in place
             attach = "--attach" in obj["spec"]["containers"][0]["args"]
-            assert attach == (running and constants.ROLE_FRONTEND in op.members), (attach, op)  # type: ignore[union-attr]
+            replaced = running and obj["metadata"]["name"] in {
+                member(name, m) for m in op.members}  # type: ignore[union-attr]
+            assert attach == replaced, (attach, op)
             assert not (attach and spec.expertParallel)
 
 
@@ -573,7 +576,8 @@ LOSS_EVENTS = ("RankLost", "MemberLost")
 
 
 def member(fleet: str, role: str) -> str:
-    return constants.frontend_name(fleet) if role == constants.ROLE_FRONTEND else constants.coordinator_name(fleet)
+    """A member's pod (`coordinator`, `frontend`, `frontend-1`, ...)."""
+    return f"{fleet}-{role}"
 
 
 def new_world(fleet: FleetRef) -> World:
@@ -2231,3 +2235,94 @@ def test_a_wiped_status_with_an_incomplete_fleet_adopts_it_as_starting() -> None
     w.converge()
     assert w.status.phase == "Running"
     assert w.status.fleetGeneration == 1  # the frontend was created for the adopted incarnation
+
+
+# ---- several frontends (spec.frontend.replicas) ---------------------------------------------------------------
+def running_frontends(replicas: int, frontends: int) -> World:
+    w = new_world(make_ecs("a").replicas(replicas).max_replicas(8).set("frontend.replicas", frontends).obj())
+    w.converge()
+    assert w.status.phase == "Running"
+    return w
+
+
+def test_a_fleet_with_two_frontends_has_both_pods_and_status_says_which_serve() -> None:
+    w = running_frontends(2, 2)
+    assert sorted(n for n, q in w.pods.items() if q.role == constants.ROLE_FRONTEND) == ["a-frontend", "a-frontend-1"]
+    assert [(f.pod, f.ready) for f in w.status.frontends] == [("a-frontend", True), ("a-frontend-1", True)]
+    conditions = {c.type: c for c in w.status.conditions}
+    assert conditions["Available"].message == "2/2 ranks serving through 2/2 frontends"
+    w.unready("a-frontend-1")
+    w.step()
+    assert [(f.pod, f.ready) for f in w.status.frontends] == [("a-frontend", True), ("a-frontend-1", False)]
+    assert {c.type: c for c in w.status.conditions}["Available"].status == "True"  # frontend 0 serves on
+
+
+@pytest.mark.parametrize("how", ["failed", "vanished"])
+def test_a_lost_second_frontend_is_replaced_in_place_attaching_with_its_index_and_frontend_0_untouched(
+        how: str) -> None:
+    w = running_frontends(2, 2)
+    uids = {n: q.uid for n, q in w.pods.items()}
+    mark = len(w.log)
+    lose_member(w, how, "a-frontend-1")
+
+    p = w.step()
+
+    op = w.status.operation
+    assert op is not None
+    assert (op.members, op.fromReplicas, op.toReplicas) == (("frontend-1",), 2, 2)
+    assert op.id.startswith("replace-frontend-1-g1-")
+    assert "replacing the frontend-1 in place" in next(e.message for e in p.events if e.reason == "MemberLost")
+    step_until(w, member_replaced, max_steps=40, what="frontend 1 replaced")
+    w.converge()
+    created = created_pods(w, mark)
+    assert [obj["metadata"]["name"] for obj in created] == ["a-frontend-1"]
+    args = created[0]["spec"]["containers"][0]["args"]
+    assert "--attach" in args
+    assert args[args.index("--client-index") + 1] == "1"
+    assert {n: u for n, u in uids.items() if n != "a-frontend-1"} == \
+        {n: q.uid for n, q in w.pods.items() if n != "a-frontend-1"}
+    assert (w.status.recoveries, w.status.fleetGeneration) == (1, 1)
+
+
+@pytest.mark.parametrize("direction", ["up", "down"])
+def test_a_second_frontend_lost_during_a_resize_is_replaced_once_the_resize_ended(direction: str) -> None:
+    """Frontend 0 runs the resize and passes over (or fails it for) a follower it cannot reach: the operator lets
+    the resize end, without counting the follower's loss meanwhile or creating its pod, then replaces it in place
+    at the size the resize left (attaching); no engine restarts."""
+    w = running_frontends(2 if direction == "up" else 3, 2)
+    w.scale(3 if direction == "up" else 2)
+    step_until(w, lambda p: w.status.operation is not None and w.status.operation.phase in ("Preparing", "Draining"),
+               max_steps=10, what="the resize under way")
+    resize = w.status.operation
+    assert resize is not None
+    engines = {n: q.uid for n, q in w.pods.items() if n in ("a-engine-0", "a-engine-1")}
+    mark = len(w.log)
+    del w.pods["a-frontend-1"]
+
+    w.step()
+
+    assert w.status.recoveries == 0  # not a loss while the resize runs
+    assert "a-frontend-1" not in [obj["metadata"]["name"] for obj in created_pods(w, mark)]
+    step_until(w, lambda p: w.status.operation is not None and w.status.operation.id != resize.id, max_steps=60,
+               what="the resize ended and frontend 1's replacement started")
+    op = w.status.operation
+    assert op is not None
+    assert op.members == ("frontend-1",)
+    step_until(w, member_replaced, max_steps=40, what="frontend 1 replaced")
+    w.converge(max_steps=100)
+    assert (w.status.replicas, w.status.fleetGeneration, w.status.recoveries) == (w.fleet.spec.replicas, 1, 1)
+    assert {n: q.uid for n, q in w.pods.items() if n in engines} == engines
+    args = next(obj for obj in created_pods(w, mark)
+                if obj["metadata"]["name"] == "a-frontend-1")["spec"]["containers"][0]["args"]
+    assert "--attach" in args
+
+
+def test_a_lost_rank_of_a_fleet_with_two_frontends_recreates_the_fleet() -> None:
+    """A rank replaced in place would reach frontend 0 only (its INIT is frontend 0's): with several frontends the
+    fleet is recreated instead."""
+    w = running_frontends(2, 2)
+    w.fail("a-engine-1", "container engine exited with 137 (OOMKilled)")
+    p = w.step()
+    assert w.status.phase == "Recovering"
+    assert w.status.fleetGeneration == 2
+    assert "recreating the fleet" in next(e.message for e in p.events if e.reason == "RankLost")

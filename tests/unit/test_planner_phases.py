@@ -763,7 +763,8 @@ def test_a_lost_frontend_starts_a_member_replacement_without_backoff_as_the_stre
         assert step.recovery.attempt == attempt + 1
         assert step.recoveries == 1
         if expected:
-            assert (step.generation, step.new_incarnation, step.replacing_now, step.attaching) == (1, False, True, True)
+            assert (step.generation, step.new_incarnation, step.replacing_now, step.attaching) == (
+                1, False, True, frozenset({0}))
             assert step.operation is not None
             assert (step.operation.members, step.operation.phase) == (("frontend",), "Pending")
             assert step.recovery.retryAt == step.recovery.lostAt  # not held by a backoff

@@ -32,7 +32,7 @@ from corefleet_operator.observe import Observed, PodObs
 from corefleet_operator.planner.basis import Basis
 from corefleet_operator.planner.common import delete_pod, desired_pod_names
 from corefleet_operator.planner.follow import Flight
-from corefleet_operator.planner.members import member_name
+from corefleet_operator.planner.members import followers, member_name
 from corefleet_operator.planner.step import Step
 
 # Children the spec may switch off: deleted when observed but no longer desired (kind -> apiVersion).
@@ -105,6 +105,10 @@ def held_pods(fleet: FleetRef, step: Step, awaiting_experts: bool) -> frozenset[
         held |= {member_name(fleet.name, role) for role in op.members}
     if awaiting_experts:
         held |= {constants.engine_name(fleet.name, rank) for rank in step.joining}
+    if step.resize is not None and not step.new_incarnation:
+        # A frontend other than frontend 0 lost during a resize (ending this pass or not) is replaced in place,
+        # attaching, once it ended (`planner.follow`).
+        held |= followers(fleet)
     return frozenset(held)
 
 

@@ -77,7 +77,7 @@ def desired_pod_names(fleet: FleetRef, replicas: int) -> list[str]:
     """The member pods of a fleet of `replicas` ranks (none for a stopped fleet)."""
     if replicas == 0:
         return []
-    return [constants.coordinator_name(fleet.name), constants.frontend_name(fleet.name),
+    return [constants.coordinator_name(fleet.name), *constants.frontend_names(fleet.name, fleet.spec.frontend.replicas),
             *(constants.engine_name(fleet.name, r) for r in range(replicas))]
 
 

@@ -44,7 +44,7 @@ from dataclasses import replace
 
 from corefleet_operator import constants
 from corefleet_operator.actions import Event
-from corefleet_operator.models import MEMBER_ROLES, FleetRef, MemberRole, OperationStatus
+from corefleet_operator.models import FleetRef, MemberRole, OperationStatus
 from corefleet_operator.observe import Observed, PodObs
 from corefleet_operator.planner.basis import Basis
 from corefleet_operator.planner.common import FRONTEND_GRACE_SECONDS, delete_pod, pod_ready, seconds_between
@@ -55,14 +55,36 @@ from corefleet_operator.status import POD_TERMINAL
 MAX_MEMBER_REPLACEMENTS = 2
 
 
-def member_name(fleet: str, role: MemberRole) -> str:
-    """The pod of a member role."""
-    return constants.frontend_name(fleet) if role == constants.ROLE_FRONTEND else constants.coordinator_name(fleet)
+def member_name(fleet: str, member: MemberRole) -> str:
+    """The pod of a member (`coordinator`, `frontend`, `frontend-1`, ...: its pod's name after the fleet's)."""
+    return f"{fleet}-{member}"
+
+
+def frontend_index(member: MemberRole) -> int | None:
+    """The index of a frontend member (`frontend`: 0, `frontend-2`: 2); None for the coordinator."""
+    if member == constants.ROLE_FRONTEND:
+        return 0
+    prefix = constants.ROLE_FRONTEND + "-"
+    tail = member[len(prefix):] if member.startswith(prefix) else ""
+    return int(tail) if tail.isdigit() and 0 < int(tail) < constants.MAX_FRONTENDS else None
+
+
+def fleet_members(fleet: FleetRef) -> tuple[MemberRole, ...]:
+    """The fleet's members: the coordinator and each of its `spec.frontend.replicas` frontends."""
+    return (constants.ROLE_COORDINATOR,
+            *(constants.frontend_member(i) for i in range(fleet.spec.frontend.replicas)))
+
+
+def followers(fleet: FleetRef) -> frozenset[str]:
+    """The pods of the frontends other than frontend 0 (several frontends: frontend 0 drives their resizes)."""
+    return frozenset(constants.frontend_names(fleet.name, fleet.spec.frontend.replicas)[1:])
 
 
 def member_role(fleet: str, name: str) -> MemberRole | None:
-    """The member role whose pod `name` is (None: an engine's, or another pod's)."""
-    return next((role for role in MEMBER_ROLES if member_name(fleet, role) == name), None)
+    """The member whose pod `name` is (None: an engine's, or another pod's)."""
+    prefix = f"{fleet}-"
+    member = name[len(prefix):] if name.startswith(prefix) else ""
+    return member if member == constants.ROLE_COORDINATOR or frontend_index(member) is not None else None
 
 
 def members_id(roles: Iterable[MemberRole], fleet_generation: int, now: str) -> str:
@@ -123,7 +145,7 @@ def members_to_replace(fleet: FleetRef, basis: Basis, roles: Iterable[MemberRole
     """The lost members `roles` and the other member too if its pod of this incarnation is being deleted (it goes
     with them, e.g. a drained or lost node's): replaced in one operation rather than lost during it."""
     leaving = {p.name for p in basis.terminating if p.fleet_generation == basis.generation}
-    return tuple(sorted(set(roles) | {role for role in MEMBER_ROLES if member_name(fleet.name, role) in leaving}))
+    return tuple(sorted(set(roles) | {m for m in fleet_members(fleet) if member_name(fleet.name, m) in leaving}))
 
 
 def start_members(fleet: FleetRef, observed: Observed, roles: Iterable[MemberRole], committed: int,
@@ -155,7 +177,8 @@ def continue_members(fleet: FleetRef, observed: Observed, op: OperationStatus, c
             return replace(step, lost=f"replacement {op.id}: the new {role} (pod {name}) {pod.phase.lower()}{why}")
     took = seconds_between(op.startedAt, now)
     if all(pod_ready(current.get(name)) for name in names.values()):
-        reason = "FrontendReplaced" if constants.ROLE_FRONTEND in op.members else "CoordinatorReplaced"
+        frontends = any(frontend_index(m) is not None for m in op.members)
+        reason = "FrontendReplaced" if frontends else "CoordinatorReplaced"
         done = replace(op, phase="Completed", finishedAt=now, message=f"{what} replaced in place in {took:.0f}s")
         return replace(step, operation=done, events=(Event(
             "Normal", reason, f"replacement {op.id}: {what} replaced in place (new pod(s)) after {took:.0f}s; the "

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from corefleet_operator import builders, constants
+from corefleet_operator import builders
 from corefleet_operator.actions import Event
 from corefleet_operator.models import FleetPhase, FleetRef, OperationStatus, RecoveryStatus
 from corefleet_operator.observe import Observed
@@ -38,6 +38,7 @@ from corefleet_operator.planner.follow import Flight
 from corefleet_operator.planner.losses import Losses
 from corefleet_operator.planner.members import (
     MAX_MEMBER_REPLACEMENTS,
+    frontend_index,
     interrupted_resize,
     listed_members,
     members_in_place,
@@ -76,10 +77,13 @@ class Step:
         return self.replacing is not None and not self.replacing.operation.done and not self.new_incarnation
 
     @property
-    def attaching(self) -> bool:
-        """A replacement of the frontend runs after this pass: its new pod attaches to the running engines."""
-        return self.replacing_now and self.replacing is not None \
-            and constants.ROLE_FRONTEND in self.replacing.operation.members
+    def attaching(self) -> frozenset[int]:
+        """The frontends (by index) a replacement in place gives new pods after this pass: they attach to the running
+        engines."""
+        if not self.replacing_now or self.replacing is None:
+            return frozenset()
+        return frozenset(i for member in self.replacing.operation.members
+                         if (i := frontend_index(member)) is not None)
 
     @property
     def joining(self) -> frozenset[int]:
