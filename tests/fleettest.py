@@ -144,15 +144,20 @@ class FleetView:
         """`kubectl get ecs NAME` as a user reads it."""
         return self.k8s.kubectl("get", "-n", self.ns, "ecs", self.name).stdout
 
-    def frontend_ip(self) -> str:
-        ip: str = self.pods()[constants.frontend_name(self.name)]["status"]["podIP"]
+    def frontend_ip(self, index: int = 0) -> str:
+        ip: str = self.pods()[constants.frontend_name(self.name, index)]["status"]["podIP"]
         return ip
 
-    def admin(self) -> AdminClient:
+    def frontends(self) -> int:
+        """spec.frontend.replicas."""
+        return int((self.ecs()["spec"].get("frontend") or {}).get("replicas", 1))
+
+    def admin(self, index: int = 0) -> AdminClient:
+        """Frontend `index`'s admin API (frontend 0's takes resizes)."""
         secret_name = constants.admin_secret_name(self.name)
         secret = self.k8s.request("GET", f"/api/v1/namespaces/{self.ns}/secrets/{secret_name}")
         token = base64.b64decode(secret["data"][constants.ADMIN_TOKEN_KEY]).decode().strip()
-        return AdminClient(f"http://{self.frontend_ip()}:{constants.FRONTEND_ADMIN_PORT}", token, timeout=5)
+        return AdminClient(f"http://{self.frontend_ip(index)}:{constants.FRONTEND_ADMIN_PORT}", token, timeout=5)
 
     def engine_pid(self, rank: int) -> int:
         assert self.runner is not None, "engine_pid: pods run by a pod runner only"
@@ -169,7 +174,7 @@ class FleetView:
         if op and op.get("phase") not in ("Completed", "Failed"):
             return False
         pods = self.pods()
-        want = {constants.coordinator_name(self.name), constants.frontend_name(self.name),
+        want = {constants.coordinator_name(self.name), *constants.frontend_names(self.name, self.frontends()),
                 *(constants.engine_name(self.name, r) for r in range(replicas))}
         return set(pods) == want and all(
             not p["metadata"].get("deletionTimestamp")

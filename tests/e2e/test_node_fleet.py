@@ -647,3 +647,117 @@ def test_a_hung_engine_is_marked_not_ready_then_killed_by_the_kubelets_liveness_
                for reason, m in events), events
     assert any(reason == "RankReplaced" and st["operation"]["id"] in m for reason, m in events), events
     completion(s.url(fleet))
+
+
+# ---- two frontends (spec.frontend.replicas: 2), last: the module's real vLLM fleet is recreated with them ----------
+FOLLOWER_WINDOW_S = 10.0  # after a frontend's container dies: the kubelet, the endpoint controller and kube-proxy
+# take its pod out of the Service (until then a new connection kube-proxy sends to it is refused)
+
+
+@pytest.fixture
+def two_frontends(setup: Setup) -> Setup:
+    """The real vLLM fleet with two frontends: `spec.frontend.replicas: 2` recreates it (the engines learn every
+    frontend's address when they start), once, by the first test that asks."""
+    s = setup
+    if s.fleet.frontends() != 2:
+        events, gen = len(s.fleet.events()), s.fleet.status()["fleetGeneration"]
+        t0 = time.monotonic()
+        s.cp.kubectl("patch", "ecs", s.fleet.name, "-n", NS, "--type=merge", "-p",
+                     json.dumps({"spec": {"replicas": 2, "frontend": {"replicas": 2}}}))
+        wait_until(lambda: s.fleet.status().get("fleetGeneration") == gen + 1, 120, "a new incarnation",
+                   interval=0.5, diagnose=s.fleet.describe)
+        s.settle(2)
+        print(f"frontend.replicas 1 -> 2: the fleet recreated in {time.monotonic() - t0:.1f} s")
+        told = [m for r, m in s.fleet.events()[events:] if r == "Restarting"]
+        assert any("spec changed (frontend.replicas): recreating all ranks" in m for m in told), told
+    st = s.fleet.status()
+    assert [(f["pod"], f["ready"]) for f in st["frontends"]] == [
+        (constants.frontend_name(s.fleet.name, i), True) for i in range(2)], st
+    return s
+
+
+def requests_on(fleet: FleetView, index: int) -> dict[int, int]:
+    """Requests frontend `index` sent to each rank it knows."""
+    return {r.rank: r.requests_total for r in fleet.admin(index).fleet().ranks}
+
+
+def test_two_frontends_resize_2_3_2_in_place_under_load_every_frontend_routing_to_rank_2(
+        two_frontends: Setup) -> None:
+    """Issue 25: with two frontend pods behind the Service, frontend 0 drives each resize through both: no request
+    fails, each frontend routes to rank 2 while it serves and neither knows it once it retired; ranks 0-1 keep
+    their containers."""
+    s = two_frontends
+    name = s.fleet.name
+    s.fleet.at(2, START_TIMEOUT, interval=0.5)
+    survivors = {r: s.container_id(constants.engine_name(name, r)) for r in (0, 1)}
+    load = Load(s.url(), SERVED, workers=2, max_tokens=8, pause_s=0.5).start()
+    try:
+        wait_until(lambda: all(sum(requests_on(s.fleet, i).values()) > 0 for i in range(2)), 120,
+                   "both frontends serving through the Service", interval=0.5, diagnose=load.summary)
+        s.fleet.scale(3)
+        s.settle(3)
+        wait_until(lambda: all(requests_on(s.fleet, i).get(2, 0) > 0 for i in range(2)), 120,
+                   "both frontends routing to rank 2", interval=0.5, diagnose=load.summary)
+        s.fleet.scale(2)
+        s.settle(2, timeout=180)
+        for i in range(2):
+            assert sorted(requests_on(s.fleet, i)) == [0, 1], i  # rank 2 retired on every frontend
+        n = sum(o.ok for o in load.outcomes)
+        wait_until(lambda: sum(o.ok for o in load.outcomes) >= n + 4, 60, "requests served at 2 ranks")
+    finally:
+        load.stop()
+    print(f"2 -> 3 -> 2 with two frontends: {load.summary()}")
+    assert not load.failures(), load.summary()
+    assert {r: s.container_id(constants.engine_name(name, r)) for r in (0, 1)} == survivors
+    log = s.cp.kubectl("logs", "-n", NS, constants.frontend_name(name, 1)).stdout
+    for what in ("Prepared: waiting for frontend 0's commit", "Committing: adding rank 2",
+                 "Committing: removing rank 2"):
+        assert what in log, log[-3000:]
+
+
+def test_two_frontends_one_killed_fails_only_its_requests_and_its_replacement_takes_traffic_again(
+        two_frontends: Setup) -> None:
+    """Issue 25: frontend 1's container killed under load through the Service: frontend 0 keeps answering, only
+    requests on the dead one (in flight, or sent to it before it left the Service's endpoints) fail, the operator
+    replaces it in place (attaching with its client index) and it takes traffic again; no engine restarts."""
+    s = two_frontends
+    name, pod = s.fleet.name, constants.frontend_name(s.fleet.name, 1)
+    s.fleet.at(2, START_TIMEOUT, interval=0.5)
+    engines = [constants.engine_name(name, r) for r in (0, 1)]
+    containers, pids = {e: s.container_id(e) for e in engines}, {e: s.container_pids(e) for e in engines}
+    uids, before, events = s.fleet.uids(), s.fleet.status(), len(s.fleet.events())
+    load = Load(s.url(), SERVED, workers=4, max_tokens=8, pause_s=0.1).start()
+    try:
+        wait_until(lambda: sum(o.ok for o in load.outcomes) >= 10 and sum(requests_on(s.fleet, 1).values()) > 0,
+                   120, "the load served by both frontends", diagnose=load.summary)
+        victim = s.container_id(pod)
+        killed = time.monotonic()
+        s.node.ctr("tasks", "kill", "--signal", "SIGKILL", victim)
+        dead = wait_until(lambda: not task_running(s, victim) and time.monotonic(), 30, "frontend 1's container "
+                          "to stop", interval=0.05)
+        wait_until(lambda: any(r == "FrontendReplaced" for r, _ in s.fleet.events()[events:]), 300,
+                   "frontend 1 replaced", interval=0.5, diagnose=s.fleet.describe)
+        replaced = time.monotonic()
+        s.settle(2)
+        wait_until(lambda: sum(requests_on(s.fleet, 1).values()) >= 4, 120, "the new frontend 1 taking traffic",
+                   interval=0.5, diagnose=load.summary)
+    finally:
+        load.stop()
+    failed = load.failures()
+    meanwhile = [o for o in load.outcomes if o.ok and dead < o.started < replaced]
+    print(f"frontend 1 of 2 killed under load: replaced after {replaced - killed:.1f} s; {len(meanwhile)} served "
+          f"meanwhile; failed {[(round(o.started - dead, 2), o.detail[:60]) for o in failed]}; {load.summary()}")
+    assert meanwhile, load.summary()  # the Service kept answering through frontend 0
+    assert all(o.started < dead + FOLLOWER_WINDOW_S for o in failed), load.summary()
+    assert len(failed) <= len(load.outcomes) // 10, load.summary()
+    assert {e: s.container_id(e) for e in engines} == containers
+    assert {e: s.container_pids(e) for e in engines} == pids
+    uids_after = s.fleet.uids()
+    assert {n: u for n, u in uids_after.items() if n != pod} == {n: u for n, u in uids.items() if n != pod}
+    story = s.fleet.events()[events:]
+    assert [r for r, _ in story if r in ("MemberLost", "FrontendReplaced")] == ["MemberLost", "FrontendReplaced"]
+    assert not [r for r, _ in story if r in ("Recovering", "Restarting", "RankLost")], story
+    st = s.fleet.status()
+    assert (st["fleetGeneration"], st["recoveries"]) == (before["fleetGeneration"], before["recoveries"] + 1), st
+    logs = "".join(s.cp.kubectl("logs", "-n", NS, e).stdout for e in engines)
+    assert logs.count("Frontend 1 re-attached: aborted the") == 2, logs[-3000:]
