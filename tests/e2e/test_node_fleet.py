@@ -745,7 +745,8 @@ def test_two_frontends_one_killed_fails_only_its_requests_and_its_replacement_ta
         load.stop()
     failed = load.failures()
     meanwhile = [o for o in load.outcomes if o.ok and dead < o.started < replaced]
-    print(f"frontend 1 of 2 killed under load: replaced after {replaced - killed:.1f} s; {len(meanwhile)} served "
+    print(f"frontend 1 of 2 killed under load: replaced after {replaced - killed:.1f} s (its new container started "
+          f"{started_at(s, pod) - killed:.1f} s after the kill); {len(meanwhile)} served "
           f"meanwhile; failed {[(round(o.started - dead, 2), o.detail[:60]) for o in failed]}; {load.summary()}")
     assert meanwhile, load.summary()  # the Service kept answering through frontend 0
     assert all(o.started < dead + FOLLOWER_WINDOW_S for o in failed), load.summary()

@@ -2326,3 +2326,20 @@ def test_a_lost_rank_of_a_fleet_with_two_frontends_recreates_the_fleet() -> None
     assert w.status.phase == "Recovering"
     assert w.status.fleetGeneration == 2
     assert "recreating the fleet" in next(e.message for e in p.events if e.reason == "RankLost")
+
+
+@pytest.mark.parametrize(("before", "after"), [(1, 2), (2, 1)])
+def test_a_change_of_the_frontend_count_recreates_the_fleet_as_a_configuration_change(before: int, after: int) -> None:
+    """The engines learn every frontend's sockets when they start: a change of spec.frontend.replicas recreates the
+    fleet (Restarting), and the frontend a larger count adds is no pod that vanished (no recovery)."""
+    w = running_frontends(2, before)
+    w.fleet = make_ecs("a").replicas(2).max_replicas(8).set("frontend.replicas", after).obj()
+    w.generation += 1
+    p = w.step()
+    assert [e.reason for e in p.events] == ["Restarting"]
+    assert (w.status.phase, w.status.fleetGeneration, w.status.recoveries) == ("Restarting", 2, 0)
+    w.converge(max_steps=100)
+    assert w.current().phase == "Running"
+    frontends = sorted(n for n, q in w.pods.items() if q.role == constants.ROLE_FRONTEND)
+    assert frontends == constants.frontend_names("a", after)
+    assert w.status.recoveries == 0

@@ -76,13 +76,14 @@ def find_losses(fleet: FleetRef, observed: Observed, basis: Basis, flight: Fligh
     old = basis.old
     dead = (frontend_losses(fleet, observed.fleet, basis.current, flight.committed, now)
             if old.phase in ("Running", "Degraded") and basis.running is None and not basis.fresh else [])
-    gone = vanished(fleet, basis, flight)
+    changed = any(p.spec_hash != basis.config_hash for p in basis.current.values())
+    # A pod the new configuration adds (another frontend) is not one that vanished: the fleet is recreated for it.
+    gone = [] if changed else vanished(fleet, basis, flight)
     lost: list[Loss] = [(lost_rank(fleet, p), describe_loss(p)) for p in failed + gone]
     lost += [(lost_rank(fleet, p), f"{what(p)} (pod {p.name}) not ready {timeout:.0f}s after it was scheduled "
                                    "(ReadyTimeout)") for p in slow]
     lost += dead
     lost += [(None, why) for why in flight.lost]
-    changed = any(p.spec_hash != basis.config_hash for p in basis.current.values())
     names = [p.name for p in failed + slow] + gone
     roles = tuple(role for name in names if (role := member_role(fleet.name, name)) is not None)
     return Losses(lost=tuple(lost), changed=changed, members=roles)
