@@ -3,16 +3,14 @@
 
 Each frontend is one of vLLM's clients of every engine (its own sockets, its client index) and they share the
 OpenAI API's port (`SO_REUSEPORT`: the kernel spreads connections over them), as K frontend pods share the
-fleet's Service. One fleet serves the whole module (2 real vLLM engines, 2 frontends):
+fleet's Service. On 2 real vLLM engines, frontend 1 SIGKILLed under load (the supervisor `corefleet up
+--detach` leaves running replaces it in place, `--attach` with its client index): only requests that were on
+it fail, the endpoint keeps answering through frontend 0, and the replacement takes traffic again; the
+engines' processes are untouched.
 
-* `corefleet scale` 2 -> 3 -> 2 under load: frontend 0 drives the other through each resize (docs/design/
-  k-frontends.md): no request fails, every frontend routes to rank 2 while it serves, and neither knows it once it
-  retired; ranks 0-1 keep their processes.
-* frontend 1 SIGKILLed under load (the supervisor `corefleet up --detach` leaves running replaces it in place,
-  `--attach` with its client index): only requests that were on it fail, the endpoint keeps answering through
-  frontend 0, and the replacement takes traffic again; the engines' processes are untouched.
-
-Heavy (real vLLM, up to 3 engines): on shared machines run the e2e tier under `flock /tmp/corefleet-heavy.lock`.
+Resizes with two frontends (frontend 0 drives every frontend through each) are tested through the operator
+on the real node (tests/e2e/test_node_fleet.py), with the same client code. Heavy (real vLLM, 2 engines): on
+shared machines run the e2e tier under `flock /tmp/corefleet-heavy.lock`.
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ from corefleet_harness import local
 from corefleet_harness.support import wait_until
 from corefleet_harness.tinymodel import write_tiny_model
 from fleettest import Load
-from localfleet import MODEL_NAME, Fleet, Held, corefleet, engine_pids, flags, start
+from localfleet import MODEL_NAME, Fleet, Held, engine_pids, flags, start
 
 pytestmark = pytest.mark.e2e
 
@@ -68,44 +66,6 @@ def admins(fleet: Fleet) -> list[AdminClient]:
 def served(admin: AdminClient) -> dict[int, int]:
     """Requests this frontend sent to each rank it knows."""
     return {r.rank: r.requests_total for r in admin.fleet().ranks}
-
-
-def test_two_frontends_share_the_endpoint_and_resize_2_3_2_in_place_under_load(fleet: Fleet) -> None:
-    state = Path(fleet.rec.state_dir)
-    frontends = admins(fleet)
-    before = engine_pids(state)
-    load = Load(fleet.url, MODEL_NAME, workers=WORKERS, max_tokens=16, pause_s=0.2).start()
-    try:
-        wait_until(lambda: all(sum(served(a).values()) > 0 for a in frontends), 120,
-                   "every frontend serving requests of the shared endpoint")
-        up = corefleet("scale", "3", "--state-dir", str(state), timeout=600)
-        assert up.returncode == 0, f"stdout:\n{up.stdout}\nstderr:\n{up.stderr}"
-        for i, admin in enumerate(frontends):
-            status = admin.fleet()
-            assert status.data_parallel_size == 3, (i, status)
-            assert [(r.rank, r.state) for r in status.ranks] == [(r, RankState.SERVING) for r in range(3)], (i, status)
-        # Every frontend routes to the new rank while it serves.
-        wait_until(lambda: all(served(a).get(2, 0) > 0 for a in frontends), 120, "every frontend routing to rank 2")
-        down = corefleet("scale", "2", "--state-dir", str(state), timeout=600)
-        assert down.returncode == 0, f"stdout:\n{down.stdout}\nstderr:\n{down.stderr}"
-        # Neither frontend knows rank 2 once it retired (its engine is stopped: a request sent there would fail).
-        for i, admin in enumerate(frontends):
-            status = admin.fleet()
-            assert [(r.rank, r.state) for r in status.ranks] == [(r, RankState.SERVING) for r in range(2)], (i, status)
-        mark = time.monotonic()
-        wait_until(lambda: len([o for o in load.outcomes if o.ok and o.started > mark]) >= 8, 60,
-                   "8 requests served at 2 ranks")
-    finally:
-        load.stop()
-    assert not load.failures(), load.summary()
-    after = engine_pids(state)
-    assert after == {r: before[r] for r in range(REPLICAS)}, (before, after)
-    logs = state / local.LOG_DIR
-    follower = (logs / "frontend-1.log").read_text(errors="replace")
-    for what in ("Prepared: waiting for frontend 0's commit", "Committing: adding rank 2",
-                 "Committing: removing rank 2"):
-        assert what in follower, follower[-3000:]
-    print(f"2 -> 3 -> 2 with 2 frontends: {load.summary()}")
 
 
 def test_a_killed_frontend_fails_only_its_requests_and_its_replacement_takes_traffic_again(fleet: Fleet) -> None:

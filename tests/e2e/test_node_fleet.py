@@ -16,11 +16,15 @@ model hub is reachable here, and the engine emulator behind a switch).
   machine can run: real vLLM engines, frontend and coordinator as containers, probed by the kubelet;
   completions through the frontend Service's ClusterIP (kube-proxy's rules), from the host and from a pod
   by the Service's DNS name;
-* resized 2 -> 3 -> 2 in place under load through the ClusterIP: no request fails, the surviving ranks
-  keep their containers; an engine container killed (SIGKILL through containerd) is replaced in place;
+* an engine container killed (SIGKILL through containerd) is replaced in place; the frontend's and the
+  coordinator's containers killed are replaced in place, the engines untouched;
 * the same sample with emulator engines (the runtime-test image's switch) beside it: it serves, and an
   engine hung (SIGSTOP to its processes) is marked NotReady and killed by the kubelet's probes and replaced
-  in place by the operator while rank 0 serves on.
+  in place by the operator while rank 0 serves on;
+* last, the real vLLM fleet with two frontends (`spec.frontend.replicas: 2`, which recreates it): one frontend's
+  container killed under load fails only what was on it while the other answers, and it is replaced in place;
+  resized 2 -> 3 -> 2 in place under load through the ClusterIP: no request fails, both frontends route to
+  rank 2 while it serves, long requests on it finish in its drain, the surviving ranks keep their containers.
 
 The process runner (tests/podrunner.py) stays for what a container cannot give a test: other e2e modules
 run many fleets, swap in the emulator per pod and hold pods unstarted, on one machine, within CI's time.
@@ -320,77 +324,6 @@ def test_sample_fleet_runs_as_containers_and_serves_through_its_cluster_ip(setup
     s.cp.kubectl("delete", "pod", "-n", NS, "client", "--wait=false")
 
 
-def test_real_vllm_fleet_resizes_2_3_2_in_place_under_load(setup: Setup) -> None:
-    s = setup
-    name = s.fleet.name
-    s.fleet.at(2, START_TIMEOUT, interval=0.5)
-    survivors = {r: s.container_id(constants.engine_name(name, r)) for r in (0, 1)}
-    uids = s.fleet.uids()
-    events_before = len(s.fleet.events())
-    # A client that keeps sending through the ClusterIP, with a second between requests. (vLLM's CPU worker
-    # busy-polls for its next step for 1 s after each one: under a denser load the engines keep both cores of
-    # this machine busy and the new engine takes minutes to start instead of about one.)
-    load = Load(s.url(), SERVED, workers=1, max_tokens=8, pause_s=1.0).start()
-    columns: list[list[str]] = []
-    try:
-        with ResizeWatch(s.fleet) as up:
-            t0 = time.monotonic()
-            s.fleet.scale(3)
-            wait_until(lambda: s.fleet.status().get("phase") == "Scaling", 30, "phase Scaling")
-            columns.append(s.fleet.get_ecs().split("\n")[1].split()[:4])
-            s.settle(3)
-            up_took = time.monotonic() - t0
-        columns.append(s.fleet.get_ecs().split("\n")[1].split()[:4])
-        served = wait_until(lambda: s.fleet.admin().fleet().rank(2).requests_total, 60, "rank 2 to serve requests")
-        with ResizeWatch(s.fleet) as down:
-            # Long requests on the leaving rank, the scale-down sent once every one has started and the frontend
-            # counts one in flight there: the drain lets them finish. (Not all at once: on this busy machine the
-            # frontend takes them up seconds apart, and the first may be done before the last starts.)
-            longs = [PinnedStream(s.url(), SERVED, rank=2, max_tokens=LONG_TOKENS) for _ in range(LONG_STREAMS)]
-            assert all(long.first_token.wait(60) for long in longs)
-            in_flight = wait_until(lambda: s.fleet.admin().fleet().rank(2).in_flight, 30,
-                                   "the frontend to count a long request in flight on rank 2", interval=0.05,
-                                   diagnose=lambda: f"{s.fleet.admin().fleet().rank(2)}; the long streams' outcomes "
-                                                    f"(None: still streaming): {[long.outcome for long in longs]}")
-            t0 = time.monotonic()
-            s.fleet.scale(2)
-            s.settle(2, timeout=180)
-            down_took = time.monotonic() - t0
-    finally:
-        load.stop()
-    columns.append(s.fleet.get_ecs().split("\n")[1].split()[:4])
-    assert [long.result() for long in longs] == [(True, "finish_reason length")] * LONG_STREAMS
-    print(f"2 -> 3 settled in {up_took:.1f} s, 3 -> 2 in {down_took:.1f} s; rank 2 served {served} request(s) "
-          f"before it was retired, {in_flight} long one(s) in flight at the scale-down; load: {load.summary()}; "
-          f"operation phases up {up.phases}, down {down.phases}; "
-          f"kubectl get ecs {columns}; events {[r for r, _ in s.fleet.events()[events_before:]]}")
-
-    # No request failed, and the surviving ranks are the same containers in the same pods.
-    assert len(load.outcomes) > 10, load.summary()
-    assert {o.kind for o in load.outcomes} == {"stream", "plain"}
-    assert not load.failures(), load.summary()
-    assert {r: s.container_id(constants.engine_name(name, r)) for r in (0, 1)} == survivors
-    assert s.fleet.uids() == uids, "a surviving pod was recreated"
-    assert "Preparing" in up.phases, up.phases
-    assert up.phases[-1] == "Completed", up.phases
-    assert "Draining" in down.phases, down.phases
-    assert down.phases[-1] == "Completed", down.phases
-    assert 2 in down.retired_at, down.retired_at
-    assert down.retired_at[2] <= down.deleted_at[constants.engine_name(name, 2)]
-    assert columns == [[name, "3", "2", "Scaling"], [name, "3", "3", "Running"], [name, "2", "2", "Running"]], columns
-    st = s.fleet.status()
-    assert (st["replicas"], st["recoveries"], st["fleetGeneration"]) == (2, 0, 1), st
-
-    def story_told() -> list[tuple[str, str]] | None:
-        """The events since the resize began, once the second ResizeCompleted was posted (just after the status)."""
-        story = s.fleet.events()[events_before:]
-        return story if [reason for reason, _ in story].count("ResizeCompleted") >= 2 else None
-
-    story = wait_until(story_told, 30, "the second ResizeCompleted event", diagnose=s.fleet.describe)
-    main = [reason for reason, _ in story if reason in ("ResizeStarted", "RankRetired", "ResizeCompleted", "RankLost")]
-    assert main == ["ResizeStarted", "ResizeCompleted", "ResizeStarted", "RankRetired", "ResizeCompleted"], story
-
-
 def test_a_killed_engine_container_is_replaced_in_place(setup: Setup) -> None:
     """SIGKILL to rank 1's main process through containerd: the container dies with 137, the pod ends
     Failed (restartPolicy Never), and the operator replaces the rank in place while the rest serve on."""
@@ -681,40 +614,6 @@ def requests_on(fleet: FleetView, index: int) -> dict[int, int]:
     return {r.rank: r.requests_total for r in fleet.admin(index).fleet().ranks}
 
 
-def test_two_frontends_resize_2_3_2_in_place_under_load_every_frontend_routing_to_rank_2(
-        two_frontends: Setup) -> None:
-    """Issue 25: with two frontend pods behind the Service, frontend 0 drives each resize through both: no request
-    fails, each frontend routes to rank 2 while it serves and neither knows it once it retired; ranks 0-1 keep
-    their containers."""
-    s = two_frontends
-    name = s.fleet.name
-    s.fleet.at(2, START_TIMEOUT, interval=0.5)
-    survivors = {r: s.container_id(constants.engine_name(name, r)) for r in (0, 1)}
-    load = Load(s.url(), SERVED, workers=2, max_tokens=8, pause_s=0.5).start()
-    try:
-        wait_until(lambda: all(sum(requests_on(s.fleet, i).values()) > 0 for i in range(2)), 120,
-                   "both frontends serving through the Service", interval=0.5, diagnose=load.summary)
-        s.fleet.scale(3)
-        s.settle(3)
-        wait_until(lambda: all(requests_on(s.fleet, i).get(2, 0) > 0 for i in range(2)), 120,
-                   "both frontends routing to rank 2", interval=0.5, diagnose=load.summary)
-        s.fleet.scale(2)
-        s.settle(2, timeout=180)
-        for i in range(2):
-            assert sorted(requests_on(s.fleet, i)) == [0, 1], i  # rank 2 retired on every frontend
-        n = sum(o.ok for o in load.outcomes)
-        wait_until(lambda: sum(o.ok for o in load.outcomes) >= n + 4, 60, "requests served at 2 ranks")
-    finally:
-        load.stop()
-    print(f"2 -> 3 -> 2 with two frontends: {load.summary()}")
-    assert not load.failures(), load.summary()
-    assert {r: s.container_id(constants.engine_name(name, r)) for r in (0, 1)} == survivors
-    log = s.cp.kubectl("logs", "-n", NS, constants.frontend_name(name, 1)).stdout
-    for what in ("Prepared: waiting for frontend 0's commit", "Committing: adding rank 2",
-                 "Committing: removing rank 2"):
-        assert what in log, log[-3000:]
-
-
 def test_two_frontends_one_killed_fails_only_its_requests_and_its_replacement_takes_traffic_again(
         two_frontends: Setup) -> None:
     """Issue 25: frontend 1's container killed under load through the Service: frontend 0 keeps answering, only
@@ -726,7 +625,9 @@ def test_two_frontends_one_killed_fails_only_its_requests_and_its_replacement_ta
     engines = [constants.engine_name(name, r) for r in (0, 1)]
     containers, pids = {e: s.container_id(e) for e in engines}, {e: s.container_pids(e) for e in engines}
     uids, before, events = s.fleet.uids(), s.fleet.status(), len(s.fleet.events())
-    load = Load(s.url(), SERVED, workers=4, max_tokens=8, pause_s=0.1).start()
+    # Two clients, a fifth of a second between requests: frontend 0 alone keeps serving them while the new frontend
+    # 1 imports vLLM on the same two cores (with a denser load that import takes over a minute).
+    load = Load(s.url(), SERVED, workers=2, max_tokens=8, pause_s=0.2).start()
     try:
         wait_until(lambda: sum(o.ok for o in load.outcomes) >= 10 and sum(requests_on(s.fleet, 1).values()) > 0,
                    120, "the load served by both frontends", diagnose=load.summary)
@@ -762,3 +663,86 @@ def test_two_frontends_one_killed_fails_only_its_requests_and_its_replacement_ta
     assert (st["fleetGeneration"], st["recoveries"]) == (before["fleetGeneration"], before["recoveries"] + 1), st
     logs = "".join(s.cp.kubectl("logs", "-n", NS, e).stdout for e in engines)
     assert logs.count("Frontend 1 re-attached: aborted the") == 2, logs[-3000:]
+
+
+def test_real_vllm_fleet_with_two_frontends_resizes_2_3_2_in_place_under_load(two_frontends: Setup) -> None:
+    """2 -> 3 -> 2 through the ClusterIP, with two frontend pods behind it (frontend 0 drives each resize through
+    both, issue 25): no request fails, the surviving ranks keep their containers and pods, every frontend routes to
+    rank 2 while it serves and neither knows it once it retired, and long requests on rank 2 finish in its drain."""
+    s = two_frontends
+    name = s.fleet.name
+    s.fleet.at(2, START_TIMEOUT, interval=0.5)
+    survivors = {r: s.container_id(constants.engine_name(name, r)) for r in (0, 1)}
+    uids, before = s.fleet.uids(), s.fleet.status()
+    events_before = len(s.fleet.events())
+    # A client that keeps sending through the ClusterIP, with a second between requests. (vLLM's CPU worker
+    # busy-polls for its next step for 1 s after each one: under a denser load the engines keep both cores of
+    # this machine busy and the new engine takes minutes to start instead of about one.)
+    load = Load(s.url(), SERVED, workers=1, max_tokens=8, pause_s=1.0).start()
+    columns: list[list[str]] = []
+    try:
+        with ResizeWatch(s.fleet) as up:
+            t0 = time.monotonic()
+            s.fleet.scale(3)
+            wait_until(lambda: s.fleet.status().get("phase") == "Scaling", 30, "phase Scaling")
+            columns.append(s.fleet.get_ecs().split("\n")[1].split()[:4])
+            s.settle(3)
+            up_took = time.monotonic() - t0
+        columns.append(s.fleet.get_ecs().split("\n")[1].split()[:4])
+        # Every frontend routes to the new rank (each counts what it sent there).
+        served = wait_until(lambda: all(requests_on(s.fleet, i).get(2, 0) > 0 for i in range(2))
+                            and sum(requests_on(s.fleet, i)[2] for i in range(2)), 120,
+                            "both frontends routing to rank 2", diagnose=load.summary)
+        with ResizeWatch(s.fleet) as down:
+            # Long requests on the leaving rank, the scale-down sent once every one has started and the frontend
+            # counts one in flight there: the drain lets them finish. (Not all at once: on this busy machine the
+            # frontend takes them up seconds apart, and the first may be done before the last starts.)
+            longs = [PinnedStream(s.url(), SERVED, rank=2, max_tokens=LONG_TOKENS) for _ in range(LONG_STREAMS)]
+            assert all(long.first_token.wait(60) for long in longs)
+            in_flight = wait_until(lambda: sum(s.fleet.admin(i).fleet().rank(2).in_flight for i in range(2)), 30,
+                                   "a frontend to count a long request in flight on rank 2", interval=0.05,
+                                   diagnose=lambda: f"the long streams' outcomes (None: still streaming): "
+                                                    f"{[long.outcome for long in longs]}")
+            t0 = time.monotonic()
+            s.fleet.scale(2)
+            s.settle(2, timeout=180)
+            down_took = time.monotonic() - t0
+    finally:
+        load.stop()
+    columns.append(s.fleet.get_ecs().split("\n")[1].split()[:4])
+    assert [long.result() for long in longs] == [(True, "finish_reason length")] * LONG_STREAMS
+    print(f"2 -> 3 settled in {up_took:.1f} s, 3 -> 2 in {down_took:.1f} s; rank 2 served {served} request(s) "
+          f"before it was retired, {in_flight} long one(s) in flight at the scale-down; load: {load.summary()}; "
+          f"operation phases up {up.phases}, down {down.phases}; "
+          f"kubectl get ecs {columns}; events {[r for r, _ in s.fleet.events()[events_before:]]}")
+
+    # No request failed, and the surviving ranks are the same containers in the same pods.
+    assert len(load.outcomes) > 10, load.summary()
+    assert {o.kind for o in load.outcomes} == {"stream", "plain"}
+    assert not load.failures(), load.summary()
+    assert {r: s.container_id(constants.engine_name(name, r)) for r in (0, 1)} == survivors
+    assert s.fleet.uids() == uids, "a surviving pod was recreated"
+    assert "Preparing" in up.phases, up.phases
+    assert up.phases[-1] == "Completed", up.phases
+    assert "Draining" in down.phases, down.phases
+    assert down.phases[-1] == "Completed", down.phases
+    assert 2 in down.retired_at, down.retired_at
+    assert down.retired_at[2] <= down.deleted_at[constants.engine_name(name, 2)]
+    assert columns == [[name, "3", "2", "Scaling"], [name, "3", "3", "Running"], [name, "2", "2", "Running"]], columns
+    for i in range(2):  # rank 2 retired on every frontend
+        assert sorted(requests_on(s.fleet, i)) == [0, 1], i
+    log = s.cp.kubectl("logs", "-n", NS, constants.frontend_name(name, 1)).stdout
+    for what in ("Prepared: waiting for frontend 0's commit", "Committing: adding rank 2",
+                 "Committing: removing rank 2"):
+        assert what in log, log[-3000:]
+    st = s.fleet.status()
+    assert (st["replicas"], st["recoveries"]) == (2, before["recoveries"]), st
+
+    def story_told() -> list[tuple[str, str]] | None:
+        """The events since the resize began, once the second ResizeCompleted was posted (just after the status)."""
+        story = s.fleet.events()[events_before:]
+        return story if [reason for reason, _ in story].count("ResizeCompleted") >= 2 else None
+
+    story = wait_until(story_told, 30, "the second ResizeCompleted event", diagnose=s.fleet.describe)
+    main = [reason for reason, _ in story if reason in ("ResizeStarted", "RankRetired", "ResizeCompleted", "RankLost")]
+    assert main == ["ResizeStarted", "ResizeCompleted", "ResizeStarted", "RankRetired", "ResizeCompleted"], story
