@@ -88,31 +88,55 @@ def log(msg: str) -> None:
 
 # ---- the load generator (its own process: `bench_frontend.py --loadgen URL ...`) -------------------
 async def _load(url: str, model: str, concurrency: int, warmup: float, duration: float,
-                max_tokens: int) -> dict[str, Any]:
+                max_tokens: int, stream: bool = False) -> dict[str, Any]:
     import aiohttp  # installed with vLLM
 
     loop = asyncio.get_running_loop()
     t_start = loop.time() + warmup
     t_end = t_start + duration
     latencies: list[float] = []
+    ttfts: list[float] = []  # streaming: time to the first token
+    tpots: list[float] = []  # streaming: time per output token after the first
     errors: list[str] = []
     counter = 0
     headers = {"Content-Type": "application/json"}
+
+    async def streamed(resp: Any, t0: float) -> tuple[str | None, float, float]:
+        """Read an SSE completion; (error, TTFT, TPOT) as `vllm bench serve` defines them: the first chunk with a
+        choice (the tiny model's tokens may decode to no text), and (end - first) / (max_tokens - 1)."""
+        first = None
+        finish = None
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            event = json.loads(line[5:])
+            if "error" in event:
+                return f"error event: {event['error']}", 0.0, 0.0
+            for choice in event.get("choices", ()):
+                first = first if first is not None else loop.time()
+                finish = choice.get("finish_reason") or finish
+        end = loop.time()
+        if first is None or finish != "length":
+            return f"stream ended without its tokens (finish_reason {finish})", 0.0, 0.0
+        return None, first - t0, (end - first) / max(1, max_tokens - 1)
 
     async def worker(session: aiohttp.ClientSession) -> None:
         nonlocal counter
         while (t0 := loop.time()) < t_end:
             counter += 1
             body = json.dumps({"model": model, "prompt": f"{PROMPT} {counter}", "max_tokens": max_tokens,
-                               "ignore_eos": True, "temperature": 0.0}).encode()
+                               "ignore_eos": True, "temperature": 0.0, "stream": stream}).encode()
             error = None
+            ttft = tpot = 0.0
             try:
                 async with session.post(url, data=body, headers=headers) as resp:
-                    raw = await resp.read()
                     if resp.status != 200:
-                        error = f"HTTP {resp.status}: {raw[:200]!r}"
+                        error = f"HTTP {resp.status}: {(await resp.read())[:200]!r}"
+                    elif stream:
+                        error, ttft, tpot = await streamed(resp, t0)
                     else:
-                        got = json.loads(raw)["usage"]["completion_tokens"]
+                        got = json.loads(await resp.read())["usage"]["completion_tokens"]
                         if got != max_tokens:
                             error = f"{got} completion tokens, expected {max_tokens}"
             except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as e:
@@ -121,6 +145,9 @@ async def _load(url: str, model: str, concurrency: int, warmup: float, duration:
             if t_start <= t1 <= t_end:  # completed within the window (it may have started in the warm-up)
                 if error is None:
                     latencies.append(t1 - t0)
+                    if stream:
+                        ttfts.append(ttft)
+                        tpots.append(tpot)
                 else:
                     errors.append(error)
 
@@ -135,6 +162,8 @@ async def _load(url: str, model: str, concurrency: int, warmup: float, duration:
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         await asyncio.gather(marks(), *(worker(session) for _ in range(concurrency)))
     latencies.sort()
+    ttfts.sort()
+    tpots.sort()
     return {
         "completed": len(latencies),
         "errors": len(errors),
@@ -142,6 +171,10 @@ async def _load(url: str, model: str, concurrency: int, warmup: float, duration:
         "seconds": duration,
         "p50_ms": 1000 * _quantile(latencies, 0.50),
         "p99_ms": 1000 * _quantile(latencies, 0.99),
+        "ttft_p50_ms": 1000 * _quantile(ttfts, 0.50),
+        "ttft_p99_ms": 1000 * _quantile(ttfts, 0.99),
+        "tpot_p50_ms": 1000 * _quantile(tpots, 0.50),
+        "tpot_p99_ms": 1000 * _quantile(tpots, 0.99),
         "sent": counter,
     }
 
@@ -156,7 +189,7 @@ def loadgen_main(args: argparse.Namespace) -> int:
     import uvloop  # installed with vLLM: the cheapest event loop for the client too
 
     result = uvloop.run(_load(args.loadgen, SERVED_NAME, args.concurrency, args.warmup, args.duration,
-                              args.max_tokens))
+                              args.max_tokens, args.stream))
     print("RESULT " + json.dumps(result), flush=True)
     return 0
 
@@ -229,6 +262,7 @@ class Fleet:
     health_ports: tuple[int, ...]
     roles: dict[str, list[int]] = field(default_factory=dict)  # role -> pids, sampled for CPU
     logs: dict[str, Path] = field(default_factory=dict)
+    frontends: int = 1  # API-server processes (stock --api-server-count, corefleet --frontends)
 
 
 class StockFleet:
@@ -239,8 +273,10 @@ class StockFleet:
     so none can be recycled meanwhile.
     """
 
-    def __init__(self, work: Path, model: str, flags: tuple[str, ...], token_delay_ms: int) -> None:
+    def __init__(self, work: Path, model: str, flags: tuple[str, ...], token_delay_ms: int,
+                 api_servers: int = 1) -> None:
         self.work = work
+        self.api_servers = api_servers
         self.procs: list[Proc] = []
         http, rpc, h0, h1 = free_ports(4)
         self.ports = Ports(http=http, admin=0, rpc=rpc, coord_front_publish=0, coord_back_output=0,
@@ -250,7 +286,7 @@ class StockFleet:
             py, "-m", "vllm.entrypoints.cli.main", "serve", model,
             "--data-parallel-size", str(REPLICAS), "--data-parallel-size-local", "0",
             "--data-parallel-address", LOCALHOST, "--data-parallel-rpc-port", str(rpc),
-            "--api-server-count", "1", "--host", LOCALHOST, "--port", str(http), *flags,
+            "--api-server-count", str(api_servers), "--host", LOCALHOST, "--port", str(http), *flags,
         ])] + [(f"engine-{r}", local.engine_argv(py, local.ENGINE_EMULATOR, model, REPLICAS, r, self.ports, flags,
                                                  token_delay_ms=token_delay_ms)) for r in range(REPLICAS)]
 
@@ -292,11 +328,20 @@ class StockFleet:
 
     def fleet(self) -> Fleet:
         fe = self.procs[0].popen.pid
+        kids = children(fe)
+        if self.api_servers == 1:  # one API server: the `vllm serve` process itself; its child, the coordinator
+            frontends, coordinator = [fe], kids
+        else:  # vLLM's API servers are child processes (titled APIServer_i) beside the coordinator (DPCoordinator)
+            wait_until(lambda: len(_titled(children(fe), "APIServer")) == self.api_servers, 30,
+                       "the stock API server processes")
+            kids = children(fe)
+            frontends = [fe, *_titled(kids, "APIServer")]
+            coordinator = [pid for pid in kids if pid not in frontends]
         return Fleet(side="stock", base=f"http://{LOCALHOST}:{self.ports.http}", frontend_pid=fe,
                      health_ports=self.ports.health,
-                     roles={"frontend": [fe], "coordinator": children(fe),
+                     roles={"frontend": frontends, "coordinator": coordinator,
                             **{p.name: [p.popen.pid] for p in self.procs[1:]}},
-                     logs={p.name: p.log for p in self.procs})
+                     logs={p.name: p.log for p in self.procs}, frontends=self.api_servers)
 
     def stop(self) -> None:
         def live() -> list[Proc]:
@@ -324,23 +369,33 @@ class StockFleet:
         raise BenchError("stock fleet processes survived SIGKILL: " + ", ".join(p.name for p in live()))
 
 
+def _titled(pids: list[int], title: str) -> list[int]:
+    """The processes whose command line (vLLM's process title) contains `title`."""
+    return [pid for pid in pids if title in " ".join(local.proc_cmdline(pid) or ())]
+
+
 def corefleet_fleet(fleet: LocalFleet) -> Fleet:
     rec = fleet.record
     by_role = {p.name: p for p in rec.processes}
     fe = by_role[local.ROLE_FRONTEND].pid
     coord = by_role[local.ROLE_COORDINATOR].pid
-    roles = {"frontend": [fe], "frontend-children": children(fe), "coordinator": [coord, *children(coord)]}
+    frontends = [p.pid for p in rec.processes if p.role == local.ROLE_FRONTEND]
+    roles = {"frontend": frontends, "frontend-children": [kid for pid in frontends for kid in children(pid)],
+             "coordinator": [coord, *children(coord)]}
     roles |= {f"engine-{r}": [by_role[f"engine-{r}"].pid] for r in range(rec.replicas)}
     return Fleet(side="corefleet", base=rec.endpoint.removesuffix("/v1"), frontend_pid=fe,
-                 health_ports=rec.ports.health, roles=roles, logs={p.name: Path(p.log) for p in rec.processes})
+                 health_ports=rec.ports.health, roles=roles, logs={p.name: Path(p.log) for p in rec.processes},
+                 frontends=rec.frontends)
 
 
 @contextlib.contextmanager
-def running(side: str, work: Path, model: str, flags: tuple[str, ...], token_delay_ms: int) -> Iterator[Fleet]:
-    """A fleet of `side`, started, ready and checked with one completion; stopped on the way out."""
+def running(side: str, work: Path, model: str, flags: tuple[str, ...], token_delay_ms: int,
+            frontends: int = 1) -> Iterator[Fleet]:
+    """A fleet of `side` with `frontends` API-server processes, started, ready and checked with one completion;
+    stopped on the way out."""
     t0 = time.monotonic()
     if side == "stock":
-        stock = StockFleet(work, model, flags, token_delay_ms)
+        stock = StockFleet(work, model, flags, token_delay_ms, api_servers=frontends)
         try:
             stock.start()
             stock.wait_ready(READY_TIMEOUT)
@@ -350,7 +405,7 @@ def running(side: str, work: Path, model: str, flags: tuple[str, ...], token_del
             stock.stop()
         return
     opts = FleetOptions(replicas=REPLICAS, engine=local.ENGINE_EMULATOR, model=model, vllm_flags=flags,
-                        port=free_ports(1)[0], state_dir=work, token_delay_ms=token_delay_ms)
+                        port=free_ports(1)[0], state_dir=work, token_delay_ms=token_delay_ms, frontends=frontends)
     cf: LocalFleet | None = None
     try:
         try:
@@ -392,12 +447,15 @@ def engine_requests(fleet: Fleet) -> list[int]:
 class RoundResult:
     side: str
     round: int
+    frontends: int
     rps: float
     completed: int
     errors: int
     error_samples: list[str]
     p50_ms: float
     p99_ms: float
+    ttft: tuple[float, float]  # streaming: p50, p99 ms (NaN without --stream)
+    tpot: tuple[float, float]
     cpu: dict[str, float]  # role -> CPU seconds in the window
     other_cpu: float  # CPU seconds of every other process on the machine in the window
     rss: tuple[float, float]  # the frontend process: (VmRSS, VmHWM) MiB after the load
@@ -406,13 +464,19 @@ class RoundResult:
 
     @property
     def fe_ms_per_req(self) -> float:
+        """CPU ms of all the frontend processes together per completed request."""
         return 1000 * self.cpu["frontend"] / self.completed if self.completed else float("nan")
+
+    @property
+    def req_per_fe_cpu_s(self) -> float:
+        """Completed requests per CPU second of the frontend processes (flat as K grows: no per-frontend waste)."""
+        return self.completed / self.cpu["frontend"] if self.cpu["frontend"] > 0 else float("nan")
 
 
 def run_load(fleet: Fleet, args: argparse.Namespace, rnd: int, logs: Path) -> RoundResult:
     argv = [sys.executable, str(Path(__file__).resolve()), "--loadgen", f"{fleet.base}/v1/completions",
             "--concurrency", str(args.concurrency), "--warmup", str(args.warmup), "--duration", str(args.duration),
-            "--max-tokens", str(args.max_tokens)]
+            "--max-tokens", str(args.max_tokens), *(["--stream"] if args.stream else [])]
     before_ranks = engine_requests(fleet)
     err_path = logs / f"loadgen-{fleet.side}-{rnd}.log"
     result: dict[str, Any] | None = None
@@ -453,17 +517,22 @@ def run_load(fleet: Fleet, args: argparse.Namespace, rnd: int, logs: Path) -> Ro
     coord_pids = fleet.roles.get("coordinator", [])
     coord_rss = sum(rss_mib(pid)[0] for pid in coord_pids)
     return RoundResult(
-        side=fleet.side, round=rnd, rps=result["completed"] / result["seconds"], completed=result["completed"],
-        errors=result["errors"], error_samples=result["error_samples"], p50_ms=result["p50_ms"],
-        p99_ms=result["p99_ms"], cpu=cpu, other_cpu=max(0.0, other), rss=fe_rss, coordinator_rss=coord_rss,
+        side=fleet.side, round=rnd, frontends=fleet.frontends, rps=result["completed"] / result["seconds"],
+        completed=result["completed"], errors=result["errors"], error_samples=result["error_samples"],
+        p50_ms=result["p50_ms"], p99_ms=result["p99_ms"], ttft=(result["ttft_p50_ms"], result["ttft_p99_ms"]),
+        tpot=(result["tpot_p50_ms"], result["tpot_p99_ms"]), cpu=cpu, other_cpu=max(0.0, other), rss=fe_rss,
+        coordinator_rss=coord_rss,
         per_rank=[a - b for a, b in zip(after_ranks, before_ranks, strict=True)],
     )
 
 
 def describe(r: RoundResult, duration: float) -> str:
     cores = ", ".join(f"{role} {sec / duration:.2f}" for role, sec in r.cpu.items() if sec > 0.005)
-    return (f"{r.side:<10} round {r.round}: {r.rps:7.1f} req/s  ({r.completed} ok, {r.errors} errors)  "
-            f"p50 {r.p50_ms:.0f} ms  p99 {r.p99_ms:.0f} ms  frontend CPU {r.fe_ms_per_req:.2f} ms/req  "
+    streamed = f"TTFT p50/p99 {r.ttft[0]:.0f}/{r.ttft[1]:.0f} ms  TPOT p50/p99 {r.tpot[0]:.1f}/{r.tpot[1]:.1f} ms  " \
+        if r.ttft[0] == r.ttft[0] else ""
+    return (f"{r.side:<10} K={r.frontends} round {r.round}: {r.rps:7.1f} req/s  ({r.completed} ok, {r.errors} "
+            f"errors)  p50 {r.p50_ms:.0f} ms  p99 {r.p99_ms:.0f} ms  {streamed}frontend CPU {r.fe_ms_per_req:.2f} "
+            f"ms/req ({r.req_per_fe_cpu_s:.0f} req per frontend CPU-s)  "
             f"frontend RSS {r.rss[0]:.0f} MiB (peak {r.rss[1]:.0f})  coordinator RSS {r.coordinator_rss:.0f} MiB  "
             f"requests per rank {r.per_rank}\n"
             f"{'':<12}CPU cores used in the window: {cores}; other processes {r.other_cpu / duration:.2f}")
@@ -479,6 +548,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=16, help="max_tokens of each completion (default 16)")
     p.add_argument("--token-delay-ms", type=int, default=0, help="the emulated engines' time per step (default 0)")
     p.add_argument("--state-dir", help="keep the model, the fleets' logs and the load generator's here")
+    p.add_argument("--frontends", default="1",
+                   help="API-server processes per side, a comma-separated list run in turn: stock --api-server-count "
+                        "K against corefleet --frontends K (default 1)")
+    p.add_argument("--stream", action="store_true",
+                   help="streamed completions: TTFT and TPOT are measured too (default: non-streaming)")
     p.add_argument("--loadgen", metavar="URL", help=argparse.SUPPRESS)  # internal: run the load generator
     return p.parse_args(argv)
 
@@ -489,6 +563,13 @@ def main(argv: list[str] | None = None) -> int:
         return loadgen_main(args)
     if args.duration <= 0 or args.warmup < 0 or args.concurrency < 1 or args.rounds < 1 or args.max_tokens < 1:
         print("--duration, --concurrency, --rounds and --max-tokens must be positive", file=sys.stderr)
+        return 2
+    try:
+        args.frontend_counts = [int(k) for k in str(args.frontends).split(",")]
+    except ValueError:
+        args.frontend_counts = []
+    if not args.frontend_counts or any(not 1 <= k <= local.MAX_FRONTENDS for k in args.frontend_counts):
+        print(f"--frontends must list counts in 1..{local.MAX_FRONTENDS}, not {args.frontends!r}", file=sys.stderr)
         return 2
     return run_in_state_dir("bench_frontend", args.state_dir, lambda state, started: _run(args, state, started))
 
@@ -518,13 +599,17 @@ def _run(args: argparse.Namespace, state: Path, started: float) -> int:
         f"{args.concurrency} workers, max_tokens {args.max_tokens}")
     results: list[RoundResult] = []
     for rnd in range(1, args.rounds + 1):
-        for side in SIDES:
-            work = state / f"{side}-{rnd}"
-            log(f"round {rnd}: starting the {side} fleet (load average {os.getloadavg()[0]:.2f})")
-            with running(side, work, model, flags, args.token_delay_ms) as fleet:
-                res = run_load(fleet, args, rnd, work)
-            results.append(res)
-            log(describe(res, args.duration))
+        for k in args.frontend_counts:
+            for side in SIDES:
+                work = state / f"{side}-k{k}-{rnd}"
+                log(f"round {rnd}: starting the {side} fleet with {k} frontend(s) (load average "
+                    f"{os.getloadavg()[0]:.2f})")
+                with running(side, work, model, flags, args.token_delay_ms, frontends=k) as fleet:
+                    res = run_load(fleet, args, rnd, work)
+                results.append(res)
+                log(describe(res, args.duration))
+    if args.frontend_counts != [1]:
+        return _report_frontends(args, results, cores, started)
 
     by_side = {side: [r for r in results if r.side == side] for side in SIDES}
     rps = {side: [r.rps for r in rs] for side, rs in by_side.items()}
@@ -570,6 +655,57 @@ def _run(args: argparse.Namespace, state: Path, started: float) -> int:
     print(f"RATIO corefleet/stock requests/s = {ratio:.2f} (goal >= 0.95)  "
           f"[medians: corefleet {med['corefleet']:.1f}, stock {med['stock']:.1f} req/s]", flush=True)
     return 1 if errors else 0
+
+
+def _report_frontends(args: argparse.Namespace, results: list[RoundResult], cores: int, started: float) -> int:
+    """The K-frontends run: per K, each side's medians, the ratio corefleet/stock, and requests per frontend
+    CPU-second against K=1's (flat within 10 %: adding frontends wastes no CPU per request)."""
+    errors = sum(r.errors for r in results)
+    print()
+    print("details:")
+    print(f"  machine: {cores} CPU cores ({_cpu_model()}); vLLM {_vllm_version()}; Python "
+          f"{platform.python_version()}; {datetime.now().isoformat(timespec='minutes')}")
+    print(f"  {REPLICAS} emulated engines (--token-delay-ms {args.token_delay_ms}); stock: vllm serve "
+          "--api-server-count K (its API servers share one port, vLLM's DP coordinator beside them); corefleet: "
+          "corefleet up --frontends K (K frontend processes sharing the port with SO_REUSEPORT, the standalone "
+          "coordinator); one fleet at a time, fresh per round, sides and K alternating")
+    for r in results:
+        print("  " + describe(r, args.duration))
+    print()
+    stream = "streamed" if args.stream else "non-streaming"
+    print(f"corefleet frontends benchmark: {args.concurrency} closed-loop workers, /v1/completions {stream}, "
+          f"max_tokens {args.max_tokens}, {args.duration:g} s x {args.rounds} rounds per side and K")
+    base: dict[str, float] = {}
+    for k in args.frontend_counts:
+        med: dict[str, dict[str, float]] = {}
+        for side in SIDES:
+            rs = [r for r in results if r.side == side and r.frontends == k]
+            med[side] = {"rps": statistics.median(r.rps for r in rs),
+                         "ttft50": statistics.median(r.ttft[0] for r in rs),
+                         "ttft99": statistics.median(r.ttft[1] for r in rs),
+                         "tpot50": statistics.median(r.tpot[0] for r in rs),
+                         "tpot99": statistics.median(r.tpot[1] for r in rs),
+                         "ms": statistics.median(r.fe_ms_per_req for r in rs),
+                         "eff": statistics.median(r.req_per_fe_cpu_s for r in rs)}
+            base.setdefault(side, med[side]["eff"])
+            m = med[side]
+            print(f"K={k} {side:<10} {m['rps']:7.1f} req/s (rounds {[round(r.rps, 1) for r in rs]}); TTFT p50/p99 "
+                  f"{m['ttft50']:.0f}/{m['ttft99']:.0f} ms; TPOT p50/p99 {m['tpot50']:.1f}/{m['tpot99']:.1f} ms; "
+                  f"frontend CPU {m['ms']:.2f} ms/req = {m['eff']:.0f} req per frontend CPU-s "
+                  f"({m['eff'] / base[side]:.2f}x K={args.frontend_counts[0]}'s)")
+        print(f"RATIO K={k} corefleet/stock requests/s = {med['corefleet']['rps'] / med['stock']['rps']:.2f} "
+              f"(goal >= 1.0); TTFT p50 {_ratio(med['corefleet']['ttft50'], med['stock']['ttft50'])}, TPOT p50 "
+              f"{_ratio(med['corefleet']['tpot50'], med['stock']['tpot50'])}; req per frontend CPU-s vs "
+              f"K={args.frontend_counts[0]}: corefleet {med['corefleet']['eff'] / base['corefleet']:.2f}, stock "
+              f"{med['stock']['eff'] / base['stock']:.2f} (goal: corefleet within 0.90-1.10)", flush=True)
+    print(f"wall time: {time.monotonic() - started:.0f} s")
+    if errors:
+        print(f"NOTE: {errors} requests failed; the figures are not comparable")
+    return 1 if errors else 0
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}" if b > 0 else f"{a:.1f} ms vs {b:.1f} ms"
 
 
 def _cpu_model() -> str:
