@@ -24,6 +24,7 @@ from corefleet_operator.models import (
     Condition,
     EngineCoreSetSpec,
     EngineCoreSetStatus,
+    FrontendStatus,
     OperationStatus,
     RankStatus,
     RecoveryStatus,
@@ -123,7 +124,8 @@ def test_the_largest_fleet_takes_the_largest_status(k8s: LocalControlPlane, name
            for i in range(constants.MAX_ENV_VARS)]
     args = [f"--x{i:03}_" + "_" * (constants.MAX_ENGINE_ARG_LENGTH - 7) for i in range(constants.MAX_ENGINE_ARGS)]
     obj = ecs("largest", replicas=512, maxReplicas=512,
-              engine={"args": args, "env": env, "tensorParallelSize": 1})
+              engine={"args": args, "env": env, "tensorParallelSize": 1},
+              frontend={"replicas": constants.MAX_FRONTENDS})
     assert model_accepts(obj)
     r = k8s.kubectl("apply", "--server-side", "-n", namespace, "-f", "-", input=json.dumps(obj), check=False)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -136,7 +138,9 @@ def test_the_largest_fleet_takes_the_largest_status(k8s: LocalControlPlane, name
         conditions=tuple(Condition(type=t, status="True", reason="R", lastTransitionTime=NOW, message=long)
                          for t in ("Available", "Progressing", "Scaling", "Degraded")),
         operation=OperationStatus(id="r", fromReplicas=1, toReplicas=512, phase="Failed", message=long),
-        recovery=RecoveryStatus(attempt=3, reason=long), fleetGeneration=3)
+        recovery=RecoveryStatus(attempt=3, reason=long), fleetGeneration=3,
+        frontends=tuple(FrontendStatus(pod=name, ready=False)
+                        for name in constants.frontend_names("largest", constants.MAX_FRONTENDS)))
     body = json.dumps({"status": status.to_json()}).encode()
     assert len(body) > 190 * 1024
     k8s.request("PATCH", f"/apis/{constants.API_VERSION}/namespaces/{namespace}/{constants.PLURAL}/largest/status",

@@ -83,7 +83,8 @@ def test_sample_becomes_a_complete_fleet_with_status(cluster: Cluster, operator:
     assert re.fullmatch(r"[A-Z][A-Za-z]+", conditions["Available"]["reason"])
     # kopf's bookkeeping stays out of status and under our prefix.
     assert set(st) <= {"observedGeneration", "replicas", "readyReplicas", "selector", "phase", "conditions",
-                       "ranks", "recoveries", "fleetGeneration", "endpoint", "operation"}
+                       "ranks", "recoveries", "fleetGeneration", "endpoint", "operation", "frontends"}
+    assert st["frontends"] == [{"pod": "llm-frontend", "ready": True}]
     assert ecs["metadata"]["finalizers"] == ["corefleet.io/finalizer"]
     assert not [k for k in ecs["metadata"].get("annotations", {}) if k.startswith("kopf.zalando.org")]
     assert cluster.events("FleetReady")
@@ -91,6 +92,29 @@ def test_sample_becomes_a_complete_fleet_with_status(cluster: Cluster, operator:
     table = cluster.k8s.kubectl("get", "ecs", "-n", cluster.ns).stdout.splitlines()
     assert table[0].split() == ["NAME", "REPLICAS", "READY", "PHASE", "MODEL", "AGE"]
     assert table[1].split()[:5] == ["llm", "2", "2", "Running", "corefleet/tiny-llama"]
+
+
+def test_two_frontends_are_two_pods_that_each_know_both_and_status_tells_which_serve(
+        cluster: Cluster, operator: KopfRunner) -> None:
+    """spec.frontend.replicas: 2 (issue 25): `NAME-frontend` and `NAME-frontend-1`, each with both frontends' DNS
+    names and its own client index, behind the one Service; a MoE fleet with two is refused at admission."""
+    cluster.apply(cluster.make("k2").replicas(2).set("frontend.replicas", 2).manifest())
+    ecs = cluster.wait_running("k2", 2)
+    pods = cluster.pods("k2")
+    assert sorted(pods) == ["k2-coordinator", "k2-engine-0", "k2-engine-1", "k2-frontend", "k2-frontend-1"]
+    dns = [f"k2-frontend.k2-fleet.{cluster.ns}.svc", f"k2-frontend-1.k2-fleet.{cluster.ns}.svc"]
+    for index, name in enumerate(("k2-frontend", "k2-frontend-1")):
+        args = pods[name]["spec"]["containers"][0]["args"]
+        assert args[args.index("--frontend-addresses") + 1] == ",".join(dns)
+        assert args[args.index("--client-index") + 1] == str(index)
+    assert ecs["status"]["frontends"] == [{"pod": "k2-frontend", "ready": True}, {"pod": "k2-frontend-1",
+                                                                                  "ready": True}]
+    service = cluster.get(f"/api/v1/namespaces/{cluster.ns}/services/k2")
+    assert service["spec"]["selector"] == {"corefleet.io/fleet": "k2", "corefleet.io/role": "frontend"}
+    refused = cluster.k8s.kubectl("apply", "-n", cluster.ns, "-f", "-", check=False, input=json.dumps(
+        cluster.make("moe").replicas(2).expert_parallel().set("frontend.replicas", 2).manifest()))
+    assert refused.returncode != 0
+    assert "frontend.replicas must be 1 with expertParallel: true" in refused.stderr
 
 
 def test_kubectl_scale_starts_an_in_place_resize(cluster: Cluster, operator: KopfRunner) -> None:
