@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import http.client
 import json
@@ -25,7 +26,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -398,3 +399,26 @@ def kill_member_under_load(state: Path, url: str, model: str, role: str, replica
     assert not late, f"requests sent once the {role} served again failed: {late[:5]}; {load.summary()}"
     print(f"{role} killed: serving again after {back - killed:.1f} s; {load.summary()}")
     return back - killed, load
+
+
+@contextlib.contextmanager
+def supervised(fleet: Fleet) -> Iterator[subprocess.Popen[bytes]]:
+    """The fleet with the supervisor `corefleet up --detach` leaves running (a replacement frontend it starts gets
+    the fleet's --liveness-timeout); on the way out the state file forgets it, as `corefleet down` does, and it must
+    leave with 0."""
+    state = Path(fleet.rec.state_dir)
+    rec = local.load_record(state)
+    assert rec is not None
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(ENV_LIVENESS_TIMEOUT, str(fleet.liveness_timeout))
+        rec, supervisor = local.spawn_supervisor(rec)
+    fleet.fleet.record = rec
+    try:
+        yield supervisor
+    finally:
+        latest = local.load_record(state)
+        assert latest is not None
+        fleet.fleet.record = dataclasses.replace(latest, processes=tuple(
+            p for p in latest.processes if p.role != local.ROLE_SUPERVISOR))
+        local.save_record(fleet.fleet.record)
+        assert supervisor.wait(30) == 0

@@ -43,7 +43,6 @@ Heavy (real vLLM, up to 3 engines, ~8 GiB): on shared machines run the e2e tier 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -62,7 +61,6 @@ import psutil
 import pytest
 
 from corefleet_client.admin import AdminClient, AdminError, FleetState, RankState, ResizePhase, ResizeRequest
-from corefleet_client.frontend.__main__ import ENV_LIVENESS_TIMEOUT
 from corefleet_harness import local
 from corefleet_harness.support import free_port, http_get, wait_until
 from corefleet_harness.tinymodel import write_tiny_model
@@ -79,6 +77,7 @@ from localfleet import (
     kill_member_under_load,
     scale,
     start,
+    supervised,
 )
 
 pytestmark = pytest.mark.e2e
@@ -509,13 +508,8 @@ def test_the_supervisor_replaces_a_killed_frontend_and_coordinator_in_place_the_
     SIGKILLed coordinator is started again and no request fails. The engines' processes are never touched."""
     fleet = vllm_fleet
     state = Path(fleet.rec.state_dir)
-    rec = local.load_record(state)
-    assert rec is not None
-    with pytest.MonkeyPatch.context() as env:  # the replacement frontend's --liveness-timeout, as the fleet's
-        env.setenv(ENV_LIVENESS_TIMEOUT, str(fleet.liveness_timeout))
-        rec, supervisor = local.spawn_supervisor(rec)
-    fleet.fleet.record = rec
-    try:
+    with supervised(fleet) as supervisor:
+        rec = fleet.rec
         engines = {r: fleet.engine_pid(r) for r in range(VLLM_REPLICAS)}
         cores = {r: engine_core(fleet, r).pid for r in range(VLLM_REPLICAS)}
         _, load = kill_member_under_load(state, fleet.url, MODEL_NAME, local.ROLE_FRONTEND, VLLM_REPLICAS)
@@ -532,14 +526,6 @@ def test_the_supervisor_replaces_a_killed_frontend_and_coordinator_in_place_the_
         assert {r: fleet.engine_pid(r) for r in range(VLLM_REPLICAS)} == engines
         assert {r: engine_core(fleet, r).pid for r in range(VLLM_REPLICAS)} == cores
         assert supervisor.poll() is None, "the supervisor exited"
-    finally:
-        # The supervisor leaves once the state file no longer records it (as after `corefleet down`).
-        rec = local.load_record(state)
-        assert rec is not None
-        fleet.fleet.record = dataclasses.replace(rec, processes=tuple(
-            p for p in rec.processes if p.role != local.ROLE_SUPERVISOR))
-        local.save_record(fleet.fleet.record)
-        assert supervisor.wait(30) == 0
 
 
 def test_corefleet_scale_resizes_it_2_3_2_in_place_under_load_and_status_shows_it(vllm_fleet: Fleet) -> None:

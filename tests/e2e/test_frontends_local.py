@@ -15,7 +15,6 @@ shared machines run the e2e tier under `flock /tmp/corefleet-heavy.lock`.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import time
@@ -25,12 +24,11 @@ from pathlib import Path
 import pytest
 
 from corefleet_client.admin import AdminClient, AdminError, FleetState, RankState
-from corefleet_client.frontend.__main__ import ENV_LIVENESS_TIMEOUT
 from corefleet_harness import local
 from corefleet_harness.support import wait_until
 from corefleet_harness.tinymodel import write_tiny_model
 from fleettest import Load
-from localfleet import MODEL_NAME, Fleet, Held, engine_pids, flags, start
+from localfleet import MODEL_NAME, Fleet, Held, engine_pids, flags, start, supervised
 
 pytestmark = pytest.mark.e2e
 
@@ -70,51 +68,42 @@ def served(admin: AdminClient) -> dict[int, int]:
 
 def test_a_killed_frontend_fails_only_its_requests_and_its_replacement_takes_traffic_again(fleet: Fleet) -> None:
     state = Path(fleet.rec.state_dir)
-    rec = local.load_record(state)
-    assert rec is not None
-    with pytest.MonkeyPatch.context() as env:  # the replacement frontend's --liveness-timeout, as the fleet's
-        env.setenv(ENV_LIVENESS_TIMEOUT, str(fleet.liveness_timeout))
-        rec, supervisor = local.spawn_supervisor(rec)
-    fleet.fleet.record = rec
     engines = engine_pids(state)
     lead, follower = admins(fleet)
-    victim = next(p for p in rec.processes if p.role == local.ROLE_FRONTEND and p.rank == 1)
-    load = Load(fleet.url, MODEL_NAME, workers=WORKERS, max_tokens=32, pause_s=0.05).start()
-    try:
-        wait_until(lambda: sum(served(follower).values()) > 0 and len([o for o in load.outcomes if o.ok]) >= 8,
-                   120, "frontend 1 taking traffic")
-        os.kill(victim.pid, signal.SIGKILL)
-        wait_until(lambda: not local.is_running(local.proc_stat(victim.pid)), 30, "frontend 1 gone", interval=0.01)
-        dead_at = time.monotonic()
-        lead_before = sum(served(lead).values())
+    with supervised(fleet):
+        victim = next(p for p in fleet.rec.processes if p.role == local.ROLE_FRONTEND and p.rank == 1)
+        load = Load(fleet.url, MODEL_NAME, workers=WORKERS, max_tokens=32, pause_s=0.05).start()
+        try:
+            wait_until(lambda: sum(served(follower).values()) > 0 and len([o for o in load.outcomes if o.ok]) >= 8,
+                       120, "frontend 1 taking traffic")
+            os.kill(victim.pid, signal.SIGKILL)
+            wait_until(lambda: not local.is_running(local.proc_stat(victim.pid)), 30, "frontend 1 gone",
+                       interval=0.01)
+            dead_at = time.monotonic()
+            lead_before = sum(served(lead).values())
 
-        def replaced() -> bool:
-            latest = local.load_record(state)
-            assert latest is not None
-            new = next(p for p in latest.processes if p.role == local.ROLE_FRONTEND and p.rank == 1)
-            if new.pid == victim.pid or not local.owns(latest, new):
-                return False
-            try:
-                status = follower.fleet()
-            except (OSError, AdminError, ValueError):
-                return False
-            return status.state == FleetState.SERVING and [(r.rank, r.state) for r in status.ranks] == [
-                (r, RankState.SERVING) for r in range(REPLICAS)]
+            def replaced() -> bool:
+                latest = local.load_record(state)
+                assert latest is not None
+                new = next(p for p in latest.processes if p.role == local.ROLE_FRONTEND and p.rank == 1)
+                if new.pid == victim.pid or not local.owns(latest, new):
+                    return False
+                try:
+                    status = follower.fleet()
+                except (OSError, AdminError, ValueError):
+                    return False
+                return status.state == FleetState.SERVING and [(r.rank, r.state) for r in status.ranks] == [
+                    (r, RankState.SERVING) for r in range(REPLICAS)]
 
-        wait_until(replaced, 300, "frontend 1 replaced and serving", interval=0.2)
-        back = time.monotonic()
-        # The endpoint answered through frontend 0 meanwhile, and the replacement takes traffic again.
-        assert sum(served(lead).values()) > lead_before
-        assert len([o for o in load.outcomes if o.ok and dead_at < o.started < back]) > 0, load.summary()
-        wait_until(lambda: sum(served(follower).values()) >= 4, 120, "the replacement frontend 1 serving requests")
-    finally:
-        load.stop()
-        latest = local.load_record(state)
-        assert latest is not None  # the supervisor leaves once the state file no longer records it
-        fleet.fleet.record = dataclasses.replace(latest, processes=tuple(
-            p for p in latest.processes if p.role != local.ROLE_SUPERVISOR))
-        local.save_record(fleet.fleet.record)
-        assert supervisor.wait(30) == 0
+            wait_until(replaced, 300, "frontend 1 replaced and serving", interval=0.2)
+            back = time.monotonic()
+            # The endpoint answered through frontend 0 meanwhile, and the replacement takes traffic again.
+            assert sum(served(lead).values()) > lead_before
+            assert len([o for o in load.outcomes if o.ok and dead_at < o.started < back]) > 0, load.summary()
+            wait_until(lambda: sum(served(follower).values()) >= 4, 120,
+                       "the replacement frontend 1 serving requests")
+        finally:
+            load.stop()
     # Only what was on frontend 1 when it died failed: at most one request per client, each sent before it died.
     failed = load.failures()
     assert len(failed) <= WORKERS, load.summary()

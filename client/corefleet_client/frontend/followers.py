@@ -49,7 +49,7 @@ from corefleet_client.admin import (
 )
 from corefleet_client.frontend.fleet import describe
 from corefleet_client.frontend.membership import Membership
-from corefleet_client.frontend.resize import drain, serve_on, stop_routing_to
+from corefleet_client.frontend.resize import drain, retire_leaving, serve_on, stop_routing_to
 from corefleet_client.frontend.types import COMMIT_GRACE_S, Cancels, ResizeFailed
 
 logger = logging.getLogger("corefleet.frontend")
@@ -253,10 +253,4 @@ class FollowerResize:
         fleet.update_resize(op.id, phase=ResizePhase.COMMITTING, message=f"removing {describe(leaving)}")
         marker = members.cut_routing(to)
         await members.shrink(frm, to, marker)
-        for rank in leaving:
-            died = members.retire(rank)
-            fleet.set_rank(rank, RankState.RETIRED, f"retired by resize {op.id}"
-                           + (f" (it died while draining: {died})" if died else ""))
-            fleet.forget_rank(rank)
-        fleet.commit_size(to)
-        fleet.finish_resize(op.id)
+        retire_leaving(members, op, leaving)

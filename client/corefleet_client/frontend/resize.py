@@ -64,6 +64,19 @@ def stop_routing_to(members: Membership, op: ResizeOperation, leaving: list[int]
         members.fleet.set_rank(rank, RankState.DRAINING, f"{len(members.requests_on(rank))} request(s) in flight")
 
 
+def retire_leaving(members: Membership, op: ResizeOperation, leaving: list[int]) -> None:
+    """After a scale-down's cut: the leaving ranks forgotten and reported Retired (their pods may go), the fleet at
+    its new size, the operation Completed."""
+    fleet = members.fleet
+    for rank in leaving:
+        died = members.retire(rank)
+        fleet.set_rank(rank, RankState.RETIRED, f"retired by resize {op.id}"
+                       + (f" (it died while draining: {died})" if died else ""))
+        fleet.forget_rank(rank)
+    fleet.commit_size(op.to_replicas)
+    fleet.finish_resize(op.id)
+
+
 def serve_on(members: Membership, leaving: list[int]) -> None:
     """A scale-down stopped before its commit: the ranks that were to leave serve on."""
     for rank in leaving:
@@ -210,13 +223,7 @@ class DenseResize:
         await members.shrink(frm, to, marker)
         await self._commit_followers(op, drained)
         # 3. Forget them; the operator may delete their pods.
-        for rank in leaving:
-            died = members.retire(rank)
-            fleet.set_rank(rank, RankState.RETIRED, f"retired by resize {op.id}"
-                           + (f" (it died while draining: {died})" if died else ""))
-            fleet.forget_rank(rank)
-        fleet.commit_size(to)
-        fleet.finish_resize(op.id)
+        retire_leaving(members, op, leaving)
 
 
     async def _followers_draining(self, op: ResizeOperation, started: float) -> list[int]:
