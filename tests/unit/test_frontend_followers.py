@@ -21,6 +21,7 @@ import pytest
 from corefleet_client.admin import (
     AdminClient,
     AdminError,
+    RankState,
     ResizeOperation,
     ResizePhase,
     ResizeRequest,
@@ -28,11 +29,11 @@ from corefleet_client.admin import (
 from corefleet_client.frontend import followers as followers_module
 from corefleet_client.frontend.adminserver import AdminServer
 from corefleet_client.frontend.fleet import Fleet
-from corefleet_client.frontend.followers import FollowerLost, Followers
+from corefleet_client.frontend.followers import FollowerLost, FollowerResize, Followers
 from corefleet_client.frontend.resize import DenseResize
 from corefleet_client.frontend.types import Cancels, ResizeFailed, ResizeRefused
 from corefleet_harness.support import free_port
-from standins import IdleView
+from standins import IdleView, RecordingRunner
 
 TOKEN = "t0ken"
 
@@ -226,3 +227,110 @@ def test_followers_are_every_frontend_but_the_first_on_the_shared_admin_port() -
     assert several is not None
     assert {i: a.base_url for i, a in several.admins.items()} == {1: "http://f-1.fleet:8081",
                                                                    2: "http://[fd00::2]:8081"}
+
+
+# ---- a follower's part, on its own event loop ---------------------------------------------------------------
+@dataclass
+class Members:
+    """What `FollowerResize` uses of the client's membership, recorded: ready responses read at once, no request in
+    flight."""
+
+    fleet: Fleet
+    calls: list[str] = field(default_factory=list)
+    unroutable: dict[int, str] = field(default_factory=dict)
+    lost: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def joiner(self) -> Members:
+        return self
+
+    async def read_ready_responses(self, ranks: list[int]) -> None:
+        self.calls.append(f"ready {ranks}")
+
+    async def add_ranks(self, new: list[int], size: int) -> None:
+        self.calls.append(f"add {new} at {size}")
+
+    def stop_routing(self, rank: int, why: str) -> None:
+        self.unroutable[rank] = why
+        self.calls.append(f"stop routing {rank}")
+
+    def requests_on(self, rank: int) -> list[str]:
+        return []
+
+    def in_flight(self, rank: int) -> int:
+        return 0
+
+    def cut_routing(self, size: int) -> list[int]:
+        self.calls.append(f"cut at {size}")
+        return list(range(size))
+
+    async def shrink(self, frm: int, to: int, marker: list[int]) -> None:
+        self.calls.append(f"shrink {frm} -> {to}")
+
+    def retire(self, rank: int) -> str | None:
+        self.unroutable.pop(rank, None)
+        return None
+
+
+def follower_part(frm: int, to: int, commit_after: float | None) -> tuple[Fleet, Members, ResizeOperation]:
+    """Frontend 1's part of a resize frm -> to, run on an event loop; frontend 0 commits it after `commit_after`
+    seconds (None: never)."""
+    fleet = Fleet("tiny", frm, frontends=2, client_index=1)
+    runner = RecordingRunner()
+    fleet.serving(IdleView(), runner)
+    for rank in range(frm):
+        fleet.set_rank(rank, RankState.SERVING)
+    _, op = fleet.start_resize(ResizeRequest(id="r", replicas=to, drain_timeout_s=1, follower=True))
+    members = Members(fleet)
+    part = FollowerResize(members, Cancels())  # type: ignore[arg-type]  # the stand-in has what it uses
+
+    async def run() -> None:
+        async def lead() -> None:
+            if commit_after is None:
+                return
+            await asyncio.sleep(commit_after)
+            part.commit(op.id)
+
+        try:
+            await asyncio.gather(part.scale_up(op) if to > frm else part.scale_down(op), lead())
+        except ResizeFailed as e:  # recorded as `operations.ResizeOperations` records it
+            fleet.finish_resize(op.id, error=str(e), fleet_intact=e.fleet_intact)
+
+    asyncio.run(run())
+    done = fleet.resize(op.id)
+    assert done is not None
+    return fleet, members, done
+
+
+@pytest.fixture
+def short_grace(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(followers_module, "COMMIT_GRACE_S", 0.3)
+
+
+@pytest.mark.usefixtures("short_grace")
+def test_a_followers_scale_up_adds_the_new_ranks_only_at_frontend_0s_commit() -> None:
+    fleet, members, op = follower_part(2, 3, commit_after=0.05)
+    assert members.calls == ["ready [2]", "add [2] at 3"]
+    assert (op.phase, fleet.size) == (ResizePhase.COMPLETED, 3)
+
+
+@pytest.mark.usefixtures("short_grace")
+def test_a_followers_scale_up_without_frontend_0s_commit_adds_nothing_and_fails() -> None:
+    """Frontend 0 lost (or hung) after this frontend read the new ranks' ready responses: the scale-up is dropped, as
+    the operator rolls back a scale-up whose frontend 0 is lost; nothing was routed to the new rank."""
+    fleet, members, op = follower_part(2, 3, commit_after=None)
+    assert members.calls == ["ready [2]"]
+    assert op.phase == ResizePhase.FAILED
+    assert "frontend 0 did not commit within 0.3s" in op.error
+    assert fleet.size == 2
+
+
+@pytest.mark.usefixtures("short_grace")
+def test_a_followers_scale_down_stops_routing_at_once_and_without_frontend_0s_commit_finishes_by_itself() -> None:
+    """The leaving rank gets no request from this frontend as soon as its part starts; frontend 0 lost after the
+    drain: the scale-down is finished (as the operator finishes one whose frontend 0 is lost), after the drain
+    timeout and the grace."""
+    fleet, members, op = follower_part(3, 2, commit_after=None)
+    assert members.calls == ["stop routing 2", "cut at 2", "shrink 3 -> 2"]
+    assert (op.phase, fleet.size) == (ResizePhase.COMPLETED, 2)
+    assert not members.unroutable
