@@ -147,11 +147,10 @@ class DenseResize:
         self.fleet.update_resize(op.id, message=f"every frontend reads the ready responses of {describe(new)}")
         try:
             lost = await followers.start(op, (ResizePhase.PREPARED,), time.monotonic() + COMMIT_GRACE_S, self.cancels)
-        except ResizeFailed as e:
-            lost, why = {}, str(e)
-        else:
             why = "; ".join(str(e) for e in lost.values())
-        if not lost and not why:
+        except ResizeFailed as e:  # cancelled
+            why = str(e)
+        if not why:
             return
         await followers.cancel(op, f"resize {op.id} failed on frontend 0: {why}")
         for rank in new:
@@ -224,7 +223,6 @@ class DenseResize:
         await self._commit_followers(op, drained)
         # 3. Forget them; the operator may delete their pods.
         retire_leaving(members, op, leaving)
-
 
     async def _followers_draining(self, op: ResizeOperation, started: float) -> list[int]:
         """Every other frontend stopped routing to the leaving ranks (Draining, or already drained): the followers
