@@ -67,8 +67,12 @@ build() {
     rm -f "$archive.tmp"
     bh push "$tag" "docker-archive:$archive.tmp:$tag" >&2
     mv "$archive.tmp" "$archive"
-    # Older archives of this image are of no further use.
+    # Older archives of this image are of no further use, nor are its older builds in buildah's storage (those
+    # under another tag, and those that lost their tag to this build).
     find "$OUT" -maxdepth 1 -name "$name-*.tar" ! -name "$name-$hash.tar" -delete
+    bh images --format '{{.Name}}:{{.Tag}}' | grep -x "${tag%:*}:.*" | grep -vx "$tag" \
+      | while read -r old; do bh rmi -f "$old" >&2; done || true
+    bh rmi --prune >&2 || true
   fi
   echo "$archive"
 }

@@ -18,10 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from corefleet_harness.localcluster import LocalControlPlane, resolve_bin_dir
-from corefleet_harness.localnode import LocalNode, host_ip
+from corefleet_harness.localnode import LocalNode, default_image_store, host_ip
 
 IMAGES_ENV = "COREFLEET_IMAGES"
-CACHE_ENV = "COREFLEET_CACHE"
 
 
 def image_archives(*names: str) -> list[Path]:
@@ -39,10 +38,8 @@ def image_archives(*names: str) -> list[Path]:
 
 
 def image_store() -> Path:
-    """containerd's root for the test nodes, kept between runs in corefleet's cache (as hack/images.sh's)."""
-    cache = os.environ.get(CACHE_ENV) or str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-                                             / "corefleet")
-    return Path(cache) / "node-containerd"
+    """containerd's root for the test nodes, kept between runs in corefleet's cache (hack/setup.sh preloads it)."""
+    return default_image_store()
 
 
 @contextlib.contextmanager

@@ -39,7 +39,9 @@ the old one (only the new ones are written), images of archives no longer asked 
 layers go with containerd's garbage collection), and the store holds no container after `stop()`. A
 vLLM image is 6.7 GB: importing it and deleting its root again cost minutes of every test run. One node
 at a time holds the store (a lock file); a node that finds it taken uses a root of its own in
-`state_dir`, as without a store.
+`state_dir`, as without a store. `preload_images` (`python -m corefleet_harness.localnode preload`, which
+hack/setup.sh runs after building the images) imports into the store without a node, so that the import
+of a rebuilt image runs beside other work rather than in the first e2e test that starts a node.
 """
 
 from __future__ import annotations
@@ -54,9 +56,11 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import tarfile
 import tempfile
 import textwrap
+import time
 import urllib.error
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -232,12 +236,8 @@ class LocalNode:
         """Hold the image store for this node, unless another node holds it (then the root is private)."""
         if self.image_store is None:
             return
-        self.image_store.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.image_store.parent / f".{self.image_store.name}.lock", os.O_CREAT | os.O_RDWR, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
+        fd = lock_store(self.image_store)
+        if fd is None:
             logger.warning("node %s: image store %s is in use by another node: a private root in %s",
                            self.name, self.image_store, self.state_dir)
             return
@@ -249,26 +249,7 @@ class LocalNode:
             self._store_lock = None
 
     def _import_images(self) -> None:
-        """Import the image archives not in the store yet; remove the images of archives not asked for."""
-        marker = self.containerd_root / "corefleet-imported.json"
-        try:
-            imported: dict[str, list[str]] = json.loads(marker.read_text())
-        except (OSError, ValueError):
-            imported = {}
-        wanted = {archive.name: archive for archive in self.images}
-        names = set(self.ctr("images", "list", "--quiet").stdout.split())
-        for name, archive in wanted.items():
-            if imported.get(name) and set(imported[name]) <= names:
-                continue
-            self.ctr("images", "import", str(archive), timeout=900)
-            imported[name] = archive_image_names(archive)  # a rebuilt image keeps its tag: the tag is the archive's
-            names = set(self.ctr("images", "list", "--quiet").stdout.split())
-        keep = {image for name in wanted for image in imported.get(name, [])}
-        stale = sorted(names - keep)
-        if stale:  # an older build's tags: their layers go with containerd's garbage collection
-            self.ctr("images", "remove", *stale)
-        imported = {name: imported[name] for name in wanted if name in imported}
-        marker.write_text(json.dumps(imported, indent=1))
+        sync_images(self.ctr, self.containerd_root, self.images)
 
     def _remove_containers(self) -> None:
         """Delete every container the store holds (the kubelet's, already stopped), so none outlives the node."""
@@ -557,6 +538,111 @@ class LocalNode:
             return set()
 
 
+def default_image_store() -> Path:
+    """Where the test nodes keep containerd's root between runs: corefleet's cache (COREFLEET_CACHE, else
+    ~/.cache/corefleet, as hack/images.sh's), beside the image archives."""
+    cache = os.environ.get("COREFLEET_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") \
+        / "corefleet"
+    return Path(cache) / "node-containerd"
+
+
+def lock_store(store: Path) -> int | None:
+    """Take the image store's lock (a file beside it): the descriptor that holds it (closing it drops the lock),
+    or None if another holder has it."""
+    store.mkdir(parents=True, exist_ok=True)
+    fd = os.open(store.parent / f".{store.name}.lock", os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+IMPORTED_MARKER = "corefleet-imported.json"  # in containerd's root: archive name -> the image names it gave
+
+
+def sync_images(ctr: Callable[..., subprocess.CompletedProcess[str]], root: Path, images: Sequence[Path]) -> None:
+    """Through `ctr` (a containerd on `root`, namespace k8s.io): import the archives not imported into `root`
+    yet (by archive name, which carries the content hash), remove the images of archives not asked for."""
+    marker = root / IMPORTED_MARKER
+    try:
+        imported: dict[str, list[str]] = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        imported = {}
+    wanted = {archive.name: archive for archive in images}
+    names = set(ctr("images", "list", "--quiet").stdout.split())
+    for name, archive in wanted.items():
+        if imported.get(name) and set(imported[name]) <= names:
+            continue
+        started = time.monotonic()
+        ctr("images", "import", str(archive), timeout=900)
+        logger.info("imported %s in %.0f s", archive.name, time.monotonic() - started)
+        imported[name] = archive_image_names(archive)  # a rebuilt image keeps its tag: the tag is the archive's
+        names = set(ctr("images", "list", "--quiet").stdout.split())
+    keep = {image for name in wanted for image in imported.get(name, [])}
+    stale = sorted(names - keep)
+    if stale:  # an older build's tags: their layers go with containerd's garbage collection
+        ctr("images", "remove", *stale)
+    imported = {name: imported[name] for name in wanted if name in imported}
+    marker.write_text(json.dumps(imported, indent=1))
+
+
+def preload_images(store: Path, images: Sequence[Path], timeout: float = 60.0) -> bool:
+    """Import `images` into the image store `store` now, with a containerd of its own (no node, no CRI), so that
+    the next node that takes the store finds them there (hack/setup.sh runs this beside the tiers before e2e:
+    a rebuilt vLLM image costs a minute or more to import). False, having done nothing, if a node holds the
+    store."""
+    fd = lock_store(store)
+    if fd is None:
+        logger.warning("image store %s is in use by a node: nothing preloaded", store)
+        return False
+    try:
+        with tempfile.TemporaryDirectory(prefix="cf-preload-", dir="/run") as run:
+            socket = Path(run) / "containerd.sock"
+            config = Path(run) / "containerd.toml"
+            config.write_text(textwrap.dedent(f"""\
+                version = 2
+                root = "{store}"
+                state = "{Path(run) / 'state'}"
+                disabled_plugins = ["io.containerd.grpc.v1.cri"]
+                [grpc]
+                  address = "{socket}"
+                """))
+
+            def ctr(*args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+                return _run(["ctr", "--address", str(socket), "--namespace", "k8s.io", *args], check=check,
+                            timeout=timeout)
+
+            proc = Component("containerd", ["containerd", "--config", str(config)], Path(run) / "containerd.log",
+                             error=NodeError)
+            try:
+                proc.wait_ready(lambda: ctr("version", timeout=10).returncode == 0, timeout,
+                                "containerd answering on its socket")
+                sync_images(ctr, store, images)
+            finally:
+                proc.stop(timeout=30)
+        return True
+    finally:
+        os.close(fd)  # closing the descriptor drops the lock
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m corefleet_harness.localnode preload [--store DIR] ARCHIVE...`: `preload_images` (the store:
+    `default_image_store()` unless named)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m corefleet_harness.localnode")
+    sub = parser.add_subparsers(dest="command", required=True)
+    preload = sub.add_parser("preload", help="import image archives into a test node's image store")
+    preload.add_argument("--store", type=Path, default=None)
+    preload.add_argument("archives", type=Path, nargs="+")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="preload: %(message)s")
+    preload_images(args.store or default_image_store(), args.archives)
+    return 0
+
+
 def archive_image_names(archive: Path) -> list[str]:
     """The image names an archive holds (docker-archive: manifest.json's RepoTags; OCI: index.json's ref names),
     as containerd names them (a name without a registry is Docker Hub's)."""
@@ -631,3 +717,6 @@ def _remove_chains(cmd: str, table: str, match: Callable[[str], bool]) -> set[st
         _run([cmd, "-t", table, "-X", chain], check=False)
     return chains
 
+
+if __name__ == "__main__":
+    sys.exit(main())
