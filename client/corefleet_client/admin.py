@@ -165,7 +165,7 @@ class ResizeRequest:
     # then released (their engine may exit) and replaced once their connection is gone.
     vacate: bool = False
     # Sent by frontend 0 to the fleet's other frontends (k-frontends design): this frontend's part of frontend 0's
-    # resize with the same id. It stops at Prepared until frontend 0 commits it (POST .../commit).
+    # resize or replacement with the same id. It stops at Prepared until frontend 0 commits it (POST .../commit).
     follower: bool = False
 
     def validate(self) -> str | None:
@@ -186,8 +186,9 @@ class ResizeRequest:
             return f"replace names a rank twice: {list(self.replace)}"
         if self.vacate and not self.replace:
             return "vacate needs the ranks it replaces (replace)"
-        if self.follower and self.replace:
-            return "a follower's part of a resize cannot replace ranks"
+        if self.follower and self.vacate:
+            return ("a follower's part of a replacement drains whatever of the ranks still serves on that frontend: "
+                    "vacate is frontend 0's")
         return None
 
     def to_json(self) -> dict[str, Any]:

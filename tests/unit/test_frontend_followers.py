@@ -1,11 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """Several frontends (docs/design/k-frontends.md, step 3): frontend 0 drives every frontend through each resize.
 
-Shown without an engine, over real admin APIs on 127.0.0.1: who takes which request (frontend 0 resizes, the
-others only their part of one, nobody replaces ranks with several frontends), a follower's part committed only
+Shown without an engine, over real admin APIs on 127.0.0.1: who takes which request (frontend 0 resizes and
+replaces ranks, the others only their part of one), a follower's part committed only
 once Prepared, and frontend 0's side (`Followers`): each part sent, waited for and committed; a follower that does
 not answer is told apart from one that refused or failed (a scale-down passes over the first and stops for the
-second). The whole protocol over real vLLM engines: tests/e2e/test_frontends_local.py.
+second). A follower's part of a replacement: tests/unit/test_rank_replacement.py. The whole protocol over real vLLM
+engines: tests/e2e/test_frontends_local.py.
 """
 
 from __future__ import annotations
@@ -119,12 +120,15 @@ def test_frontend_0_takes_resizes_and_the_others_only_their_part_of_one(frontend
     assert not op.follower
 
 
-def test_with_several_frontends_ranks_are_not_replaced_and_an_moe_fleet_does_not_resize() -> None:
+def test_with_several_frontends_frontend_0_replaces_ranks_but_an_moe_fleet_does_not_resize() -> None:
     fleet = Fleet("tiny", 2, frontends=2)
-    with pytest.raises(ResizeRefused) as refused:
-        fleet.start_resize(ResizeRequest(id="rep-1", replicas=2, replace=(1,)))
-    assert refused.value.status == HTTPStatus.NOT_IMPLEMENTED
-    assert "2 frontends" in refused.value.message
+    runner = RecordingRunner()
+    fleet.serving(IdleView(), runner)
+    fleet.set_rank(1, RankState.DEAD, "connection to the engine lost")
+    started, op = fleet.start_resize(ResizeRequest(id="rep-1", replicas=2, replace=(1,)))
+    assert started
+    assert (op.replace, op.follower) == ((1,), False)
+    fleet.finish_resize("rep-1")
     fleet.moe = True
     with pytest.raises(ResizeRefused) as refused:
         fleet.start_resize(ResizeRequest(id="up-1", replicas=3))
@@ -132,12 +136,15 @@ def test_with_several_frontends_ranks_are_not_replaced_and_an_moe_fleet_does_not
     assert "elastic EP tells only its first client" in refused.value.message
 
 
-def test_a_follower_request_round_trips_and_cannot_replace_ranks() -> None:
+def test_a_follower_request_round_trips_and_a_followers_part_of_a_replacement_is_no_vacate() -> None:
     request = ResizeRequest(id="up-1", replicas=3, follower=True)
     assert ResizeRequest.from_json(request.to_json()) == request
+    part = ResizeRequest(id="r", replicas=2, replace=(1,), follower=True)
+    assert part.validate() is None
+    assert ResizeRequest.from_json(part.to_json()) == part
     assert "follower" not in ResizeRequest(id="up-1", replicas=3).to_json()  # as before, for older frontends
-    assert ResizeRequest(id="r", replicas=2, replace=(1,), follower=True).validate() == \
-        "a follower's part of a resize cannot replace ranks"
+    assert "vacate is frontend 0's" in str(ResizeRequest(id="r", replicas=2, replace=(1,), vacate=True,
+                                                         follower=True).validate())
     with pytest.raises(ValueError, match="follower must be a boolean"):
         ResizeRequest.from_json({"id": "up-1", "replicas": 3, "follower": "yes"})
 
@@ -244,7 +251,7 @@ class Members:
     def joiner(self) -> Members:
         return self
 
-    async def read_ready_responses(self, ranks: list[int]) -> None:
+    async def read_ready_responses(self, ranks: list[int], wait_s: float = 30.0) -> None:
         self.calls.append(f"ready {ranks}")
 
     async def add_ranks(self, new: list[int], size: int) -> None:
@@ -282,7 +289,7 @@ def follower_part(frm: int, to: int, commit_after: float | None) -> tuple[Fleet,
         fleet.set_rank(rank, RankState.SERVING)
     _, op = fleet.start_resize(ResizeRequest(id="r", replicas=to, drain_timeout_s=1, follower=True))
     members = Members(fleet)
-    part = FollowerResize(members, Cancels())  # type: ignore[arg-type]  # the stand-in has what it uses
+    part = FollowerResize(members, Cancels(), None)  # type: ignore[arg-type]  # the stand-ins have what it uses
 
     async def run() -> None:
         async def lead() -> None:

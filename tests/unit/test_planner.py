@@ -2317,15 +2317,54 @@ def test_a_second_frontend_lost_during_a_resize_is_replaced_once_the_resize_ende
     assert "--attach" in args
 
 
-def test_a_lost_rank_of_a_fleet_with_two_frontends_recreates_the_fleet() -> None:
-    """A rank replaced in place would reach frontend 0 only (its INIT is frontend 0's): with several frontends the
-    fleet is recreated instead."""
+def test_a_lost_rank_of_a_fleet_with_two_frontends_is_replaced_in_place_through_frontend_0() -> None:
+    """Frontend 0 takes the replacement and drives the other frontends through their part (the new engine's INIT
+    names every frontend): the operator asks frontend 0 alone, as with one frontend; no other pod changes."""
     w = running_frontends(2, 2)
+    uids = {n: q.uid for n, q in w.pods.items()}
     w.fail("a-engine-1", "container engine exited with 137 (OOMKilled)")
     p = w.step()
-    assert w.status.phase == "Recovering"
-    assert w.status.fleetGeneration == 2
-    assert "recreating the fleet" in next(e.message for e in p.events if e.reason == "RankLost")
+    assert "replacing rank 1 in place" in next(e.message for e in p.events if e.reason == "RankLost")
+    op = w.status.operation
+    assert op is not None
+    assert op.replace == (1,)
+    step_until(w, replaced, max_steps=40, what="the replacement")
+    w.converge()
+    assert (w.current().phase, w.status.fleetGeneration, w.status.recoveries) == ("Running", 1, 1)
+    assert {n: q.uid for n, q in w.pods.items() if n != "a-engine-1"} == \
+        {n: u for n, u in uids.items() if n != "a-engine-1"}
+    assert w.frontend.started == 1
+
+
+def test_a_second_frontend_lost_during_a_replacement_of_a_rank_is_replaced_once_it_ended() -> None:
+    """Frontend 0 passes over a follower it cannot reach: the operator does not count its loss or create its pod
+    while the replacement runs, then replaces it in place (attaching); the engines that served stay."""
+    w = running_frontends(2, 2)
+    w.fail("a-engine-1", "container engine exited with 137 (OOMKilled)")
+    w.step()
+    replacement = w.status.operation
+    assert replacement is not None
+    assert replacement.replace == (1,)
+    engine0 = w.pods["a-engine-0"].uid
+    mark = len(w.log)
+    del w.pods["a-frontend-1"]
+
+    w.step()
+
+    assert w.status.recoveries == 1  # the rank's loss only
+    assert "a-frontend-1" not in [obj["metadata"]["name"] for obj in created_pods(w, mark)]
+    step_until(w, lambda p: w.status.operation is not None and w.status.operation.id != replacement.id,
+               max_steps=60, what="the replacement ended and frontend 1's replacement started")
+    op = w.status.operation
+    assert op is not None
+    assert op.members == ("frontend-1",)
+    step_until(w, member_replaced, max_steps=40, what="frontend 1 replaced")
+    w.converge(max_steps=100)
+    assert (w.current().phase, w.status.fleetGeneration, w.status.recoveries) == ("Running", 1, 2)
+    assert w.pods["a-engine-0"].uid == engine0
+    args = next(obj for obj in created_pods(w, mark)
+                if obj["metadata"]["name"] == "a-frontend-1")["spec"]["containers"][0]["args"]
+    assert "--attach" in args
 
 
 @pytest.mark.parametrize(("before", "after"), [(1, 2), (2, 1)])

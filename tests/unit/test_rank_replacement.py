@@ -10,6 +10,10 @@
    lost engine's probe) and what a failure leaves (the rank Dead and unroutable, the operation
    Failed, the fleet intact). The handshake itself runs against real engine processes in
    tests/e2e/test_frontend_replace.py.
+4. Several frontends: frontend 0's replacement sends each follower its part (over real admin APIs) and commits
+   them after its own; a follower's part (`FollowerResize.replace`) drains what it still routes to the rank, waits
+   for the engine to go, reads the new engine's ready response and serves the rank again at frontend 0's commit,
+   or by itself once frontend 0 stayed silent past the grace.
 """
 
 from __future__ import annotations
@@ -36,14 +40,17 @@ from corefleet_client.admin import (
     ResizePhase,
     ResizeRequest,
 )
+from corefleet_client.frontend import followers as followers_module
 from corefleet_client.frontend.adminserver import AdminServer
 from corefleet_client.frontend.elastic import ElasticResize
 from corefleet_client.frontend.fleet import Fleet, identity
+from corefleet_client.frontend.followers import FollowerLost, Followers
 from corefleet_client.frontend.membership import Membership
 from corefleet_client.frontend.operations import ResizeOperations
 from corefleet_client.frontend.replace import Replacement
 from corefleet_client.frontend.resize import DenseResize
 from corefleet_client.frontend.types import Cancels, FleetOptions, ResizeFailed
+from corefleet_harness.support import free_port
 
 TOKEN = "t0ken"
 
@@ -246,7 +253,8 @@ class Joiner:
         if self.client.handshake_error is not None:
             raise self.client.handshake_error
 
-    async def read_ready_responses(self, ranks: list[int]) -> None:
+    async def read_ready_responses(self, ranks: list[int], wait_s: float = 30.0) -> None:
+        self.client.ready_reads.append(list(ranks))
         if self.client.ready_error is not None:
             raise self.client.ready_error
         # What vLLM's _apply_ready_response does with each ready response.
@@ -283,6 +291,7 @@ class FakeClient:
         self.reqs_in_flight: dict[str, bytes] = {}
         self.outputs_queue: asyncio.Queue[Any] = asyncio.Queue()
         self.handshake_error, self.ready_error = handshake_error, ready_error
+        self.ready_reads: list[list[int]] = []  # the ranks whose ready responses were read, by read
         self.joiner = Joiner(self)
         self.members = RecordingMembership(self, fleet, self.joiner, vllm_abort=self._vllm_abort)  # type: ignore[arg-type]
         self.members.failed = []
@@ -302,13 +311,15 @@ class FakeClient:
         self.engine_inflight[identity(rank)] = 0
         self.lb_engines[rank] = [1 << 60, 1 << 60, 0.0]
 
-    async def run(self, resize_id: str) -> None:
-        """The operation, run by the client's dispatch."""
+    def operations(self, followers: Followers | None = None) -> ResizeOperations:
         members, cancels = self.members, self.cancels
-        operations = ResizeOperations(members, cancels, DenseResize(members, cancels),
-                                      ElasticResize(members, cancels, OPTIONS), Replacement(members, cancels, self),
-                                      asyncio.get_running_loop())
-        await operations.run(resize_id)
+        return ResizeOperations(members, cancels, DenseResize(members, cancels),
+                                ElasticResize(members, cancels, OPTIONS),
+                                Replacement(members, cancels, self, followers), asyncio.get_running_loop())
+
+    async def run(self, resize_id: str, followers: Followers | None = None) -> None:
+        """The operation, run by the client's dispatch."""
+        await self.operations(followers).run(resize_id)
 
 
 def _replace(client: FakeClient, ranks: tuple[int, ...], resize_id: str = "rep-1") -> ResizeOperation:
@@ -485,3 +496,177 @@ def test_a_vacating_replacement_drains_releases_and_waits_for_the_engine_to_stop
     assert client.joiner.handshakes == [([1], "tcp://127.0.0.1:29550")]
     assert 1 not in client.members.lost
     assert client.members.unroutable == {}
+
+
+# ---- 4. several frontends ----------------------------------------------------------------------------
+async def until(condition: Any, what: str) -> None:
+    for _ in range(1000):  # 10 s
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"not {what} within 10 s")
+
+
+def follower_fleet(size: int = 3) -> tuple[Fleet, FakeClient]:
+    """Frontend 1 of 2 over `size` serving ranks."""
+    fleet = Fleet("tiny", size, frontends=2, client_index=1)
+    client = FakeClient(fleet)
+    fleet.serving(View(), Runner())
+    return fleet, client
+
+
+def part_of(fleet: Fleet, ranks: tuple[int, ...], resize_id: str = "rep-1") -> ResizeOperation:
+    started, op = fleet.start_resize(ResizeRequest(id=resize_id, replicas=fleet.size, drain_timeout_s=30,
+                                                   join_timeout_s=30, replace=ranks, follower=True))
+    assert started
+    assert op.follower
+    return op
+
+
+def test_a_followers_part_for_a_dead_rank_reads_the_new_engine_and_serves_it_at_frontend_0s_commit() -> None:
+    fleet, client = follower_fleet()
+    client.kill(1)  # this frontend saw the engine die too
+    op = part_of(fleet, (1,))
+
+    async def main() -> None:
+        operations = client.operations()
+        task = asyncio.ensure_future(operations.run(op.id))
+        await until(lambda: (fleet.resize(op.id) or op).phase == ResizePhase.PREPARED, "prepared")
+        assert client.ready_reads == [[1]]
+        assert 1 in client.members.unroutable  # nothing is routed to it before frontend 0 commits
+        assert fleet.record(1).state == RankState.DEAD
+        operations.follower.commit(op.id)
+        await task
+
+    asyncio.run(main())
+    done = fleet.resize(op.id)
+    assert done is not None
+    assert (done.phase, done.error) == (ResizePhase.COMPLETED, "")
+    assert fleet.ranks_in(RankState.SERVING) == [0, 1, 2]
+    assert client.members.unroutable == {}
+    assert client.lb_engines[1] == [0, 0, 0.0]
+    assert client.forgotten == [1]
+    assert client.vllm_config.cache_config.num_gpu_blocks == 200  # the new engine takes the lost one's share
+    assert client.joiner.handshakes == []  # the handshake is frontend 0's
+
+
+def test_a_followers_part_drains_a_rank_it_still_routes_to_before_the_engine_goes_and_reads_the_new_one_after() -> (
+        None):
+    """A vacating replacement (or a death this frontend has not seen yet): no new request from here, its request here
+    finishes, and frontend 0 learns it drained (Preparing) before it releases the engine; the new engine's ready
+    response is read only once the old engine's connection is gone."""
+    fleet, client = follower_fleet()
+    client.engine_inflight[identity(1)] = 1
+    op = part_of(fleet, (1,))
+
+    async def main() -> None:
+        operations = client.operations()
+        task = asyncio.ensure_future(operations.run(op.id))
+        await until(lambda: fleet.record(1).state == RankState.DRAINING, "draining")
+        assert 1 in client.members.unroutable
+        assert (fleet.resize(op.id) or op).phase == ResizePhase.DRAINING
+        client.engine_inflight[identity(1)] = 0  # its last request here finished
+        await until(lambda: (fleet.resize(op.id) or op).phase == ResizePhase.PREPARING, "drained")
+        assert client.ready_reads == []  # the old engine still runs
+        client.members.lost[1] = "connection to the engine lost"  # frontend 0 released it; it stopped
+        await until(lambda: (fleet.resize(op.id) or op).phase == ResizePhase.PREPARED, "prepared")
+        assert client.ready_reads == [[1]]
+        operations.follower.commit(op.id)
+        await task
+
+    asyncio.run(main())
+    done = fleet.resize(op.id)
+    assert done is not None
+    assert (done.phase, done.error) == (ResizePhase.COMPLETED, "")
+    assert fleet.ranks_in(RankState.SERVING) == [0, 1, 2]
+    assert client.members.failed == []
+    assert 1 not in client.members.lost
+    assert client.members.unroutable == {}
+
+
+def test_a_followers_part_without_frontend_0s_commit_serves_the_new_engine_after_the_grace(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(followers_module, "COMMIT_GRACE_S", 0.2)
+    fleet, client = follower_fleet()
+    client.kill(2)
+    op = part_of(fleet, (2,))
+    asyncio.run(client.run(op.id))
+    done = fleet.resize(op.id)
+    assert done is not None
+    assert (done.phase, fleet.record(2).state) == (ResizePhase.COMPLETED, RankState.SERVING)
+
+
+def test_a_cancelled_followers_part_serves_on_with_a_rank_whose_engine_still_runs_and_leaves_a_dead_one_dead() -> None:
+    fleet, client = follower_fleet()
+    client.kill(2)
+    client.engine_inflight[identity(1)] = 0  # nothing in flight here on rank 1
+    op = part_of(fleet, (1, 2))
+
+    async def main() -> None:
+        task = asyncio.ensure_future(client.run(op.id))
+        await until(lambda: (fleet.resize(op.id) or op).phase == ResizePhase.PREPARING, "drained")
+        client.cancels.request(op.id, "replacement rep-1 failed on frontend 0: rank 2 did not join")
+        await task
+
+    asyncio.run(main())
+    done = fleet.resize(op.id)
+    assert done is not None
+    assert done.phase == ResizePhase.FAILED
+    assert "rank 2 did not join" in done.error
+    assert (fleet.record(1).state, fleet.record(2).state) == (RankState.SERVING, RankState.DEAD)
+    assert list(client.members.unroutable) == [2]
+    assert client.ready_reads == []
+
+
+@dataclass
+class ScriptedFollower:
+    """A follower's event loop, scripted: its part goes to Prepared at once and completes on frontend 0's commit."""
+
+    fleet: Fleet
+    commits: list[str] = field(default_factory=list)
+
+    def run_resize(self, resize_id: str) -> None:
+        self.fleet.update_resize(resize_id, phase=ResizePhase.PREPARED)
+
+    def cancel_resize(self, resize_id: str, reason: str) -> None:
+        self.fleet.finish_resize(resize_id, error=f"cancelled: {reason}")
+
+    def commit_resize(self, resize_id: str) -> None:
+        self.commits.append(resize_id)
+        self.fleet.finish_resize(resize_id)
+
+
+def test_frontend_0_replaces_a_rank_through_every_follower_and_commits_them_after_itself(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(followers_module, "UNREACHABLE_S", 0.3)
+    fleet = Fleet("tiny", 2, frontends=3)
+    client = FakeClient(fleet)
+    fleet.serving(View(), Runner())
+    follower = Fleet("tiny", 2, frontends=3, client_index=1)
+    runner = ScriptedFollower(follower)
+    follower.serving(View(), runner)
+    server = AdminServer("127.0.0.1", 0, TOKEN, follower)
+    server.start()
+    try:  # frontend 2 is gone (nothing listens on its port): passed over, its replacement attaches later
+        followers = Followers({1: AdminClient(f"http://127.0.0.1:{server.port}", TOKEN, timeout=1),
+                               2: AdminClient(f"http://127.0.0.1:{free_port()}", TOKEN, timeout=1)})
+        client.kill(1)
+        started, op = fleet.start_resize(ResizeRequest(id="rep-1", replicas=2, join_timeout_s=30, replace=(1,)))
+        assert started
+        asyncio.run(client.run(op.id, followers))
+    finally:
+        server.stop()
+    done, part = fleet.resize("rep-1"), follower.resize("rep-1")
+    assert done is not None
+    assert part is not None
+    assert (done.phase, done.error) == (ResizePhase.COMPLETED, "")
+    assert (part.follower, part.replace, part.phase) == (True, (1,), ResizePhase.COMPLETED)
+    assert runner.commits == ["rep-1"]
+    assert fleet.ranks_in(RankState.SERVING) == [0, 1]
+
+
+def test_a_replacement_passes_over_an_unreachable_follower_and_fails_for_one_that_refused() -> None:
+    op = ResizeOperation(id="rep-1", from_replicas=2, to_replicas=2, phase=ResizePhase.PREPARING, replace=(1,))
+    Replacement._pass_over(op, {1: FollowerLost("gone", reachable=False)})
+    with pytest.raises(ResizeFailed, match="not every frontend can take the new engines: busy"):
+        Replacement._pass_over(op, {1: FollowerLost("gone", reachable=False), 2: FollowerLost("busy")})

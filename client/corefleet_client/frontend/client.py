@@ -139,7 +139,8 @@ class KubeDPLBClient(DPLBAsyncMPClient):  # type: ignore[misc]  # vLLM is not ty
         cancels = Cancels()
         self._elastic = ElasticResize(members, cancels, options)
         self._resizes = ResizeOperations(members, cancels, DenseResize(members, cancels, followers), self._elastic,
-                                         Replacement(members, cancels, liveness), asyncio.get_running_loop())
+                                         Replacement(members, cancels, liveness, followers),
+                                         asyncio.get_running_loop())
         fleet.serving(members, self._resizes)
         logger.info("All %d engine(s) joined; serving", len(self.core_engines))
         liveness.start()

@@ -115,8 +115,8 @@ class Fleet:
         self.model = model
         self.vllm_version = vllm_version
         # Frontends that are clients of the same engines (k-frontends design): frontend 0 takes resizes and drives
-        # each of the others through its part (a follower's: `ResizeRequest.follower`); replacements of ranks reach
-        # only one frontend, so they are refused with more than one.
+        # each of the others through its part (a follower's: `ResizeRequest.follower`), replacements of ranks
+        # included.
         self.frontends = frontends
         self.client_index = client_index
         self._lock = threading.Lock()
@@ -249,10 +249,6 @@ class Fleet:
         if not request.follower and self.client_index > 0:
             raise ResizeRefused(HTTPStatus.CONFLICT, f"this is frontend {self.client_index} of {self.frontends}: "
                                 "resizes go to frontend 0, which drives every frontend through its part")
-        if self.frontends > 1 and request.replace:
-            raise ResizeRefused(HTTPStatus.NOT_IMPLEMENTED,
-                                f"this fleet has {self.frontends} frontends: a replacement of ranks reaches only one "
-                                "of them, so it is not supported with more than one yet (the fleet is recreated)")
         if self.frontends > 1 and self.moe:
             raise ResizeRefused(HTTPStatus.NOT_IMPLEMENTED,
                                 f"this MoE fleet has {self.frontends} frontends: vLLM's elastic EP tells only its "
@@ -298,7 +294,10 @@ class Fleet:
             raise ResizeRefused(HTTPStatus.CONFLICT, f"a replacement keeps the fleet's size: replicas must be "
                                 f"{self._size}, not {request.replicas}")
         states = {r: self._ranks[r].state if r in self._ranks else None for r in replace}
-        vacating = (RankState.SERVING, RankState.UNRESPONSIVE, RankState.DEAD) if request.vacate else ()
+        # A follower's part takes the ranks as this frontend sees them: one that still serves here is drained first
+        # (frontend 0 releases its engine once every frontend drained it, or this frontend has yet to see it die).
+        vacating = (RankState.SERVING, RankState.UNRESPONSIVE, RankState.DEAD) \
+            if request.vacate or request.follower else ()
         alive = {r: state for r, state in states.items() if state != RankState.DEAD and state not in vacating}
         if alive:
             what = ("only a Serving, Unresponsive or Dead rank can be vacated" if request.vacate
@@ -311,7 +310,7 @@ class Fleet:
         return ResizeOperation(id=request.id, from_replicas=self._size, to_replicas=self._size,
                                phase=ResizePhase.PENDING, ranks=ranks, started_at=time.time(),
                                drain_timeout_s=request.drain_timeout_s, join_timeout_s=request.join_timeout_s,
-                               message="accepted", replace=replace)
+                               message="accepted", replace=replace, follower=request.follower)
 
     def _remember(self, op: ResizeOperation) -> None:
         self._ops[op.id] = op

@@ -37,7 +37,7 @@ import logging
 import time
 import urllib.error
 from collections.abc import Awaitable, Callable, Iterable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from corefleet_client.admin import (
     AdminClient,
@@ -102,7 +102,7 @@ class Followers:
 
     async def _part(self, index: int, op: ResizeOperation) -> ResizeOperation:
         request = ResizeRequest(id=op.id, replicas=op.to_replicas, drain_timeout_s=op.drain_timeout_s,
-                                join_timeout_s=op.join_timeout_s, follower=True)
+                                join_timeout_s=op.join_timeout_s, replace=op.replace, follower=True)
         try:
             _, part = await self._call(index, lambda admin: admin.start_resize(request))
         except AdminError as e:
@@ -179,13 +179,24 @@ def _host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+class ReplacedRanks(Protocol):
+    """What a follower's part of a replacement uses of this frontend's own `frontend.replace.Replacement`."""
+
+    def gone(self, rank: int) -> bool: ...
+
+    def keeping_kv_cache_size(self) -> contextlib.AbstractAsyncContextManager[None]: ...
+
+    def commit_rank(self, op: ResizeOperation, rank: int) -> None: ...
+
+
 class FollowerResize:
     """A follower's part of the lead's resize (see the module docstring): up to Prepared, then the lead's commit."""
 
-    def __init__(self, members: Membership, cancels: Cancels) -> None:
+    def __init__(self, members: Membership, cancels: Cancels, replacement: ReplacedRanks) -> None:
         self.members = members
         self.fleet = members.fleet
         self.cancels = cancels
+        self.replacement = replacement  # this frontend's commit of a replaced rank, as frontend 0's
         self._commits: dict[str, asyncio.Event] = {}
 
     def commit(self, resize_id: str) -> None:
@@ -254,3 +265,70 @@ class FollowerResize:
         marker = members.cut_routing(to)
         await members.shrink(frm, to, marker)
         retire_leaving(members, op, leaving)
+
+    async def replace(self, op: ResizeOperation) -> None:
+        """This frontend's part of a replacement: the ranks get no new request here and their requests finish (the
+        engine of a lost rank ended them already), their engines stop (frontend 0 releases them once every frontend
+        drained them), the new engines' ready responses are read (their INIT named every frontend), and at frontend
+        0's commit the ranks serve here again. Without the commit after `COMMIT_GRACE_S` the part commits by itself:
+        the new engines announced themselves to this frontend and serve the others."""
+        members, fleet = self.members, self.fleet
+        ranks = sorted(op.replace)
+        live = [rank for rank in ranks if not self.replacement.gone(rank)]
+        what = describe(ranks)
+        try:
+            if live:
+                fleet.update_resize(op.id, phase=ResizePhase.DRAINING,
+                                    message=f"{describe(live)} finish this frontend's in-flight requests "
+                                            f"(at most {op.drain_timeout_s:g}s)")
+                stop_routing_to(members, op, live, why=f"it is being replaced (replacement {op.id})")
+                await drain(members, self.cancels, op, live)
+            # Nothing of an earlier, failed join may pass for a new engine's ready response: the new engines
+            # handshake with frontend 0 only after every frontend got here.
+            members.joiner.discard_stale_ready_responses()
+            fleet.update_resize(op.id, phase=ResizePhase.PREPARING,
+                                message=f"waiting for the engine(s) of {what} to stop and new ones to announce "
+                                        "themselves")
+            deadline = time.monotonic() + op.drain_timeout_s + 2 * op.join_timeout_s + COMMIT_GRACE_S
+            while not all(self.replacement.gone(rank) for rank in ranks):
+                self.cancels.check(op)
+                if time.monotonic() >= deadline:
+                    raise ResizeFailed(f"the engine(s) of {what} did not stop within the join timeout")
+                await asyncio.sleep(POLL_S)
+            for rank in ranks:
+                members.lost.pop(rank, None)
+                fleet.set_rank(rank, RankState.DEAD, f"being replaced by {op.id}: waiting for the new engine's "
+                                                     "ready response")
+            async with self.replacement.keeping_kv_cache_size():
+                await self._ready_responses(op, ranks, deadline)
+            committed = await self._committed(op, time.monotonic() + COMMIT_GRACE_S)
+        except ResizeFailed as e:
+            still = [rank for rank in live if not self.replacement.gone(rank)]
+            serve_on(members, still)  # stopped before their engines went: they serve on here
+            for rank in ranks:
+                if rank not in still:
+                    fleet.set_rank(rank, RankState.DEAD, f"replacement {op.id} failed: {e}")
+            raise
+        if not committed:
+            logger.warning("Replacement %s: frontend 0 did not commit within %gs; committing this frontend's part by "
+                           "itself (the new engines announced themselves here)", op.id, COMMIT_GRACE_S)
+        fleet.update_resize(op.id, phase=ResizePhase.COMMITTING, message=f"{what} back in service")
+        for rank in ranks:
+            self.replacement.commit_rank(op, rank)
+        fleet.finish_resize(op.id, message=f"{what} replaced in place on this frontend")
+
+    async def _ready_responses(self, op: ResizeOperation, ranks: list[int], deadline: float) -> None:
+        """The new engines' ready responses, read as they come (frontend 0 may still be waiting for the new pods), until
+        `deadline`; a cancel (frontend 0's join failed) stops the wait."""
+        read = asyncio.ensure_future(self.members.joiner.read_ready_responses(
+            ranks, wait_s=max(deadline - time.monotonic(), 0.001)))
+        try:
+            while not read.done():
+                self.cancels.check(op)
+                await asyncio.wait({read}, timeout=0.2)
+        finally:
+            if not read.done():
+                read.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await read
+        read.result()

@@ -320,17 +320,18 @@ class Handshake:
             logger.info("Discarding a stale message from engine %d on the requests socket",
                         int.from_bytes(frames[0], "little"))
 
-    async def read_ready_responses(self, ranks: list[int]) -> None:
-        """Each joined rank's ready response (sent on the requests socket before READY), checked and applied."""
+    async def read_ready_responses(self, ranks: list[int], wait_s: float = READY_RESPONSE_TIMEOUT_S) -> None:
+        """Each joined rank's ready response (sent on the requests socket before READY), checked and applied; the
+        wait for them is bounded by `wait_s`."""
         waiting = {identity(rank): rank for rank in ranks}
-        deadline = time.monotonic() + READY_RESPONSE_TIMEOUT_S
+        deadline = time.monotonic() + wait_s
         while waiting:
             left = deadline - time.monotonic()
             try:
                 frames = await asyncio.wait_for(self.client.input_socket.recv_multipart(), max(left, 0.001))
             except TimeoutError:
                 raise ResizeFailed(f"no ready response from {describe(waiting.values())} within "
-                                   f"{READY_RESPONSE_TIMEOUT_S:g}s of its READY") from None
+                                   f"{wait_s:g}s") from None
             engine, payload = frames[0], frames[-1]
             rank = waiting.pop(engine, None)
             if rank is None:

@@ -83,8 +83,9 @@ class Joiner(Protocol):
         raises ResizeFailed. `parallel_config`: the one INIT advertises, if not the fleet's own."""
         ...
 
-    async def read_ready_responses(self, ranks: list[int]) -> None:
-        """Each joined rank's ready response from the requests socket (checked, then applied as vLLM does)."""
+    async def read_ready_responses(self, ranks: list[int], wait_s: float = ...) -> None:
+        """Each joined rank's ready response from the requests socket (checked, then applied as vLLM does), within
+        `wait_s` (default: the bound after a READY)."""
         ...
 
     def abort(self, reason: str, resize_id: str | None = None) -> None:

@@ -37,7 +37,7 @@ class ResizeOperations:
         self.fleet = members.fleet
         self.cancels = cancels
         self.dense = dense
-        self.follower = FollowerResize(members, cancels)  # this frontend's part of frontend 0's resizes
+        self.follower = FollowerResize(members, cancels, replacement)  # this frontend's part of frontend 0's
         self.elastic = elastic
         self.replacement = replacement
         self._loop = loop  # vLLM's, where every operation runs
@@ -74,7 +74,9 @@ class ResizeOperations:
         op = self.fleet.resize(resize_id)
         assert op is not None
         try:
-            if op.follower:
+            if op.follower and op.replace:
+                await self.follower.replace(op)
+            elif op.follower:
                 await (self.follower.scale_up(op) if op.scale_up else self.follower.scale_down(op))
             elif op.replace:
                 await self.replacement.replace(op)

@@ -67,16 +67,21 @@ and the rest of the fleet is untouched (`fleet_intact`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from typing import Protocol
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Protocol
 
 from corefleet_client.admin import RELEASE_UTILITY, RankState, ResizeOperation, ResizePhase
 from corefleet_client.frontend.fleet import describe, identity
 from corefleet_client.frontend.handshake import handshake_address, handshake_failure
 from corefleet_client.frontend.membership import Membership
 from corefleet_client.frontend.resize import DRAIN_POLL_S, drain, stop_routing_to
-from corefleet_client.frontend.types import Cancels, ResizeFailed
+from corefleet_client.frontend.types import COMMIT_GRACE_S, Cancels, ResizeFailed
+
+if TYPE_CHECKING:  # followers.py builds on this module's commit
+    from corefleet_client.frontend.followers import FollowerLost, Followers
 
 logger = logging.getLogger("corefleet.frontend")
 
@@ -92,32 +97,90 @@ class Probes(Protocol):
 class Replacement:
     """The replacement of Dead dense ranks in place (see the module docstring)."""
 
-    def __init__(self, members: Membership, cancels: Cancels, probes: Probes) -> None:
+    def __init__(self, members: Membership, cancels: Cancels, probes: Probes,
+                 followers: Followers | None = None) -> None:
         self.members = members
         self.fleet = members.fleet
         self.cancels = cancels
         self.probes = probes
+        self.followers = followers
 
     async def replace(self, op: ResizeOperation) -> None:
         ranks = sorted(op.replace)
         live = [rank for rank in ranks if self.fleet.record(rank).state != RankState.DEAD]
-        if live:
-            await self._vacate(op, live)
-        cache_config = self.members.client.vllm_config.cache_config
-        blocks = cache_config.num_gpu_blocks
         try:
-            await self._join(op, ranks)
-        finally:
-            # The replacements take the lost engines' share of the KV cache; they do not add one.
-            cache_config.num_gpu_blocks = blocks
+            following = await self._followers_drained(op, ranks)
+            if live:
+                await self._vacate(op, live)
+            async with self.keeping_kv_cache_size():
+                await self._join(op, ranks)
+            following = await self._followers_prepared(op, ranks, following)
+        except ResizeFailed as e:
+            if self.followers is not None:
+                await self.followers.cancel(op, f"replacement {op.id} failed on frontend 0: {e}")
+            raise
         # 3. Commit, without an await: from here on requests may be routed to them.
         self.fleet.update_resize(op.id, phase=ResizePhase.COMMITTING, message=f"{describe(ranks)} back in service")
         for rank in ranks:
-            self._commit(op, rank)
+            self.commit_rank(op, rank)
+        if self.followers is not None:
+            lost = await self.followers.commit(op, following)
+            for index, why in lost.items():
+                logger.warning("Replacement %s: frontend %d did not commit its part (%s): it is lost, and its "
+                               "replacement attaches to the new engine(s)", op.id, index, why)
         logger.info("Replacement %s: %s replaced in place; %d rank(s) serve", op.id, describe(ranks),
                     len(self.fleet.ranks_in(RankState.SERVING)))
         self.fleet.finish_resize(op.id, message=f"{describe(ranks)} replaced in place; the fleet serves at "
                                                 f"{op.to_replicas} rank(s)")
+
+    @contextlib.asynccontextmanager
+    async def keeping_kv_cache_size(self) -> AsyncIterator[None]:
+        """The replacements take the lost engines' share of the KV cache; they do not add one (vLLM's
+        `_apply_ready_response` adds each ready response's blocks)."""
+        cache_config = self.members.client.vllm_config.cache_config
+        blocks = cache_config.num_gpu_blocks
+        try:
+            yield
+        finally:
+            cache_config.num_gpu_blocks = blocks
+
+    # ---- several frontends: each follower's part (`frontend.followers.FollowerResize.replace`) ----------------
+    async def _followers_drained(self, op: ResizeOperation, ranks: list[int]) -> list[int]:
+        """Every other frontend is sent its part: it stops routing to the ranks and drains its own requests on them
+        (those of a dead engine ended already), then waits for the new engines. The followers that did (Preparing);
+        one that cannot be reached is passed over (lost: its replacement attaches to the new engines); one that
+        refused or failed its part fails the replacement before anything changed."""
+        if self.followers is None:
+            return []
+        self.fleet.update_resize(op.id, message=f"every frontend stops routing to {describe(ranks)}")
+        lost = await self.followers.start(op, (ResizePhase.PREPARING, ResizePhase.PREPARED),
+                                          time.monotonic() + op.drain_timeout_s + COMMIT_GRACE_S, self.cancels)
+        self._pass_over(op, lost)
+        return [i for i in self.followers.admins if i not in lost]
+
+    async def _followers_prepared(self, op: ResizeOperation, ranks: list[int], following: list[int]) -> list[int]:
+        """The followers that read the new engines' ready responses (Prepared); the new engines announced themselves
+        to every frontend (their INIT names them all) before their READY to this one."""
+        if self.followers is None:
+            return []
+        self.fleet.update_resize(op.id, message=f"every frontend reads the ready responses of {describe(ranks)}")
+        lost = await self.followers.wait(op, following, (ResizePhase.PREPARED,), time.monotonic() + COMMIT_GRACE_S,
+                                         self.cancels)
+        self._pass_over(op, lost)
+        return [i for i in following if i not in lost]
+
+    @staticmethod
+    def _pass_over(op: ResizeOperation, lost: dict[int, FollowerLost]) -> None:
+        """A follower that cannot be reached is passed over (lost; its replacement attaches to the engines that run
+        then); one that refused or failed its part would never route to the new engines: the replacement fails,
+        and the operator runs it again."""
+        refused = {i: e for i, e in lost.items() if e.reachable}
+        if refused:
+            raise ResizeFailed("not every frontend can take the new engines: "
+                               + "; ".join(str(e) for e in refused.values()))
+        for index, why in lost.items():
+            logger.warning("Replacement %s: frontend %d is passed over (%s): it is lost, and its replacement "
+                           "attaches to the engines that run then", op.id, index, why)
 
     async def _vacate(self, op: ResizeOperation, ranks: list[int]) -> None:
         """Step 0 of a vacating replacement (the ranks' pods are being removed): no new request goes to them, their
@@ -134,7 +197,7 @@ class Replacement:
             await self._release(rank)
         self.fleet.update_resize(op.id, message=f"{what} drained and released: waiting for its engine to stop")
         deadline = time.monotonic() + op.join_timeout_s
-        while any(not self._gone(rank) for rank in ranks):
+        while any(not self.gone(rank) for rank in ranks):
             self.cancels.check(op)
             if time.monotonic() >= deadline:
                 raise ResizeFailed(f"{what} drained, but its engine's connection was still up "
@@ -156,7 +219,7 @@ class Replacement:
             logger.warning("Rank %d did not confirm its release (%s: %s); its pod stops at the end of its grace "
                            "period", rank, type(e).__name__, e)
 
-    def _gone(self, rank: int) -> bool:
+    def gone(self, rank: int) -> bool:
         """Whether the rank's connection is gone (the liveness watcher saw it: a draining rank is recorded lost)."""
         return rank in self.members.lost or self.fleet.record(rank).state == RankState.DEAD
 
@@ -187,7 +250,7 @@ class Replacement:
                 self.fleet.set_rank(rank, RankState.DEAD, f"replacement {op.id} failed: {e}")
             raise e from None
 
-    def _commit(self, op: ResizeOperation, rank: int) -> None:
+    def commit_rank(self, op: ResizeOperation, rank: int) -> None:
         """The rank serves again, with fresh routing counters (see the module docstring, step 3)."""
         members = self.members
         leftover = members.requests_on(rank)

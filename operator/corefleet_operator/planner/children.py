@@ -105,9 +105,10 @@ def held_pods(fleet: FleetRef, step: Step, awaiting_experts: bool) -> frozenset[
         held |= {member_name(fleet.name, role) for role in op.members}
     if awaiting_experts:
         held |= {constants.engine_name(fleet.name, rank) for rank in step.joining}
-    if step.resize is not None and not step.new_incarnation:
-        # A frontend other than frontend 0 lost during a resize (ending this pass or not) is replaced in place,
-        # attaching, once it ended (`planner.follow`).
+    ranks_replaced = step.replacing is not None and bool(step.replacing.operation.replace)
+    if (step.resize is not None or ranks_replaced) and not step.new_incarnation:
+        # A frontend other than frontend 0 lost during a resize or a replacement of ranks (ending this pass or not)
+        # is replaced in place, attaching, once it ended (`planner.follow`).
         held |= followers(fleet)
     return frozenset(held)
 

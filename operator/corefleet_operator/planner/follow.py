@@ -65,7 +65,9 @@ def follow_operation(fleet: FleetRef, observed: Observed, basis: Basis, now: str
                        moving_members=frozenset(member_name(fleet.name, role) for role in running.members))
     if running.replace:
         replacing = continue_replace(fleet, observed, running, basis.current, basis.streak, now)
-        return replace(still, operation=replacing.operation, replacing=replacing, moving=frozenset(running.replace))
+        # Several frontends: frontend 0 passes over one it cannot reach (as in a resize, below).
+        return replace(still, operation=replacing.operation, replacing=replacing, moving=frozenset(running.replace),
+                       moving_members=followers(fleet))
     resize = continue_resize(fleet, observed, running, basis.committed, basis.current, now)
     # Several frontends: one other than frontend 0 lost during the resize is frontend 0's to pass over or fail the
     # resize for; its loss is seen (and it is replaced in place) once the resize ended.

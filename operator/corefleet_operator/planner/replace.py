@@ -70,7 +70,6 @@ def in_place(fleet: FleetRef, basis: Basis, lost: Sequence[tuple[int | None, str
             and not basis.fresh and not basis.given_up and not changed and basis.running is None
             and old.phase in ("Running", "Degraded") and old.fleetGeneration == basis.generation
             and all(0 <= rank < basis.committed for rank in ranks) and len(ranks) < basis.committed
-            and fleet.spec.frontend.replicas == 1  # with several, a new rank would reach only frontend 0
             and pod_ready(basis.current.get(constants.frontend_name(fleet.name)))
             and pod_ready(basis.current.get(constants.coordinator_name(fleet.name))))
 
