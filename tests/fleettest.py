@@ -362,6 +362,45 @@ class PinnedStream:
         return self.outcome
 
 
+class LongStreams:
+    """Keeps `n` long streams pinned to `rank` in flight, each that ends replaced at once, until a new one is refused
+    (HTTP 503: the rank stopped taking requests, its drain began) or `stop()`: so that some are in flight when a
+    drain of the rank begins, however late the drain comes on a busy machine."""
+
+    def __init__(self, url: str, model: str, rank: int, max_tokens: int, n: int) -> None:
+        self.streams: list[PinnedStream] = []
+        self._args = (url, model, rank, max_tokens)
+        self._n = n
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self.refused():
+                return
+            live = [s for s in self.streams if s.outcome is None]
+            for _ in range(self._n - len(live)):
+                self.streams.append(PinnedStream(*self._args))
+            self._stop.wait(0.05)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def started(self) -> int:
+        """Streams that got their first token (or ended)."""
+        return sum(s.first_token.is_set() for s in self.streams)
+
+    def refused(self) -> list[PinnedStream]:
+        return [s for s in list(self.streams) if s.outcome is not None and s.outcome[1].startswith("HTTP 503")]
+
+    def served(self) -> list[PinnedStream]:
+        """Every stream the rank took: all but the refused ones."""
+        refused = self.refused()
+        return [s for s in list(self.streams) if s not in refused]
+
+
 class ResizeWatch:
     """Polls the fleet in a thread while a resize runs; keeps what it saw, in order."""
 

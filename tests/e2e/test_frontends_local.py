@@ -6,7 +6,10 @@ OpenAI API's port (`SO_REUSEPORT`: the kernel spreads connections over them), as
 fleet's Service. On 2 real vLLM engines, frontend 1 SIGKILLed under load (the supervisor `corefleet up
 --detach` leaves running replaces it in place, `--attach` with its client index): only requests that were on
 it fail, the endpoint keeps answering through frontend 0, and the replacement takes traffic again; the
-engines' processes are untouched.
+engines' processes are untouched. A killed engine is replaced in place through both frontends: frontend 0 runs
+the new engine's handshake and drives frontend 1 through its part (it reads the new engine's ready response and
+routes to it at frontend 0's commit); the other engine and both frontends keep their processes, and requests
+pinned to the other rank never fail.
 
 Resizes with two frontends (frontend 0 drives every frontend through each) are tested through the operator
 on the real node (tests/e2e/test_node_fleet.py), with the same client code. Heavy (real vLLM, 2 engines): on
@@ -23,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from corefleet_client.admin import AdminClient, AdminError, FleetState, RankState
+from corefleet_client.admin import AdminClient, AdminError, FleetState, RankState, ResizePhase, ResizeRequest
 from corefleet_harness import local
 from corefleet_harness.support import wait_until
 from corefleet_harness.tinymodel import write_tiny_model
@@ -34,6 +37,7 @@ pytestmark = pytest.mark.e2e
 
 REPLICAS = 2
 FRONTENDS = 2
+JOIN_TIMEOUT = 300.0  # a new real vLLM engine on 2 busy cores
 CONTEXT = 1024
 WORKERS = 4  # clients, each with one request at a time: enough connections for the kernel to use both frontends
 
@@ -113,3 +117,49 @@ def test_a_killed_frontend_fails_only_its_requests_and_its_replacement_takes_tra
         log = (state / local.LOG_DIR / f"engine-{r}.log").read_text(errors="replace")
         assert "Frontend 1 re-attached: aborted the" in log, log[-3000:]
     print(f"frontend 1 killed: serving again after {back - dead_at:.1f} s; {load.summary()}")
+
+
+def test_a_killed_engine_is_replaced_in_place_through_both_frontends(fleet: Fleet) -> None:
+    frontends = {i: fleet.pid(local.ROLE_FRONTEND, i if i else None) for i in range(FRONTENDS)}
+    engine0 = fleet.engine_pid(0)
+    lead, follower = admins(fleet)
+    pinned = Load(fleet.url, MODEL_NAME, workers=WORKERS, max_tokens=16, pause_s=0.05,
+                  headers={"X-data-parallel-rank": "0"}).start()
+    try:
+        wait_until(lambda: len([o for o in pinned.outcomes if o.ok]) >= 8, 120, "rank 0's load to get going")
+        fleet.kill_engine(1)
+        wait_until(lambda: all(a.fleet().rank(1).state == RankState.DEAD for a in (lead, follower)), 30,
+                   "rank 1 Dead on both frontends", interval=0.1)
+        new_pid = fleet.restart_engine(1)
+        started, op = lead.start_resize(ResizeRequest(id="replace-1", replicas=REPLICAS, replace=(1,),
+                                                      join_timeout_s=JOIN_TIMEOUT))
+        assert started
+        assert op.replace == (1,)
+        done = wait_until(lambda: (o := lead.resize("replace-1")) is not None and o.phase.terminal and o,
+                          JOIN_TIMEOUT + 60, "the replacement to end", interval=0.2)
+        assert (done.phase, done.error) == (ResizePhase.COMPLETED, ""), done
+        part = follower.resize("replace-1")
+        assert part is not None
+        assert (part.follower, part.replace, part.phase) == (True, (1,), ResizePhase.COMPLETED), part
+    finally:
+        pinned.stop()
+    assert not pinned.failures(), pinned.summary()  # rank 0 served throughout, through both frontends
+    for admin in (lead, follower):
+        status = admin.fleet()
+        assert (status.state, [r.state for r in status.ranks]) == (FleetState.SERVING, [RankState.SERVING] * 2)
+    # Both frontends route to the new engine: requests pinned to rank 1 over new connections (the kernel spreads
+    # them over both frontends) until each frontend sent some.
+    before = {i: served(a).get(1, 0) for i, a in enumerate((lead, follower))}
+    on_new = Load(fleet.url, MODEL_NAME, workers=WORKERS, max_tokens=8, pause_s=0.05,
+                  headers={"X-data-parallel-rank": "1"}).start()
+    try:
+        wait_until(lambda: all(served(a).get(1, 0) > before[i] for i, a in enumerate((lead, follower))), 120,
+                   "both frontends sending requests to the new rank 1")
+    finally:
+        on_new.stop()
+    assert not on_new.failures(), on_new.summary()
+    assert fleet.engine_pid(0) == engine0
+    assert fleet.engine_pid(1) == new_pid
+    assert {i: fleet.pid(local.ROLE_FRONTEND, i if i else None) for i in range(FRONTENDS)} == frontends
+    print(f"rank 1 replaced in place through 2 frontends; rank 0's load: {pinned.summary()}; "
+          f"rank 1's after: {on_new.summary()}")

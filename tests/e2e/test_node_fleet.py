@@ -16,15 +16,16 @@ model hub is reachable here, and the engine emulator behind a switch).
   machine can run: real vLLM engines, frontend and coordinator as containers, probed by the kubelet;
   completions through the frontend Service's ClusterIP (kube-proxy's rules), from the host and from a pod
   by the Service's DNS name;
-* an engine container killed (SIGKILL through containerd) is replaced in place; the frontend's and the
-  coordinator's containers killed are replaced in place, the engines untouched;
+* the frontend's and the coordinator's containers killed are replaced in place, the engines untouched;
 * the same sample with emulator engines (the runtime-test image's switch) beside it: it serves, and an
   engine hung (SIGSTOP to its processes) is marked NotReady and killed by the kubelet's probes and replaced
   in place by the operator while rank 0 serves on;
 * last, the real vLLM fleet with two frontends (`spec.frontend.replicas: 2`, which recreates it): one frontend's
   container killed under load fails only what was on it while the other answers, and it is replaced in place;
-  resized 2 -> 3 -> 2 in place under load through the ClusterIP: no request fails, both frontends route to
-  rank 2 while it serves, long requests on it finish in its drain, the surviving ranks keep their containers.
+  an engine container killed (SIGKILL through containerd) is replaced in place through both frontends (both
+  route to the new engine); resized 2 -> 3 -> 2 in place under load through the ClusterIP: no request fails,
+  both frontends route to rank 2 while it serves, long requests on it finish in its drain, the surviving ranks
+  keep their containers.
 
 The process runner (tests/podrunner.py) stays for what a container cannot give a test: other e2e modules
 run many fleets, swap in the emulator per pod and hold pods unstarted, on one machine, within CI's time.
@@ -52,14 +53,14 @@ from typing import Any
 import pytest
 import yaml
 
-from corefleet_client.admin import RankState
+from corefleet_client.admin import RankState, ResizePhase
 from corefleet_harness.localcluster import LocalControlPlane
 from corefleet_harness.localnode import LocalNode
 from corefleet_harness.support import wait_until
 from corefleet_harness.tinymodel import write_tiny_model
 from corefleet_operator import builders, constants
 from corefleet_operator.generate import OPERATOR_IMAGE
-from fleettest import FleetView, Load, PinnedStream, ResizeWatch, ecs_engine_args
+from fleettest import FleetView, Load, LongStreams, ResizeWatch, ecs_engine_args
 from nodetest import RealNode
 
 pytestmark = pytest.mark.e2e
@@ -142,9 +143,10 @@ class Setup:
         return [(e["reason"], e["message"]) for e in items if e["involvedObject"].get("uid") == uid]
 
 
-def completion(url: str, max_tokens: int = 8) -> dict[str, Any]:
+def completion(url: str, max_tokens: int = 8, headers: dict[str, str] | None = None) -> dict[str, Any]:
     body = json.dumps({"model": SERVED, "prompt": "Hello", "max_tokens": max_tokens}).encode()
-    req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(f"{url}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     with urllib.request.urlopen(req, timeout=60) as r:
         assert r.status == 200
         out: dict[str, Any] = json.loads(r.read())
@@ -322,32 +324,6 @@ def test_sample_fleet_runs_as_containers_and_serves_through_its_cluster_ip(setup
     wait_until(done, 120, "the client pod's completion", interval=0.5)
     assert int(s.cp.kubectl("logs", "-n", NS, "client").stdout.strip()) > 0
     s.cp.kubectl("delete", "pod", "-n", NS, "client", "--wait=false")
-
-
-def test_a_killed_engine_container_is_replaced_in_place(setup: Setup) -> None:
-    """SIGKILL to rank 1's main process through containerd: the container dies with 137, the pod ends
-    Failed (restartPolicy Never), and the operator replaces the rank in place while the rest serve on."""
-    s = setup
-    s.fleet.at(2, START_TIMEOUT, interval=0.5)
-    victim = constants.engine_name(s.fleet.name, 1)
-    before, old_uids = s.fleet.status(), s.fleet.uids()
-    s.node.ctr("tasks", "kill", "--signal", "SIGKILL", s.container_id(victim))
-    wait_until(lambda: (s.fleet.status().get("operation") or {}).get("replace") == [1], 120,
-               "a replacement of rank 1", interval=0.5, diagnose=s.fleet.describe)
-    s.settle(2)
-    st = s.fleet.status()
-    assert (st["recoveries"], st["fleetGeneration"]) == (before["recoveries"] + 1, before["fleetGeneration"]), st
-    assert st["operation"]["phase"] == "Completed", st
-    uids = s.fleet.uids()
-    assert uids[victim] != old_uids[victim]
-    assert {n: u for n, u in uids.items() if n != victim} == {n: u for n, u in old_uids.items() if n != victim}
-    events = s.fleet.events()
-    # Whoever saw it first: the frontend (the engine's connection lost) or the kubelet (the pod Failed, 137).
-    lost = [m for reason, m in events if reason == "RankLost"]
-    assert any(f"rank 1 (pod {victim})" in m and "replacing rank 1 in place" in m for m in lost), lost
-    assert any(reason == "RankReplaced" and st["operation"]["id"] in m for reason, m in events), events
-    assert [r.state for r in s.fleet.admin().fleet().ranks] == [RankState.SERVING] * 2
-    completion(s.url())
 
 
 def started_at(s: Setup, pod: str) -> float:
@@ -665,6 +641,46 @@ def test_two_frontends_one_killed_fails_only_its_requests_and_its_replacement_ta
     assert logs.count("Frontend 1 re-attached: aborted the") == 2, logs[-3000:]
 
 
+def test_a_killed_engine_container_is_replaced_in_place_through_both_frontends(two_frontends: Setup) -> None:
+    """SIGKILL to rank 1's main process through containerd: the container dies with 137, the pod ends
+    Failed (restartPolicy Never), and the operator replaces the rank in place while the rest serve on. With two
+    frontends: frontend 0 runs the new engine's handshake and drives frontend 1 through its part, and both route to
+    the new engine afterwards; no other pod changes."""
+    s = two_frontends
+    s.fleet.at(2, START_TIMEOUT, interval=0.5)
+    victim = constants.engine_name(s.fleet.name, 1)
+    before, old_uids = s.fleet.status(), s.fleet.uids()
+    s.node.ctr("tasks", "kill", "--signal", "SIGKILL", s.container_id(victim))
+    wait_until(lambda: (s.fleet.status().get("operation") or {}).get("replace") == [1], 120,
+               "a replacement of rank 1", interval=0.5, diagnose=s.fleet.describe)
+    s.settle(2)
+    st = s.fleet.status()
+    assert (st["recoveries"], st["fleetGeneration"]) == (before["recoveries"] + 1, before["fleetGeneration"]), st
+    assert st["operation"]["phase"] == "Completed", st
+    uids = s.fleet.uids()
+    assert uids[victim] != old_uids[victim]
+    assert {n: u for n, u in uids.items() if n != victim} == {n: u for n, u in old_uids.items() if n != victim}
+    events = s.fleet.events()
+    # Whoever saw it first: the frontend (the engine's connection lost) or the kubelet (the pod Failed, 137).
+    lost = [m for reason, m in events if reason == "RankLost"]
+    assert any(f"rank 1 (pod {victim})" in m and "replacing rank 1 in place" in m for m in lost), lost
+    assert any(reason == "RankReplaced" and st["operation"]["id"] in m for reason, m in events), events
+    part = s.fleet.admin(1).resize(st["operation"]["id"])
+    assert part is not None
+    assert (part.follower, part.replace, part.phase) == (True, (1,), ResizePhase.COMPLETED), part
+    for index in (0, 1):
+        assert [r.state for r in s.fleet.admin(index).fleet().ranks] == [RankState.SERVING] * 2
+    # Both frontends route to the new engine: requests pinned to rank 1 through the Service (kube-proxy picks a
+    # frontend for each connection) until each frontend sent some.
+    sent = {i: requests_on(s.fleet, i).get(1, 0) for i in (0, 1)}
+
+    def both_route_to_rank_1() -> bool:
+        completion(s.url(), headers={"X-data-parallel-rank": "1"})
+        return all(requests_on(s.fleet, i).get(1, 0) > sent[i] for i in (0, 1))
+
+    wait_until(both_route_to_rank_1, 120, "both frontends sending requests to the new rank 1", interval=0.1)
+
+
 def test_real_vllm_fleet_with_two_frontends_resizes_2_3_2_in_place_under_load(two_frontends: Setup) -> None:
     """2 -> 3 -> 2 through the ClusterIP, with two frontend pods behind it (frontend 0 drives each resize through
     both, issue 25): no request fails, the surviving ranks keep their containers and pods, every frontend routes to
@@ -680,6 +696,7 @@ def test_real_vllm_fleet_with_two_frontends_resizes_2_3_2_in_place_under_load(tw
     # this machine busy and the new engine takes minutes to start instead of about one.)
     load = Load(s.url(), SERVED, workers=1, max_tokens=8, pause_s=1.0).start()
     columns: list[list[str]] = []
+    longs: LongStreams | None = None
     try:
         with ResizeWatch(s.fleet) as up:
             t0 = time.monotonic()
@@ -694,25 +711,32 @@ def test_real_vllm_fleet_with_two_frontends_resizes_2_3_2_in_place_under_load(tw
                             and sum(requests_on(s.fleet, i)[2] for i in range(2)), 120,
                             "both frontends routing to rank 2", diagnose=load.summary)
         with ResizeWatch(s.fleet) as down:
-            # Long requests on the leaving rank, the scale-down sent once every one has started and the frontend
-            # counts one in flight there: the drain lets them finish. (Not all at once: on this busy machine the
-            # frontend takes them up seconds apart, and the first may be done before the last starts.)
-            longs = [PinnedStream(s.url(), SERVED, rank=2, max_tokens=LONG_TOKENS) for _ in range(LONG_STREAMS)]
-            assert all(long.first_token.wait(60) for long in longs)
+            # Long requests on the leaving rank, kept in flight (each that ends replaced at once) until the rank
+            # refuses a new one: the drain lets those it took finish. The scale-down is sent once the frontends
+            # count one in flight there. (Kept, not sent once: on this saturated machine the operator, whose pod
+            # requests little CPU, may take longer to act than a long request lasts.)
+            longs = LongStreams(s.url(), SERVED, rank=2, max_tokens=LONG_TOKENS, n=LONG_STREAMS)
+            wait_until(lambda: longs.started() >= LONG_STREAMS, 60, "the long streams' first tokens")
             in_flight = wait_until(lambda: sum(s.fleet.admin(i).fleet().rank(2).in_flight for i in range(2)), 30,
                                    "a frontend to count a long request in flight on rank 2", interval=0.05,
                                    diagnose=lambda: f"the long streams' outcomes (None: still streaming): "
-                                                    f"{[long.outcome for long in longs]}")
+                                                    f"{[long.outcome for long in longs.streams]}")
             t0 = time.monotonic()
             s.fleet.scale(2)
             s.settle(2, timeout=180)
             down_took = time.monotonic() - t0
     finally:
         load.stop()
+        if longs is not None:
+            longs.stop()
     columns.append(s.fleet.get_ecs().split("\n")[1].split()[:4])
-    assert [long.result() for long in longs] == [(True, "finish_reason length")] * LONG_STREAMS
+    served_long, refused_long = longs.served(), longs.refused()
+    assert [long.result() for long in served_long] == [(True, "finish_reason length")] * len(served_long)
+    # Those sent once the drain began were refused at once, with the reason (the rank is being retired).
+    assert all("being retired" in long.result()[1] for long in refused_long), [r.outcome for r in refused_long]
     print(f"2 -> 3 settled in {up_took:.1f} s, 3 -> 2 in {down_took:.1f} s; rank 2 served {served} request(s) "
-          f"before it was retired, {in_flight} long one(s) in flight at the scale-down; load: {load.summary()}; "
+          f"before it was retired, {in_flight} long one(s) in flight at the scale-down ({len(served_long)} served, "
+          f"{len(refused_long)} refused in its drain); load: {load.summary()}; "
           f"operation phases up {up.phases}, down {down.phases}; "
           f"kubectl get ecs {columns}; events {[r for r, _ in s.fleet.events()[events_before:]]}")
 
