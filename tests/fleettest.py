@@ -364,8 +364,8 @@ class PinnedStream:
 
 class LongStreams:
     """Keeps `n` long streams pinned to `rank` in flight, each that ends replaced at once, until a new one is refused
-    (HTTP 503: the rank stopped taking requests, its drain began) or `stop()`: so that some are in flight when a
-    drain of the rank begins, however late the drain comes on a busy machine."""
+    (a 503: the rank stopped taking requests, its drain began) or `stop()`: so that some are in flight when a drain
+    of the rank begins, however late the drain comes on a busy machine."""
 
     def __init__(self, url: str, model: str, rank: int, max_tokens: int, n: int) -> None:
         self.streams: list[PinnedStream] = []
@@ -393,7 +393,9 @@ class LongStreams:
         return sum(s.first_token.is_set() for s in self.streams)
 
     def refused(self) -> list[PinnedStream]:
-        return [s for s in list(self.streams) if s.outcome is not None and s.outcome[1].startswith("HTTP 503")]
+        """Streams the rank did not take: a 503, as the HTTP status or (vLLM streams its errors) the first event."""
+        return [s for s in list(self.streams) if s.outcome is not None and not s.outcome[0]
+                and (s.outcome[1].startswith("HTTP 503") or "'code': 503" in s.outcome[1])]
 
     def served(self) -> list[PinnedStream]:
         """Every stream the rank took: all but the refused ones."""

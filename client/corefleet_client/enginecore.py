@@ -70,7 +70,8 @@ from vllm.reasoning import ReasoningParserManager
 from vllm.usage.usage_lib import UsageContext
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm.utils.network_utils import get_tcp_uri
-from vllm.v1.engine import EngineCoreRequestType
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequestType
 from vllm.v1.engine import core as vllm_core
 from vllm.v1.engine.core import EngineCoreProc
 from vllm.v1.engine.utils import _configure_uniproc_startup_threads, set_assigned_physical_gpu_ids_for_dp_rank
@@ -220,6 +221,34 @@ def install_attach_support() -> None:
     setattr(EngineCoreProc, ATTACH_UTILITY, attach)
 
 
+def stats_to_frontend_0(outputs: dict[int, EngineCoreOutputs]) -> dict[int, EngineCoreOutputs]:
+    """A step's outputs by client index, with the step's scheduler stats moved to frontend 0's (first, created if
+    it has no output this step): see `install_stats_to_frontend_0`."""
+    at = next((index for index, eco in outputs.items() if eco.scheduler_stats is not None), None)
+    if at is None or (at == 0 and next(iter(outputs)) == 0):
+        return outputs
+    first = outputs.get(0) or EngineCoreOutputs()
+    if at != 0:
+        first.scheduler_stats, outputs[at].scheduler_stats = outputs[at].scheduler_stats, None
+    return {0: first, **{index: eco for index, eco in outputs.items() if index != 0}}
+
+
+def install_stats_to_frontend_0() -> None:
+    """vLLM sends each step's scheduler stats (the engine's running and waiting requests, its KV-cache usage: the
+    `vllm:num_requests_*` and `vllm:kv_cache_usage_perc` gauges) to one frontend only, the first with an output in
+    that step (vLLM 0.32.0 `Scheduler.update_from_output`). With several frontends each would keep whatever it last
+    got, stale, and their sum (the autoscaling signal) would count an engine's requests more than once, or never go
+    back to 0 on an idle fleet. So they go to frontend 0, always, and first (where vLLM attaches a step's iteration
+    details): frontend 0's gauges are every engine's current ones, the others' stay 0. One frontend: nothing
+    changes."""
+    original = Scheduler.update_from_output
+
+    def update_from_output(self: Scheduler, *args: Any, **kwargs: Any) -> dict[int, EngineCoreOutputs]:
+        return stats_to_frontend_0(original(self, *args, **kwargs))
+
+    Scheduler.update_from_output = update_from_output
+
+
 def build_serve_parser() -> FlexibleArgumentParser:
     """vLLM's `vllm serve` parser, built as `vllm.entrypoints.cli.main` builds it."""
     parser = FlexibleArgumentParser(prog=f"{PROG} --health-port PORT --")
@@ -343,6 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.release_fd is not None:
         install_release_utility(args.release_fd)
     install_attach_support()
+    install_stats_to_frontend_0()
 
     # 4. What CoreEngineProcManager does for one local engine, then the engine core itself.
     executor_class = Executor.get_class(vllm_config)

@@ -402,3 +402,37 @@ def test_elastic_ep_client_steps_pinned(core_client: ModuleType) -> None:
     hashed = inspect.getsource(parallel.ParallelConfig.compute_hash)
     assert '"data_parallel_size"' not in hashed  # the size is hashed ...
     assert '"_coord_store_port"' in hashed  # ... the store is not
+
+
+def test_a_steps_scheduler_stats_go_to_one_frontend_which_corefleet_makes_frontend_0() -> None:
+    """vLLM sends a step's scheduler stats to the first client with an output (or client 0 if none has one), and
+    attaches iteration details to the first output too; `enginecore.install_stats_to_frontend_0` moves them to
+    frontend 0's output, first, so that one frontend's engine gauges are every engine's current ones."""
+    scheduler = importlib.import_module("vllm.v1.core.sched.scheduler")
+    src = inspect.getsource(scheduler.Scheduler.update_from_output)
+    assert "Return stats to only one of the front-ends" in src
+    assert "next(iter(engine_core_outputs.values()), None)" in src
+    assert "engine_core_outputs[0] = eco = EngineCoreOutputs()" in src
+    core = importlib.import_module("vllm.v1.engine.core")
+    assert "next(iter(outputs.values()), None)" in inspect.getsource(core.EngineCore._attach_iteration_details)
+    engine = importlib.import_module("vllm.v1.engine")
+    stats_module = importlib.import_module("vllm.v1.metrics.stats")
+    from corefleet_client.enginecore import stats_to_frontend_0
+
+    def step(*clients: int, stats_at: int | None) -> dict[int, object]:
+        outputs = {i: engine.EngineCoreOutputs() for i in clients}
+        if stats_at is not None:
+            outputs[stats_at].scheduler_stats = stats_module.SchedulerStats(num_running_reqs=3)
+        return outputs
+
+    moved = stats_to_frontend_0(step(2, 1, stats_at=2))  # only followers had outputs: frontend 0 gets one
+    assert list(moved) == [0, 2, 1]
+    assert moved[0].scheduler_stats.num_running_reqs == 3
+    assert moved[2].scheduler_stats is None
+    moved = stats_to_frontend_0(step(1, 0, stats_at=1))  # frontend 0 had an output too: it comes first
+    assert list(moved) == [0, 1]
+    assert (moved[0].scheduler_stats.num_running_reqs, moved[1].scheduler_stats) == (3, None)
+    unchanged = step(0, 1, stats_at=0)
+    assert stats_to_frontend_0(unchanged) is unchanged
+    no_stats = step(1, stats_at=None)
+    assert stats_to_frontend_0(no_stats) is no_stats

@@ -290,7 +290,7 @@ def test_dashboard_structure() -> None:
     fleet_vars = {v["name"] for v in dashboards["corefleet-fleet"]["templating"]["list"]}
     assert {"datasource", "namespace", "fleet"} <= fleet_vars
     rows = [p["title"] for p in dashboards["corefleet-fleet"]["panels"] if p["type"] == "row"]
-    assert rows == ["Overview", "Latency SLOs", "Per rank", "Resize and recovery history"], rows
+    assert rows == ["Overview", "Latency SLOs", "Per rank", "Resize and recovery history", "Frontends"], rows
     for _, expr in pq.dashboard_expressions("ns", "fl"):
         assert "$" not in expr, expr
 
