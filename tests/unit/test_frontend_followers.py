@@ -30,9 +30,9 @@ from corefleet_client.admin import (
 from corefleet_client.frontend import followers as followers_module
 from corefleet_client.frontend.adminserver import AdminServer
 from corefleet_client.frontend.fleet import Fleet
-from corefleet_client.frontend.followers import FollowerLost, FollowerResize, Followers
+from corefleet_client.frontend.followers import FollowerResize, Followers
 from corefleet_client.frontend.resize import DenseResize
-from corefleet_client.frontend.types import Cancels, ResizeFailed, ResizeRefused
+from corefleet_client.frontend.types import Cancels, FollowerLost, ResizeFailed, ResizeRefused
 from corefleet_harness.support import free_port
 from standins import IdleView, RecordingRunner
 

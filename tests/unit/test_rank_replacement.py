@@ -44,12 +44,12 @@ from corefleet_client.frontend import followers as followers_module
 from corefleet_client.frontend.adminserver import AdminServer
 from corefleet_client.frontend.elastic import ElasticResize
 from corefleet_client.frontend.fleet import Fleet, identity
-from corefleet_client.frontend.followers import FollowerLost, Followers
+from corefleet_client.frontend.followers import Followers
 from corefleet_client.frontend.membership import Membership
 from corefleet_client.frontend.operations import ResizeOperations
 from corefleet_client.frontend.replace import Replacement
 from corefleet_client.frontend.resize import DenseResize
-from corefleet_client.frontend.types import Cancels, FleetOptions, ResizeFailed
+from corefleet_client.frontend.types import Cancels, FleetOptions, FollowerLost, ResizeFailed
 from corefleet_harness.support import free_port
 
 TOKEN = "t0ken"
@@ -322,6 +322,14 @@ class FakeClient:
         await self.operations(followers).run(resize_id)
 
 
+async def until(condition: Any, what: str) -> None:
+    for _ in range(1000):  # 10 s
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"not {what} within 10 s")
+
+
 def _replace(client: FakeClient, ranks: tuple[int, ...], resize_id: str = "rep-1") -> ResizeOperation:
     started, op = client.fleet.start_resize(ResizeRequest(id=resize_id, replicas=client.fleet.size,
                                                           join_timeout_s=30, replace=ranks))
@@ -465,13 +473,6 @@ def test_a_vacating_replacement_drains_releases_and_waits_for_the_engine_to_stop
 
     client.members.send_utility_call = send_utility_call  # type: ignore[method-assign]
 
-    async def until(condition: Any, what: str) -> None:
-        for _ in range(1000):  # 10 s
-            if condition():
-                return
-            await asyncio.sleep(0.01)
-        raise AssertionError(f"not {what} within 10 s")
-
     async def leaving_engine() -> None:
         await until(lambda: fleet.record(1).state == RankState.DRAINING, "draining")
         assert 1 in client.members.unroutable  # no new request goes to it from now on
@@ -499,14 +500,6 @@ def test_a_vacating_replacement_drains_releases_and_waits_for_the_engine_to_stop
 
 
 # ---- 4. several frontends ----------------------------------------------------------------------------
-async def until(condition: Any, what: str) -> None:
-    for _ in range(1000):  # 10 s
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"not {what} within 10 s")
-
-
 def follower_fleet(size: int = 3) -> tuple[Fleet, FakeClient]:
     """Frontend 1 of 2 over `size` serving ranks."""
     fleet = Fleet("tiny", size, frontends=2, client_index=1)
@@ -523,6 +516,18 @@ def part_of(fleet: Fleet, ranks: tuple[int, ...], resize_id: str = "rep-1") -> R
     return op
 
 
+def phase(fleet: Fleet, op: ResizeOperation) -> ResizePhase:
+    return (fleet.resize(op.id) or op).phase
+
+
+def served_again(fleet: Fleet, op: ResizeOperation) -> None:
+    """The part completed, and every rank serves on this frontend."""
+    done = fleet.resize(op.id)
+    assert done is not None
+    assert (done.phase, done.error) == (ResizePhase.COMPLETED, "")
+    assert fleet.ranks_in(RankState.SERVING) == [0, 1, 2]
+
+
 def test_a_followers_part_for_a_dead_rank_reads_the_new_engine_and_serves_it_at_frontend_0s_commit() -> None:
     fleet, client = follower_fleet()
     client.kill(1)  # this frontend saw the engine die too
@@ -531,7 +536,7 @@ def test_a_followers_part_for_a_dead_rank_reads_the_new_engine_and_serves_it_at_
     async def main() -> None:
         operations = client.operations()
         task = asyncio.ensure_future(operations.run(op.id))
-        await until(lambda: (fleet.resize(op.id) or op).phase == ResizePhase.PREPARED, "prepared")
+        await until(lambda: phase(fleet, op) == ResizePhase.PREPARED, "prepared")
         assert client.ready_reads == [[1]]
         assert 1 in client.members.unroutable  # nothing is routed to it before frontend 0 commits
         assert fleet.record(1).state == RankState.DEAD
@@ -539,10 +544,7 @@ def test_a_followers_part_for_a_dead_rank_reads_the_new_engine_and_serves_it_at_
         await task
 
     asyncio.run(main())
-    done = fleet.resize(op.id)
-    assert done is not None
-    assert (done.phase, done.error) == (ResizePhase.COMPLETED, "")
-    assert fleet.ranks_in(RankState.SERVING) == [0, 1, 2]
+    served_again(fleet, op)
     assert client.members.unroutable == {}
     assert client.lb_engines[1] == [0, 0, 0.0]
     assert client.forgotten == [1]
@@ -564,21 +566,18 @@ def test_a_followers_part_drains_a_rank_it_still_routes_to_before_the_engine_goe
         task = asyncio.ensure_future(operations.run(op.id))
         await until(lambda: fleet.record(1).state == RankState.DRAINING, "draining")
         assert 1 in client.members.unroutable
-        assert (fleet.resize(op.id) or op).phase == ResizePhase.DRAINING
+        assert phase(fleet, op) == ResizePhase.DRAINING
         client.engine_inflight[identity(1)] = 0  # its last request here finished
-        await until(lambda: (fleet.resize(op.id) or op).phase == ResizePhase.PREPARING, "drained")
+        await until(lambda: phase(fleet, op) == ResizePhase.PREPARING, "drained")
         assert client.ready_reads == []  # the old engine still runs
         client.members.lost[1] = "connection to the engine lost"  # frontend 0 released it; it stopped
-        await until(lambda: (fleet.resize(op.id) or op).phase == ResizePhase.PREPARED, "prepared")
+        await until(lambda: phase(fleet, op) == ResizePhase.PREPARED, "prepared")
         assert client.ready_reads == [[1]]
         operations.follower.commit(op.id)
         await task
 
     asyncio.run(main())
-    done = fleet.resize(op.id)
-    assert done is not None
-    assert (done.phase, done.error) == (ResizePhase.COMPLETED, "")
-    assert fleet.ranks_in(RankState.SERVING) == [0, 1, 2]
+    served_again(fleet, op)
     assert client.members.failed == []
     assert 1 not in client.members.lost
     assert client.members.unroutable == {}
@@ -604,7 +603,7 @@ def test_a_cancelled_followers_part_serves_on_with_a_rank_whose_engine_still_run
 
     async def main() -> None:
         task = asyncio.ensure_future(client.run(op.id))
-        await until(lambda: (fleet.resize(op.id) or op).phase == ResizePhase.PREPARING, "drained")
+        await until(lambda: phase(fleet, op) == ResizePhase.PREPARING, "drained")
         client.cancels.request(op.id, "replacement rep-1 failed on frontend 0: rank 2 did not join")
         await task
 

@@ -50,7 +50,7 @@ from corefleet_client.admin import (
 from corefleet_client.frontend.fleet import describe
 from corefleet_client.frontend.membership import Membership
 from corefleet_client.frontend.resize import drain, retire_leaving, serve_on, stop_routing_to
-from corefleet_client.frontend.types import COMMIT_GRACE_S, Cancels, ResizeFailed
+from corefleet_client.frontend.types import COMMIT_GRACE_S, Cancels, FollowerLost, ResizeFailed
 
 logger = logging.getLogger("corefleet.frontend")
 
@@ -60,15 +60,6 @@ POLL_S = 0.05
 ADMIN_CALL_TIMEOUT_S = 5.0
 
 T = TypeVar("T")
-
-
-class FollowerLost(Exception):
-    """A follower did not carry out its part: its admin API did not answer for `UNREACHABLE_S` (`reachable` False: it is
-    gone, and its replacement attaches at the committed size), or it refused or failed its part (`reachable`)."""
-
-    def __init__(self, message: str, *, reachable: bool = True) -> None:
-        super().__init__(message)
-        self.reachable = reachable
 
 
 class Followers:

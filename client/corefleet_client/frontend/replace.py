@@ -78,10 +78,10 @@ from corefleet_client.frontend.fleet import describe, identity
 from corefleet_client.frontend.handshake import handshake_address, handshake_failure
 from corefleet_client.frontend.membership import Membership
 from corefleet_client.frontend.resize import DRAIN_POLL_S, drain, stop_routing_to
-from corefleet_client.frontend.types import COMMIT_GRACE_S, Cancels, ResizeFailed
+from corefleet_client.frontend.types import COMMIT_GRACE_S, Cancels, FollowerLost, ResizeFailed, pass_over
 
 if TYPE_CHECKING:  # followers.py builds on this module's commit
-    from corefleet_client.frontend.followers import FollowerLost, Followers
+    from corefleet_client.frontend.followers import Followers
 
 logger = logging.getLogger("corefleet.frontend")
 
@@ -174,13 +174,7 @@ class Replacement:
         """A follower that cannot be reached is passed over (lost; its replacement attaches to the engines that run
         then); one that refused or failed its part would never route to the new engines: the replacement fails,
         and the operator runs it again."""
-        refused = {i: e for i, e in lost.items() if e.reachable}
-        if refused:
-            raise ResizeFailed("not every frontend can take the new engines: "
-                               + "; ".join(str(e) for e in refused.values()))
-        for index, why in lost.items():
-            logger.warning("Replacement %s: frontend %d is passed over (%s): it is lost, and its replacement "
-                           "attaches to the engines that run then", op.id, index, why)
+        pass_over(op, lost, "not every frontend can take the new engines", "to the engines that run then")
 
     async def _vacate(self, op: ResizeOperation, ranks: list[int]) -> None:
         """Step 0 of a vacating replacement (the ranks' pods are being removed): no new request goes to them, their

@@ -45,10 +45,10 @@ from corefleet_client.admin import RankState, ResizeOperation, ResizePhase
 from corefleet_client.frontend.fleet import describe
 from corefleet_client.frontend.handshake import handshake_address, handshake_failure
 from corefleet_client.frontend.membership import Membership
-from corefleet_client.frontend.types import COMMIT_GRACE_S, Cancels, ResizeFailed
+from corefleet_client.frontend.types import COMMIT_GRACE_S, Cancels, FollowerLost, ResizeFailed, pass_over
 
 if TYPE_CHECKING:  # followers.py builds on this module's drain
-    from corefleet_client.frontend.followers import FollowerLost, Followers
+    from corefleet_client.frontend.followers import Followers
 
 logger = logging.getLogger("corefleet.frontend")
 
@@ -247,10 +247,4 @@ class DenseResize:
     def _pass_over(op: ResizeOperation, lost: dict[int, FollowerLost]) -> None:
         """Followers that cannot be reached are passed over (lost: their replacements attach at the new size); one
         that refused or failed its part still routes to the leaving ranks, so the scale-down stops."""
-        refused = {i: e for i, e in lost.items() if e.reachable}
-        if refused:
-            raise ResizeFailed("not every frontend stopped routing to the leaving ranks: "
-                               + "; ".join(str(e) for e in refused.values()))
-        for index, why in lost.items():
-            logger.warning("Resize %s: frontend %d is passed over (%s): it is lost, and its replacement attaches at "
-                           "%d ranks", op.id, index, why, op.to_replicas)
+        pass_over(op, lost, "not every frontend stopped routing to the leaving ranks", f"at {op.to_replicas} ranks")

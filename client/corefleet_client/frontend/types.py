@@ -16,11 +16,14 @@ which are tested without vLLM, can use it too. Each error says who raises it and
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Protocol
 
 from corefleet_client.admin import ResizeOperation
+
+logger = logging.getLogger("corefleet.frontend")
 
 # Several frontends (frontend.followers): how long a follower's Prepared part of a resize waits for frontend 0's commit
 # (beyond a scale-down's drain timeout) before it decides by itself, and how long frontend 0 waits for the followers.
@@ -79,6 +82,26 @@ class ResizeFailed(Exception):
     def __init__(self, message: str, *, fleet_intact: bool = True) -> None:
         super().__init__(message)
         self.fleet_intact = fleet_intact
+
+
+class FollowerLost(Exception):
+    """A follower did not carry out its part: its admin API did not answer (`reachable` False: it is gone, and its
+    replacement attaches to the engines that run then), or it refused or failed its part (`reachable`)."""
+
+    def __init__(self, message: str, *, reachable: bool = True) -> None:
+        super().__init__(message)
+        self.reachable = reachable
+
+
+def pass_over(op: ResizeOperation, lost: dict[int, FollowerLost], refused: str, attaches: str) -> None:
+    """Followers that cannot be reached are passed over: logged as lost (their replacements attach `attaches`); one
+    that refused or failed its part stops the operation: ResizeFailed("`refused`: why")."""
+    failed = [str(e) for e in lost.values() if e.reachable]
+    if failed:
+        raise ResizeFailed(f"{refused}: " + "; ".join(failed))
+    for index, why in lost.items():
+        logger.warning("Resize %s: frontend %d is passed over (%s): it is lost, and its replacement attaches %s",
+                       op.id, index, why, attaches)
 
 
 class Cancels:
