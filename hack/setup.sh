@@ -97,11 +97,6 @@ fi
 if [ -n "$node" ]; then
   bash hack/node.sh --packages
   PY="$VENV/bin/python" bash hack/images.sh | grep -E '^COREFLEET_IMAGES=' >"$parts/images"
-  # Imported into the test nodes' image store now (a rebuilt runtime image takes a minute or more), so that the
-  # e2e tier's node finds them there; a node that holds the store meanwhile imports them itself.
-  archives=$(sed 's/^COREFLEET_IMAGES=//' "$parts/images")
-  # shellcheck disable=SC2086  # the archives' paths are words
-  "$VENV/bin/python" -m corefleet_harness.localnode preload ${archives//:/ }
 fi
 
 if [ -n "$parts_pid" ]; then

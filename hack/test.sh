@@ -12,7 +12,8 @@
 #
 # Each tier sets up what it needs (hack/setup.sh, idempotent: quick on a warm machine). With more than one
 # tier, what the later tiers need (the control plane's and node's Go builds, the images) is set up in the
-# background while the fast tier runs; a failing fast tier stops it.
+# background while the fast tier runs; a failing fast tier stops it. The images are imported into the test
+# node's image store beside the integration tier.
 # A tier fails when a test fails, when pytest collects nothing (a mistyped marker or path is no green run),
 # or when a test outlives the tier's per-test timeout (longer than any test's own deadlines, so that their
 # diagnostics print first). Every tier writes a JUnit report and the 25 slowest tests; the logs of every
@@ -46,6 +47,7 @@ say() { echo "test: $*"; }
 finish() {
   local rc=$?
   [ -z "${bg_pid:-}" ] || kill -- -"$bg_pid" 2>/dev/null || true
+  [ -z "${preload_pid:-}" ] || kill -- -"$preload_pid" 2>/dev/null || true
   if [ "$rc" -eq 0 ]; then say "passed: ${tiers[*]} in $((SECONDS - t_start)) s"
   else say "FAILED (exit $rc) after $((SECONDS - t_start)) s"; fi
   say "reports and the logs of failed tests: $ART"
@@ -86,6 +88,26 @@ wait_setup() {
   bg_pid=""
 }
 
+# The test node's image store is filled beside the integration tier (a rebuilt runtime image takes a minute or
+# more to import), once hack/setup.sh built the images, and waited for before e2e; if it fails, the e2e tier's
+# node imports what it lacks itself.
+preload_pid=""
+start_preload() {
+  [ -z "$preload_pid" ] && [ -n "${COREFLEET_IMAGES:-}" ] && [[ " ${tiers[*]} " == *" e2e "* ]] || return 0
+  say "importing the node's images into its image store in the background (log: $ART/preload.log)"
+  set -m
+  # shellcheck disable=SC2086  # the archives' paths are words
+  python -m corefleet_harness.localnode preload ${COREFLEET_IMAGES//:/ } >"$ART/preload.log" 2>&1 &
+  preload_pid=$!
+  set +m
+}
+wait_preload() {
+  [ -n "$preload_pid" ] || return 0
+  say "waiting for the image store's import"
+  wait "$preload_pid" || say "the image store's import failed (the e2e node imports the images itself): $ART/preload.log"
+  preload_pid=""
+}
+
 static_checks() {
   echo "== ruff";    ruff check operator client harness tests bench
   echo "== mypy";    mypy
@@ -108,6 +130,8 @@ for tier in "${tiers[@]}"; do
   t0=$SECONDS
   if [ "$tier" != "${tiers[0]}" ]; then wait_setup; fi
   load_env
+  if [ "$tier" = e2e ]; then start_preload; wait_preload
+  elif [ "$tier" != "${tiers[0]}" ]; then start_preload; fi
   if [ "$tier" = fast ]; then static_checks; fi
   if ! run_pytest "$tier"; then
     say "tier '$tier' failed after $((SECONDS - t0)) s; later tiers not run"

@@ -38,7 +38,7 @@ def image_archives(*names: str) -> list[Path]:
 
 
 def image_store() -> Path:
-    """containerd's root for the test nodes, kept between runs in corefleet's cache (hack/setup.sh preloads it)."""
+    """containerd's root for the test nodes, kept between runs in corefleet's cache (hack/test.sh preloads it)."""
     return default_image_store()
 
 

@@ -40,7 +40,7 @@ layers go with containerd's garbage collection), and the store holds no containe
 vLLM image is 6.7 GB: importing it and deleting its root again cost minutes of every test run. One node
 at a time holds the store (a lock file); a node that finds it taken uses a root of its own in
 `state_dir`, as without a store. `preload_images` (`python -m corefleet_harness.localnode preload`, which
-hack/setup.sh runs after building the images) imports into the store without a node, so that the import
+hack/test.sh runs beside the integration tier) imports into the store without a node, so that the import
 of a rebuilt image runs beside other work rather than in the first e2e test that starts a node.
 """
 
@@ -590,8 +590,8 @@ def sync_images(ctr: Callable[..., subprocess.CompletedProcess[str]], root: Path
 
 def preload_images(store: Path, images: Sequence[Path], timeout: float = 60.0) -> bool:
     """Import `images` into the image store `store` now, with a containerd of its own (no node, no CRI), so that
-    the next node that takes the store finds them there (hack/setup.sh runs this beside the tiers before e2e:
-    a rebuilt vLLM image costs a minute or more to import). False, having done nothing, if a node holds the
+    the next node that takes the store finds them there (hack/test.sh runs this beside the integration tier: a
+    rebuilt vLLM image costs a minute or more to import). False, having done nothing, if a node holds the
     store."""
     fd = lock_store(store)
     if fd is None:

@@ -70,6 +70,25 @@ def served(admin: AdminClient) -> dict[int, int]:
     return {r.rank: r.requests_total for r in admin.fleet().ranks}
 
 
+def group_runs(pgid: int) -> bool:
+    """Whether any thread of any process in the process group still runs (is neither a zombie nor dead)."""
+    for st in local.all_procs():
+        if st.pgrp != pgid:
+            continue
+        try:
+            tids = os.listdir(f"/proc/{st.pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                stat = Path(f"/proc/{st.pid}/task/{tid}/stat").read_text()
+            except OSError:
+                continue
+            if stat[stat.rindex(")") + 2:].split()[0] not in ("Z", "X"):
+                return True
+    return False
+
+
 def test_a_killed_frontend_fails_only_its_requests_and_its_replacement_takes_traffic_again(fleet: Fleet) -> None:
     state = Path(fleet.rec.state_dir)
     engines = engine_pids(state)
@@ -81,8 +100,10 @@ def test_a_killed_frontend_fails_only_its_requests_and_its_replacement_takes_tra
             wait_until(lambda: sum(served(follower).values()) > 0 and len([o for o in load.outcomes if o.ok]) >= 8,
                        120, "frontend 1 taking traffic")
             os.kill(victim.pid, signal.SIGKILL)
-            wait_until(lambda: not local.is_running(local.proc_stat(victim.pid)), 30, "frontend 1 gone",
-                       interval=0.01)
+            # Gone once no thread of its process group runs: a killed process's main thread turns zombie before its
+            # other threads exit, and the last one closes its files; until then its listening socket stays in the
+            # kernel's SO_REUSEPORT group of the shared port, and the connections the kernel gives it are reset.
+            wait_until(lambda: not group_runs(victim.pid), 30, "frontend 1's threads gone", interval=0.005)
             dead_at = time.monotonic()
             lead_before = sum(served(lead).values())
 

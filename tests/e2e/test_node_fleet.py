@@ -81,7 +81,7 @@ CONTEXT = 8192  # the test image's tiny model
 # token): tens of seconds at 1-6 ms a token on these CPUs, more than the scale-down takes to reach the frontend
 # (a kubectl patch, the operator's reconcile, the admin API call), within the drain timeout below.
 LONG_TOKENS = CONTEXT - 64
-LONG_STREAMS = 3
+LONG_STREAMS = 1  # kept in flight on the leaving rank until its drain (more would starve the test's own threads)
 DRAIN_TIMEOUT = 120
 START_TIMEOUT = 600.0  # real vLLM engines starting as containers on a 2-core machine, up to 3 at once
 
@@ -748,7 +748,7 @@ def test_real_vllm_fleet_with_two_frontends_resizes_2_3_2_in_place_under_load(tw
     assert s.fleet.uids() == uids, "a surviving pod was recreated"
     assert "Preparing" in up.phases, up.phases
     assert up.phases[-1] == "Completed", up.phases
-    assert "Draining" in down.phases, down.phases
+    assert "Draining" in down.phases, (down.phases, down.errors[-5:])
     assert down.phases[-1] == "Completed", down.phases
     assert 2 in down.retired_at, down.retired_at
     assert down.retired_at[2] <= down.deleted_at[constants.engine_name(name, 2)]
