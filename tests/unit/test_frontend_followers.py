@@ -180,7 +180,7 @@ def test_frontend_0_sends_each_follower_its_part_waits_until_prepared_and_commit
 
     async def drive() -> tuple[dict[int, FollowerLost], dict[int, FollowerLost]]:
         started = await followers.start(op, (ResizePhase.PREPARED,), 1e12, Cancels())
-        committed = await followers.commit(op, [1, 2])
+        committed = await followers.commit(op, [1, 2], "at 3 ranks")
         return started, committed
 
     assert asyncio.run(drive()) == ({}, {})

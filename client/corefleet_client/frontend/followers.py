@@ -130,15 +130,20 @@ class Followers:
         """Until every follower in `indexes` reached one of `phases`; those that did not, by index."""
         return await self._each(lambda index: self._until(index, op, phases, deadline, cancels), indexes)
 
-    async def commit(self, op: ResizeOperation, indexes: Iterable[int]) -> dict[int, FollowerLost]:
-        """Commit each follower's Prepared part and wait until it completed; those that did not, by index."""
+    async def commit(self, op: ResizeOperation, indexes: Iterable[int], attaches: str) -> dict[int, FollowerLost]:
+        """Commit each follower's Prepared part and wait until it completed; those that did not, by index, are lost
+        (logged: their replacements attach `attaches`)."""
         async def one(index: int) -> None:
             try:
                 await self._call(index, lambda admin: admin.commit_resize(op.id))
             except AdminError as e:
                 raise FollowerLost(f"frontend {index} refused the commit: {e}") from None
             await self._until(index, op, (ResizePhase.COMPLETED,), time.monotonic() + COMMIT_GRACE_S, None)
-        return await self._each(one, indexes)
+        lost = await self._each(one, indexes)
+        for index, why in lost.items():
+            logger.warning("Resize %s: frontend %d did not commit its part (%s): it is lost, and its replacement "
+                           "attaches %s", op.id, index, why, attaches)
+        return lost
 
     async def cancel(self, op: ResizeOperation, reason: str) -> None:
         """Best effort: every follower's part of `op` stops (one that cannot be reached decides by itself)."""
@@ -174,6 +179,9 @@ class ReplacedRanks(Protocol):
     """What a follower's part of a replacement uses of this frontend's own `frontend.replace.Replacement`."""
 
     def gone(self, rank: int) -> bool: ...
+
+    async def until_gone(self, op: ResizeOperation, ranks: list[int], deadline: float, timed_out: str,
+                         dead: str) -> None: ...
 
     def keeping_kv_cache_size(self) -> contextlib.AbstractAsyncContextManager[None]: ...
 
@@ -281,15 +289,10 @@ class FollowerResize:
                                 message=f"waiting for the engine(s) of {what} to stop and new ones to announce "
                                         "themselves")
             deadline = time.monotonic() + op.drain_timeout_s + 2 * op.join_timeout_s + COMMIT_GRACE_S
-            while not all(self.replacement.gone(rank) for rank in ranks):
-                self.cancels.check(op)
-                if time.monotonic() >= deadline:
-                    raise ResizeFailed(f"the engine(s) of {what} did not stop within the join timeout")
-                await asyncio.sleep(POLL_S)
-            for rank in ranks:
-                members.lost.pop(rank, None)
-                fleet.set_rank(rank, RankState.DEAD, f"being replaced by {op.id}: waiting for the new engine's "
-                                                     "ready response")
+            await self.replacement.until_gone(op, ranks, deadline,
+                                              f"the engine(s) of {what} did not stop within the join timeout",
+                                              f"being replaced by {op.id}: waiting for the new engine's ready "
+                                              "response")
             async with self.replacement.keeping_kv_cache_size():
                 await self._ready_responses(op, ranks, deadline)
             committed = await self._committed(op, time.monotonic() + COMMIT_GRACE_S)

@@ -124,10 +124,7 @@ class Replacement:
         for rank in ranks:
             self.commit_rank(op, rank)
         if self.followers is not None:
-            lost = await self.followers.commit(op, following)
-            for index, why in lost.items():
-                logger.warning("Replacement %s: frontend %d did not commit its part (%s): it is lost, and its "
-                               "replacement attaches to the new engine(s)", op.id, index, why)
+            await self.followers.commit(op, following, "to the new engine(s)")
         logger.info("Replacement %s: %s replaced in place; %d rank(s) serve", op.id, describe(ranks),
                     len(self.fleet.ranks_in(RankState.SERVING)))
         self.fleet.finish_resize(op.id, message=f"{describe(ranks)} replaced in place; the fleet serves at "
@@ -190,17 +187,24 @@ class Replacement:
         for rank in ranks:
             await self._release(rank)
         self.fleet.update_resize(op.id, message=f"{what} drained and released: waiting for its engine to stop")
-        deadline = time.monotonic() + op.join_timeout_s
+        await self.until_gone(op, ranks, time.monotonic() + op.join_timeout_s,
+                              f"{what} drained, but its engine's connection was still up {op.join_timeout_s:g}s "
+                              "later (its pod did not stop)",
+                              f"vacated by {op.id}: its engine stopped; waiting for a new one")
+        logger.info("Replacement %s: %s vacated (drained, released, its engine stopped)", op.id, what)
+
+    async def until_gone(self, op: ResizeOperation, ranks: list[int], deadline: float, timed_out: str,
+                         dead: str) -> None:
+        """Until every rank's connection is gone, then each is Dead (`dead`: why); ResizeFailed(`timed_out`) at the
+        deadline, or on a cancel."""
         while any(not self.gone(rank) for rank in ranks):
             self.cancels.check(op)
             if time.monotonic() >= deadline:
-                raise ResizeFailed(f"{what} drained, but its engine's connection was still up "
-                                   f"{op.join_timeout_s:g}s later (its pod did not stop)")
+                raise ResizeFailed(timed_out)
             await asyncio.sleep(DRAIN_POLL_S)
         for rank in ranks:
-            members.lost.pop(rank, None)
-            self.fleet.set_rank(rank, RankState.DEAD, f"vacated by {op.id}: its engine stopped; waiting for a new one")
-            logger.info("Replacement %s: rank %d vacated (drained, released, its engine stopped)", op.id, rank)
+            self.members.lost.pop(rank, None)
+            self.fleet.set_rank(rank, RankState.DEAD, dead)
 
     async def _release(self, rank: int) -> None:
         """Tell a drained rank's engine that its pod may stop (best effort: without the answer, the pod stops at the

@@ -163,10 +163,7 @@ class DenseResize:
         size)."""
         if self.followers is None:
             return
-        lost = await self.followers.commit(op, indexes)
-        for index, why in lost.items():
-            logger.warning("Resize %s: frontend %d did not commit its part (%s): it is lost, and its replacement "
-                           "attaches at %d ranks", op.id, index, why, op.to_replicas)
+        await self.followers.commit(op, indexes, f"at {op.to_replicas} ranks")
 
     async def _join(self, op: ResizeOperation, new: list[int]) -> None:
         """Phases 1 and 2 of a scale-up. Before the commit nothing has changed: on a failure the fleet serves on
