@@ -174,7 +174,9 @@ def test_2_4_2_in_place_under_load_and_1_refused(setup: Setup) -> None:
     s.fleet.scale(1)
     failed = s.fleet.wait_operation("Failed", timeout=60)
     assert "minimum is 2" in str(failed["message"]), failed
-    assert any(r == "ResizeFailed" and "minimum is 2" in m for r, m in s.fleet.events())
+    # The event is posted just after the status is written.
+    wait_until(lambda: any(r == "ResizeFailed" and "minimum is 2" in m for r, m in s.fleet.events()), 30,
+               "the ResizeFailed event", interval=0.2, diagnose=lambda: str(s.fleet.events()[-5:]))
     s.fleet.scale(2)
     s.settle(2)
     assert s.fleet.status()["fleetGeneration"] == generation
