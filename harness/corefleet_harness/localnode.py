@@ -32,6 +32,12 @@ iptables chains) is removed and reported in `leftovers`. Sysctls it changed are 
 containerd's root (images and container file systems) is deleted; the logs stay. A component that
 fails raises `NodeError` with its command line and log tail.
 
+A node killed before its `stop()` (its test run was) leaves the same things behind. The next node
+to start sweeps what no live node owns (`sweep_dead_nodes`): run directories whose containerd no
+longer answers, with their mounts and shims, and, when no node lives, the CNI network's NAT chains
+and the empty network namespaces of its pods; it logs what it removed. Only what this node made is
+reported in its `leftovers`: chains a live node already had when it started are not this node's.
+
 `image_store`: a directory that outlives the node, for containerd's root (its content store and
 snapshots): an image archive imported once (archives are named by their content hash) is not imported
 again by the next node that uses the store, a new build of an image shares the unchanged layers with
@@ -55,6 +61,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tarfile
@@ -79,6 +86,7 @@ CNI_PLUGINS = ("bridge", "host-local", "loopback", "portmap")
 NODE_COMPONENTS = ("kubelet", "kube-proxy")  # in the control plane's bin dir
 HOST_TOOLS = ("containerd", "containerd-shim-runc-v2", "ctr", "runc", "iptables-save", "iptables-restore",
               "ip", "conntrack")
+RUN_ROOT = "/run"  # run directories (containerd's socket and state): short paths, as unix socket paths are limited
 PAUSE_IMAGE = "corefleet.local/pause:1"  # built by hack/images.sh (images/pause)
 CLUSTER_DOMAIN = "cluster.local"
 # The sysctls a node needs: forwarding between the bridge and the host, and bridged traffic through
@@ -140,6 +148,7 @@ class LocalNode:
     _procs: list[Component] = field(default_factory=list, repr=False)
     _sysctls: dict[str, str] = field(default_factory=dict, repr=False)
     _netns_before: set[str] = field(default_factory=set, repr=False)
+    _chains_before: set[str] = field(default_factory=set, repr=False)  # another live node's, on this network
     _store_lock: int | None = field(default=None, repr=False)  # the image store's lock file, while held
     kubelet_port: int = 0
     dns_port: int = 0
@@ -183,8 +192,13 @@ class LocalNode:
     def start(self) -> None:
         self._preflight()
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        self.run_dir = Path(tempfile.mkdtemp(prefix="cf-node-", dir="/run"))
+        swept = sweep_dead_nodes(self.network)
+        if swept:
+            logger.warning("node %s: removed what nodes killed before their stop left: %s", self.name,
+                           "; ".join(swept))
+        self.run_dir = Path(tempfile.mkdtemp(prefix="cf-node-", dir=RUN_ROOT))
         self._netns_before = self._netns()
+        self._chains_before = _cni_chains(self.network)
         try:
             self._set_sysctls()
             self._start_containerd()
@@ -511,12 +525,9 @@ class LocalNode:
         shutil.rmtree(self.state_dir / "containerd", ignore_errors=True)
 
     def _sweep_cni_iptables(self) -> None:
-        """Remove the NAT chains the bridge plugin's ipMasq made for this network (if a DEL never ran)."""
-        rules = _run(["iptables-save", "-t", "nat"], check=False).stdout.splitlines()
-        marker = f'name: \\"{self.network}\\"'
-        chains = {m.group(1) for line in rules if marker in line
-                  for m in [re.match(r"-A (CNI-\S+) ", line)] if m}
-        for chain in sorted(_remove_chains("iptables", "nat", chains.__contains__)):
+        """Remove the NAT chains the bridge plugin's ipMasq made for this node's pods (if a DEL never ran)."""
+        ours = _cni_chains(self.network) - self._chains_before
+        for chain in sorted(_remove_chains("iptables", "nat", ours.__contains__)):
             self.leftovers.append(f"iptables nat chain {chain}")
 
     @staticmethod
@@ -667,6 +678,56 @@ def _containerd_name(name: str) -> str:
     if "/" in name and ("." in first or ":" in first or first == "localhost"):
         return name
     return f"docker.io/{name}" if "/" in name else f"docker.io/library/{name}"
+
+
+def _cni_chains(network: str) -> set[str]:
+    """The NAT chains the bridge plugin's ipMasq made for pods of `network` (their rules name it)."""
+    rules = _run(["iptables-save", "-t", "nat"], check=False).stdout.splitlines()
+    marker = f'name: \\"{network}\\"'
+    return {m.group(1) for line in rules if marker in line for m in [re.match(r"-A (CNI-\S+) ", line)] if m}
+
+
+def _answers(sock: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(2)
+        try:
+            s.connect(str(sock))
+        except OSError:
+            return False
+    return True
+
+
+def sweep_dead_nodes(network: str, run_root: str = RUN_ROOT) -> list[str]:
+    """Remove what nodes killed before their `stop()` left on this host, and return what was removed.
+
+    A node's run directory (`<run_root>/cf-node-*`) whose containerd no longer answers is dead: the shims
+    naming it are killed, the mounts under it unmounted and it is deleted. When no node lives any more,
+    the NAT chains of `network` and the network namespaces of its pods (`cni-*`, with no process left
+    in them) can only be dead nodes' too, and go.
+    """
+    swept: list[str] = []
+    live = 0
+    for d in sorted(Path(run_root).glob("cf-node-*")):
+        if _answers(d / "containerd.sock"):
+            live += 1
+            continue
+        for pid, cmd in _processes():
+            if str(d) in cmd:
+                _kill_tree(pid)
+                swept.append(f"process {pid}: {cmd[:80]}")
+        for target in sorted(_mounts((str(d),)), key=len, reverse=True):
+            _run(["umount", "-l", target], check=False)
+        shutil.rmtree(d, ignore_errors=True)
+        swept.append(f"run dir {d}")
+    if live:
+        return swept
+    chains = _cni_chains(network)
+    swept += [f"iptables nat chain {c}" for c in sorted(_remove_chains("iptables", "nat", chains.__contains__))]
+    for ns in sorted(LocalNode._netns()):
+        if ns.startswith("cni-") and not _run(["ip", "netns", "pids", ns], check=False).stdout.strip():
+            _run(["ip", "netns", "delete", ns], check=False)
+            swept.append(f"netns {ns}")
+    return swept
 
 
 def _processes() -> list[tuple[int, str]]:
