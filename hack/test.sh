@@ -14,6 +14,9 @@
 # tier, what the later tiers need (the control plane's and node's Go builds, the images) is set up in the
 # background while the fast tier runs; a failing fast tier stops it. The images are imported into the test
 # node's image store beside the integration tier.
+# A tier may run in lanes (LANES below; only without extra pytest arguments): a second pytest process runs some
+# of its modules beside the others, where those mostly wait (emulated engines, timeouts, control loops) and the
+# machine's two cores would otherwise idle; each lane writes its own JUnit report and log.
 # A tier fails when a test fails, when pytest collects nothing (a mistyped marker or path is no green run),
 # or when a test outlives the tier's per-test timeout (longer than any test's own deadlines, so that their
 # diagnostics print first). Every tier writes a JUnit report and the 25 slowest tests; the logs of every
@@ -27,6 +30,19 @@ export COREFLEET_TEST_ARTIFACTS=$ART
 
 # Seconds a single test (setup and teardown included) may take, per tier.
 declare -A TIMEOUT=([fast]=30 [integration]=420 [e2e]=900 [gpu]=1800)
+# Lanes: "BESIDE | WITH" - the modules in BESIDE run in a pytest process of their own, beside the modules in
+# WITH; once both ended, the rest of the tier runs alone (every module not named, so a new module runs there
+# unless placed). An empty WITH: the rest runs beside BESIDE. Measured in CI (2 cores): the real node's
+# modules (real vLLM in containers) beside those with emulated engines, whose time is mostly waits; the local
+# real vLLM fleets after both. Integration: the control-loop waits beside the rest.
+declare -A LANES=(
+  [integration]="tests/integration/test_hpa_loop.py tests/integration/test_podrunner_probes.py
+                 tests/integration/test_operator_recovery.py |"
+  [e2e]="tests/e2e/test_localnode.py tests/e2e/test_node_fleet.py |
+         tests/e2e/test_moe_emulator.py tests/e2e/test_resize_emulator.py tests/e2e/test_emulator.py
+         tests/e2e/test_coordinator.py tests/e2e/test_observability.py tests/e2e/test_local.py tests/e2e/test_up.py
+         tests/e2e/test_vllm_pins.py"
+)
 # What each tier needs set up (hack/setup.sh parts).
 declare -A NEEDS=([fast]="venv" [integration]="venv cluster" [e2e]="venv cluster node" [gpu]="venv")
 
@@ -48,6 +64,8 @@ finish() {
   local rc=$?
   [ -z "${bg_pid:-}" ] || kill -- -"$bg_pid" 2>/dev/null || true
   [ -z "${preload_pid:-}" ] || kill -- -"$preload_pid" 2>/dev/null || true
+  # A lane still running: interrupted like Ctrl-C, so that its fixtures stop what they started.
+  [ -z "${lane_pid:-}" ] || { kill -INT -- -"$lane_pid"; wait "$lane_pid"; } 2>/dev/null || true
   if [ "$rc" -eq 0 ]; then say "passed: ${tiers[*]} in $((SECONDS - t_start)) s"
   else say "FAILED (exit $rc) after $((SECONDS - t_start)) s"; fi
   say "reports and the logs of failed tests: $ART"
@@ -115,14 +133,49 @@ static_checks() {
   echo "== verify";  python -m corefleet_operator.generate --check
 }
 
-run_pytest() {
-  local tier=$1 marker=$1 rc=0
+# pytest on a tier's tests: pytest_lane TIER NAME PYTEST-ARGS...; its report is junit-NAME.xml.
+pytest_lane() {
+  local tier=$1 name=$2 marker=$1 rc=0
+  shift 2
   [ "$tier" != fast ] || marker=unit
-  echo "== pytest: $tier (marker '$marker', ${TIMEOUT[$tier]} s per test)"
+  echo "== pytest: $name (marker '$marker', ${TIMEOUT[$tier]} s per test)"
   python -m pytest -m "$marker" --timeout="${TIMEOUT[$tier]}" --durations=25 \
-    --junitxml="$ART/junit-$tier.xml" -o junit_suite_name="corefleet-$tier" "${args[@]}" || rc=$?
+    --junitxml="$ART/junit-$name.xml" -o junit_suite_name="corefleet-$name" "$@" || rc=$?
   # 5: nothing collected. A marker or path that selects nothing is a mistake, never a green run.
-  [ "$rc" -ne 5 ] || say "$tier: pytest collected no test"
+  [ "$rc" -ne 5 ] || say "$name: pytest collected no test"
+  return "$rc"
+}
+
+run_pytest() {
+  local tier=$1 lanes=${LANES[$1]:-} beside with rc=0 brc=0 ignore=()
+  if [ -z "$lanes" ] || [ ${#args[@]} -gt 0 ]; then
+    pytest_lane "$tier" "$tier" "${args[@]}"
+    return
+  fi
+  # shellcheck disable=SC2206  # the modules are words
+  beside=(${lanes%%|*}) with=(${lanes#*|})
+  for f in "${beside[@]}" "${with[@]}"; do
+    [ -f "$f" ] || { say "$tier: lane module $f does not exist (hack/test.sh LANES)"; return 2; }
+    ignore+=("--ignore=$f")
+  done
+  say "$tier: ${beside[*]##*/} in a lane of their own (log: $ART/$tier-beside.log)"
+  set -m
+  pytest_lane "$tier" "$tier-beside" "${beside[@]}" >"$ART/$tier-beside.log" 2>&1 &
+  lane_pid=$!
+  set +m
+  if [ ${#with[@]} -gt 0 ]; then
+    pytest_lane "$tier" "$tier-with" "${with[@]}" || rc=$?
+  else
+    pytest_lane "$tier" "$tier" tests "${ignore[@]}" || rc=$?
+  fi
+  wait "$lane_pid" || brc=$?
+  lane_pid=""
+  echo "== the lane beside: ${beside[*]##*/}"
+  cat "$ART/$tier-beside.log"
+  [ "$brc" -eq 0 ] || rc=$brc
+  if [ "$rc" -eq 0 ] && [ ${#with[@]} -gt 0 ]; then
+    pytest_lane "$tier" "$tier" tests "${ignore[@]}" || rc=$?
+  fi
   return "$rc"
 }
 
