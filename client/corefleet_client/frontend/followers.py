@@ -54,8 +54,10 @@ from corefleet_client.frontend.types import COMMIT_GRACE_S, Cancels, FollowerLos
 
 logger = logging.getLogger("corefleet.frontend")
 
-# A follower whose admin API does not answer for this long is lost (a restart of its pod takes longer).
-UNREACHABLE_S = 5.0
+# A follower whose admin API does not answer for this long is lost (a restart of its pod takes longer). Not less: on a
+# saturated node a live follower's name did not resolve, or its admin API did not answer, for 5 s at a time, and a
+# live follower passed over is left Prepared until COMMIT_GRACE_S (it serves on, but without the change meanwhile).
+UNREACHABLE_S = 20.0
 POLL_S = 0.05
 ADMIN_CALL_TIMEOUT_S = 5.0
 
