@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -279,9 +280,10 @@ class Members:
         return None
 
 
-def follower_part(frm: int, to: int, commit_after: float | None) -> tuple[Fleet, Members, ResizeOperation]:
+def follower_part(frm: int, to: int, commit_after: float | None,
+                  engines_go_after: float | None = None) -> tuple[Fleet, Members, ResizeOperation]:
     """Frontend 1's part of a resize frm -> to, run on an event loop; frontend 0 commits it after `commit_after`
-    seconds (None: never)."""
+    seconds (None: never); the leaving ranks' engines go after `engines_go_after` seconds (None: they stay)."""
     fleet = Fleet("tiny", frm, frontends=2, client_index=1)
     runner = RecordingRunner()
     fleet.serving(IdleView(), runner)
@@ -298,8 +300,15 @@ def follower_part(frm: int, to: int, commit_after: float | None) -> tuple[Fleet,
             await asyncio.sleep(commit_after)
             part.commit(op.id)
 
+        async def engines_go() -> None:
+            if engines_go_after is None:
+                return
+            await asyncio.sleep(engines_go_after)
+            for rank in range(to, frm):  # as `Liveness.rank_died` records a draining rank's death
+                members.lost[rank] = "connection to the engine lost"
+
         try:
-            await asyncio.gather(part.scale_up(op) if to > frm else part.scale_down(op), lead())
+            await asyncio.gather(part.scale_up(op) if to > frm else part.scale_down(op), lead(), engines_go())
         except ResizeFailed as e:  # recorded as `operations.ResizeOperations` records it
             fleet.finish_resize(op.id, error=str(e), fleet_intact=e.fleet_intact)
 
@@ -341,3 +350,17 @@ def test_a_followers_scale_down_stops_routing_at_once_and_without_frontend_0s_co
     assert members.calls == ["stop routing 2", "cut at 2", "shrink 3 -> 2"]
     assert (op.phase, fleet.size) == (ResizePhase.COMPLETED, 2)
     assert not members.unroutable
+
+
+def test_a_followers_scale_down_passed_over_by_frontend_0_commits_once_the_leaving_engines_went(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Frontend 0 could not reach this frontend (it was passed over), committed and had the leaving rank's pod
+    deleted: the rank's engine going is the commit this frontend did not get, so its part commits then, not after
+    the grace (a minute in which it still listed the rank)."""
+    monkeypatch.setattr(followers_module, "COMMIT_GRACE_S", 30.0)
+    started = time.monotonic()
+    fleet, members, op = follower_part(3, 2, commit_after=None, engines_go_after=0.2)
+    assert time.monotonic() - started < 5.0
+    assert members.calls == ["stop routing 2", "cut at 2", "shrink 3 -> 2"]
+    assert (op.phase, fleet.size) == (ResizePhase.COMPLETED, 2)
+    assert 2 not in [r.rank for r in fleet.snapshot().ranks]

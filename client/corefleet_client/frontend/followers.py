@@ -26,7 +26,9 @@ Scale-down M -> N:
 
 A follower left Prepared without the lead's commit (the lead was lost, or is hung) decides by itself
 once `COMMIT_GRACE_S` passed, as the operator does for a lost frontend: a scale-up's new ranks are
-retired (the operator rolls the resize back), a scale-down is committed (the operator finishes it).
+retired (the operator rolls the resize back), a scale-down is committed (the operator finishes it). A scale-down's
+part commits sooner once every leaving rank's engine went: the lead committed without it (it was passed over) and
+the pods were deleted, or the engines died; they leave either way.
 """
 
 from __future__ import annotations
@@ -204,13 +206,17 @@ class FollowerResize:
         """The lead committed (on the event loop)."""
         self._commits.setdefault(resize_id, asyncio.Event()).set()
 
-    async def _committed(self, op: ResizeOperation, deadline: float) -> bool:
-        """Prepared until the lead commits (True) or the deadline passes (False); raises ResizeFailed on a cancel."""
+    async def _committed(self, op: ResizeOperation, deadline: float,
+                         settled: Callable[[], bool] = lambda: False) -> bool:
+        """Prepared until the lead commits or `settled()` says the outcome can only be the commit (True), or the
+        deadline passes (False); raises ResizeFailed on a cancel."""
         self.fleet.update_resize(op.id, phase=ResizePhase.PREPARED, message="waiting for frontend 0's commit")
         event = self._commits.setdefault(op.id, asyncio.Event())
         try:
             while not event.is_set():
                 self.cancels.check(op)
+                if settled():
+                    return True
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -252,12 +258,21 @@ class FollowerResize:
                             message=f"{describe(leaving)} finish this frontend's in-flight requests "
                                     f"(at most {op.drain_timeout_s:g}s)")
         stop_routing_to(members, op, leaving)
+
+        def gone() -> bool:
+            """Every leaving rank's engine went: frontend 0 committed and their pods were deleted without this
+            frontend's commit (it was passed over), or they died; either way they leave, and waiting is pointless."""
+            return all(rank in members.lost for rank in leaving)
+
         try:
             await drain(members, self.cancels, op, leaving)
-            committed = await self._committed(op, deadline)
+            committed = await self._committed(op, deadline, gone)
         except ResizeFailed:
             serve_on(members, leaving)
             raise
+        if committed and gone():
+            logger.warning("Resize %s: the engine(s) of %s went before frontend 0's commit reached this frontend; "
+                           "committing this frontend's part", op.id, describe(leaving))
         if not committed:
             logger.warning("Resize %s: frontend 0 did not commit within %gs; committing this frontend's part by "
                            "itself (a scale-down whose driver is lost is finished)", op.id,
