@@ -33,15 +33,17 @@ declare -A TIMEOUT=([fast]=30 [integration]=420 [e2e]=900 [gpu]=1800)
 # Lanes: "BESIDE | WITH" - the modules in BESIDE run in a pytest process of their own, beside the modules in
 # WITH; once both ended, the rest of the tier runs alone (every module not named, so a new module runs there
 # unless placed). An empty WITH: the rest runs beside BESIDE. Measured in CI (2 cores): the real node's
-# modules (real vLLM in containers) beside the operator-run fleets of emulated engines, whose time is mostly
-# waits for join timeouts; not more beside the node (with every emulated-engine module there the machine
+# modules (real vLLM in containers, 570 s) beside the operator-run fleets of emulated engines, whose time is
+# mostly waits for join timeouts, the HPA loop and the coordinator's and `cluster up`'s own (about 500 s there);
+# not more beside the node (with the local emulated fleets and stock `vllm serve` there too, the machine
 # stalled for 15 s at a time: kubelet housekeeping, API calls timing out). Integration: the control-loop
 # waits beside the rest.
 declare -A LANES=(
   [integration]="tests/integration/test_hpa_loop.py tests/integration/test_podrunner_probes.py
                  tests/integration/test_operator_recovery.py |"
   [e2e]="tests/e2e/test_localnode.py tests/e2e/test_node_fleet.py |
-         tests/e2e/test_moe_emulator.py tests/e2e/test_resize_emulator.py"
+         tests/e2e/test_moe_emulator.py tests/e2e/test_resize_emulator.py tests/e2e/test_observability.py
+         tests/e2e/test_coordinator.py tests/e2e/test_up.py"
 )
 # What each tier needs set up (hack/setup.sh parts).
 declare -A NEEDS=([fast]="venv" [integration]="venv cluster" [e2e]="venv cluster node" [gpu]="venv")
