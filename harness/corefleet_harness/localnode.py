@@ -502,15 +502,10 @@ class LocalNode:
     def _sweep(self) -> None:
         # Containers the kubelet left, and their shims: containerd is gone, so kill the shims (each
         # names this node's socket on its command line) and their children.
-        for pid, cmd in _processes():
-            if str(self.socket) in cmd or str(self.run_dir) in cmd:
-                self.leftovers.append(f"process {pid}: {cmd[:120]}")
-                _kill_tree(pid)
+        self.leftovers += _kill_processes_naming(str(self.socket), str(self.run_dir))
         # Mounts under this node's own directories (sandboxes' shm, volumes' tmpfs the kubelet had no
         # time to unmount), deepest first: expected after a stop, so not reported.
-        roots = (str(self.state_dir.resolve()), str(self.run_dir))
-        for target in sorted(_mounts(roots), key=len, reverse=True):
-            _run(["umount", "-l", target], check=False)
+        _unmount_under(str(self.state_dir.resolve()), str(self.run_dir))
         # Network namespaces the CNI set up for pods that were not torn down.
         for ns in sorted(self._netns() - self._netns_before):
             _run(["ip", "netns", "delete", ns], check=False)
@@ -711,12 +706,8 @@ def sweep_dead_nodes(network: str, run_root: str = RUN_ROOT) -> list[str]:
         if _answers(d / "containerd.sock"):
             live += 1
             continue
-        for pid, cmd in _processes():
-            if str(d) in cmd:
-                _kill_tree(pid)
-                swept.append(f"process {pid}: {cmd[:80]}")
-        for target in sorted(_mounts((str(d),)), key=len, reverse=True):
-            _run(["umount", "-l", target], check=False)
+        swept += _kill_processes_naming(str(d))
+        _unmount_under(str(d))
         shutil.rmtree(d, ignore_errors=True)
         swept.append(f"run dir {d}")
     if live:
@@ -728,6 +719,22 @@ def sweep_dead_nodes(network: str, run_root: str = RUN_ROOT) -> list[str]:
             _run(["ip", "netns", "delete", ns], check=False)
             swept.append(f"netns {ns}")
     return swept
+
+
+def _kill_processes_naming(*paths: str) -> list[str]:
+    """Kill every process (and its children) whose command line names one of `paths`; what was killed."""
+    killed = []
+    for pid, cmd in _processes():
+        if any(path in cmd for path in paths):
+            killed.append(f"process {pid}: {cmd[:120]}")
+            _kill_tree(pid)
+    return killed
+
+
+def _unmount_under(*roots: str) -> None:
+    """Unmount (lazily) whatever is mounted under `roots`, deepest first."""
+    for target in sorted(_mounts(roots), key=len, reverse=True):
+        _run(["umount", "-l", target], check=False)
 
 
 def _processes() -> list[tuple[int, str]]:
