@@ -364,8 +364,10 @@ class PinnedStream:
 
 class LongStreams:
     """Keeps `n` long streams pinned to `rank` in flight, each that ends replaced at once, until a new one is refused
-    (a 503: the rank stopped taking requests, its drain began) or `stop()`: so that some are in flight when a drain
-    of the rank begins, however late the drain comes on a busy machine."""
+    or `stop()`: so that some are in flight when a drain of the rank begins, however late the drain comes on a busy
+    machine. Refused: a 503 (the rank stopped taking requests, its drain began) or, for a stream sent just after the
+    last one in flight ended the drain, vLLM's 400 for a rank the frontend no longer has (the scale-down committed
+    first)."""
 
     def __init__(self, url: str, model: str, rank: int, max_tokens: int, n: int) -> None:
         self.streams: list[PinnedStream] = []
@@ -393,9 +395,11 @@ class LongStreams:
         return sum(s.first_token.is_set() for s in self.streams)
 
     def refused(self) -> list[PinnedStream]:
-        """Streams the rank did not take: a 503, as the HTTP status or (vLLM streams its errors) the first event."""
+        """Streams the rank did not take: a 503, as the HTTP status or (vLLM streams its errors) the first event, or
+        the 400 for a rank out of the frontend's range."""
         return [s for s in list(self.streams) if s.outcome is not None and not s.outcome[0]
-                and (s.outcome[1].startswith("HTTP 503") or "'code': 503" in s.outcome[1])]
+                and (s.outcome[1].startswith("HTTP 503") or "'code': 503" in s.outcome[1]
+                     or f"data_parallel_rank {self._args[2]} is out of range" in s.outcome[1])]
 
     def served(self) -> list[PinnedStream]:
         """Every stream the rank took: all but the refused ones."""
