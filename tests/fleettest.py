@@ -37,6 +37,7 @@ from corefleet_operator import constants
 from podrunner import PodRunner
 
 ECS_PATH = "/apis/corefleet.io/v1alpha1/namespaces/{ns}/enginecoresets/{name}"
+ADMIN_READ_TIMEOUT_S = 30.0  # FleetView.admin's calls
 
 
 def ecs_engine_args(served: str, context: int | None = None) -> list[str]:
@@ -157,7 +158,12 @@ class FleetView:
         secret_name = constants.admin_secret_name(self.name)
         secret = self.k8s.request("GET", f"/api/v1/namespaces/{self.ns}/secrets/{secret_name}")
         token = base64.b64decode(secret["data"][constants.ADMIN_TOKEN_KEY]).decode().strip()
-        return AdminClient(f"http://{self.frontend_ip(index)}:{constants.FRONTEND_ADMIN_PORT}", token, timeout=5)
+        # A test reads what the frontend says, however slowly it says it: in CI, with real engines busy-polling beside
+        # the frontend pods (100m CPU requests), a frontend's admin thread once took over 5 s to answer (the
+        # operator's own calls time out at 5 s and are retried; the kubelet's liveness probe fails only after three
+        # 5 s timeouts in a row).
+        return AdminClient(f"http://{self.frontend_ip(index)}:{constants.FRONTEND_ADMIN_PORT}", token,
+                           timeout=ADMIN_READ_TIMEOUT_S)
 
     def engine_pid(self, rank: int) -> int:
         assert self.runner is not None, "engine_pid: pods run by a pod runner only"
