@@ -14,6 +14,7 @@ class RecordingRunner:
     runs: list[str] = field(default_factory=list)
     cancels: list[tuple[str, str]] = field(default_factory=list)
     commits: list[str] = field(default_factory=list)
+    orphans: list[tuple[str, str]] = field(default_factory=list)
 
     def run_resize(self, resize_id: str) -> None:
         self.runs.append(resize_id)
@@ -23,6 +24,9 @@ class RecordingRunner:
 
     def commit_resize(self, resize_id: str) -> None:
         self.commits.append(resize_id)
+
+    def orphan_resize(self, resize_id: str, reason: str) -> None:
+        self.orphans.append((resize_id, reason))
 
 
 class IdleView:

@@ -18,6 +18,12 @@ mounted as a file in the frontend pod. A request without it, or with another tok
     GET  /v1/resizes                  -> {"operations": [ResizeOperation, ...]} (newest first, the last few)
     GET  /v1/resizes/<id>             -> ResizeOperation, or 404
     POST /v1/resizes/<id>/cancel      {"reason": "..."} -> ResizeOperation (Failed), or 409 once it committed
+    POST /v1/resizes/<id>/commit      {} -> ResizeOperation: a follower's Prepared part goes on (frontend 0's
+                                      commit; 409 before Prepared, 400 for frontend 0's own operation)
+    POST /v1/resizes/<id>/orphan      {"reason": "..."} -> ResizeOperation: the frontend 0 that drove this
+                                      follower's part is gone; the part decides now, as at the end of its commit
+                                      grace (a scale-up's new ranks dropped, a scale-down or replacement
+                                      committed); 400 for frontend 0's own operation
     GET  /healthz                     -> 200 once the admin server runs (no token: for probes)
     GET  /livez                       -> 200 while the frontend's event loop runs (no token: the pod's
                                       livenessProbe); 503 once it made no progress for LOOP_STALL_LIMIT_S
@@ -393,3 +399,9 @@ class AdminClient:
     def commit_resize(self, resize_id: str) -> ResizeOperation:
         """A follower's Prepared part of a resize goes on to its commit (frontend 0 calls it on every follower)."""
         return ResizeOperation.from_json(self._call("POST", f"{RESIZES_PATH}/{resize_id}/commit", {})[1])
+
+    def orphan_resize(self, resize_id: str, reason: str) -> ResizeOperation:
+        """A follower's part whose driving frontend 0 is gone decides now, as at the end of its commit grace (a
+        restarted frontend 0 calls it on a part its predecessor left)."""
+        return ResizeOperation.from_json(self._call("POST", f"{RESIZES_PATH}/{resize_id}/orphan",
+                                                    {"reason": reason})[1])

@@ -66,6 +66,9 @@ class Static:
     def commit_resize(self, resize_id: str) -> ResizeOperation:
         raise AssertionError("not called")
 
+    def orphan_resize(self, resize_id: str, reason: str) -> ResizeOperation:
+        raise AssertionError("not called")
+
 
 @pytest.fixture
 def server() -> Iterator[AdminServer]:

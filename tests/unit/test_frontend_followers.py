@@ -48,6 +48,8 @@ class Scripted:
     fleet: Fleet
     fail: str = ""
     commits: list[str] = field(default_factory=list)
+    orphaned: list[str] = field(default_factory=list)
+    ends_when_orphaned: bool = True
 
     def run_resize(self, resize_id: str) -> None:
         if self.fail:
@@ -62,6 +64,11 @@ class Scripted:
         self.commits.append(resize_id)
         self.fleet.update_resize(resize_id, phase=ResizePhase.COMMITTING)
         self.fleet.finish_resize(resize_id)
+
+    def orphan_resize(self, resize_id: str, reason: str) -> None:  # as a scale-up's part decides
+        self.orphaned.append(resize_id)
+        if self.ends_when_orphaned:
+            self.fleet.finish_resize(resize_id, error=f"orphaned: {reason}")
 
 
 @dataclass
@@ -280,10 +287,11 @@ class Members:
         return None
 
 
-def follower_part(frm: int, to: int, commit_after: float | None,
-                  engines_go_after: float | None = None) -> tuple[Fleet, Members, ResizeOperation]:
+def follower_part(frm: int, to: int, commit_after: float | None, engines_go_after: float | None = None,
+                  orphan_after: float | None = None) -> tuple[Fleet, Members, ResizeOperation]:
     """Frontend 1's part of a resize frm -> to, run on an event loop; frontend 0 commits it after `commit_after`
-    seconds (None: never); the leaving ranks' engines go after `engines_go_after` seconds (None: they stay)."""
+    seconds (None: never); the leaving ranks' engines go after `engines_go_after` seconds (None: they stay); a
+    restarted frontend 0 orphans it after `orphan_after` seconds (None: none does)."""
     fleet = Fleet("tiny", frm, frontends=2, client_index=1)
     runner = RecordingRunner()
     fleet.serving(IdleView(), runner)
@@ -307,8 +315,15 @@ def follower_part(frm: int, to: int, commit_after: float | None,
             for rank in range(to, frm):  # as `Liveness.rank_died` records a draining rank's death
                 members.lost[rank] = "connection to the engine lost"
 
+        async def new_lead() -> None:
+            if orphan_after is None:
+                return
+            await asyncio.sleep(orphan_after)
+            part.orphan(op.id, "frontend 0 was restarted")
+
         try:
-            await asyncio.gather(part.scale_up(op) if to > frm else part.scale_down(op), lead(), engines_go())
+            await asyncio.gather(part.scale_up(op) if to > frm else part.scale_down(op), lead(), engines_go(),
+                                 new_lead())
         except ResizeFailed as e:  # recorded as `operations.ResizeOperations` records it
             fleet.finish_resize(op.id, error=str(e), fleet_intact=e.fleet_intact)
 
@@ -364,3 +379,87 @@ def test_a_followers_scale_down_passed_over_by_frontend_0_commits_once_the_leavi
     assert members.calls == ["stop routing 2", "cut at 2", "shrink 3 -> 2"]
     assert (op.phase, fleet.size) == (ResizePhase.COMPLETED, 2)
     assert 2 not in [r.rank for r in fleet.snapshot().ranks]
+
+
+def test_a_followers_part_orphaned_by_a_restarted_frontend_0_decides_at_once_as_at_the_end_of_its_grace(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Frontend 0 lost mid-resize and back (a new process, which never drove this part): it orphans the part, which
+    decides at once what it would decide after the grace (a minute in which it refused the new frontend 0's parts):
+    a scale-up drops the new rank, a scale-down commits."""
+    monkeypatch.setattr(followers_module, "COMMIT_GRACE_S", 30.0)
+    started = time.monotonic()
+    fleet, members, op = follower_part(2, 3, commit_after=None, orphan_after=0.1)
+    assert members.calls == ["ready [2]"]
+    assert op.phase == ResizePhase.FAILED
+    assert "frontend 0 that drove it is gone (frontend 0 was restarted) of this frontend's Prepared" in op.error
+    assert fleet.size == 2
+    fleet, members, op = follower_part(3, 2, commit_after=None, orphan_after=0.1)
+    assert members.calls == ["stop routing 2", "cut at 2", "shrink 3 -> 2"]
+    assert (op.phase, fleet.size) == (ResizePhase.COMPLETED, 2)
+    assert time.monotonic() - started < 10.0  # not the 30 s grace (the scale-down's 1 s drain timeout, twice)
+
+
+def test_only_a_followers_part_can_be_orphaned_and_an_ended_one_stays_as_it_ended(frontends: list[Frontend]) -> None:
+    f = frontends[1]
+    with pytest.raises(AdminError) as err:
+        f.admin.orphan_resize("nope", "frontend 0 was restarted")
+    assert err.value.status == HTTPStatus.NOT_FOUND
+    f.admin.start_resize(ResizeRequest(id="up-1", replicas=3, follower=True))
+    with pytest.raises(AdminError) as err:
+        f.admin.orphan_resize("up-1", "")
+    assert err.value.status == HTTPStatus.BAD_REQUEST
+    orphaned = f.admin.orphan_resize("up-1", "frontend 0 was restarted")
+    assert orphaned.phase == ResizePhase.PREPARED  # it decides on the event loop
+    ended = f.admin.resize("up-1")
+    assert ended is not None
+    assert (ended.phase, ended.error) == (ResizePhase.FAILED, "orphaned: frontend 0 was restarted")
+    assert f.admin.orphan_resize("up-1", "again").error == "orphaned: frontend 0 was restarted"
+    assert f.runner.orphaned == ["up-1"]
+    lead = frontends[0]
+    lead.runner.run_resize = lambda resize_id: None  # type: ignore[method-assign]
+    lead.admin.start_resize(ResizeRequest(id="up-2", replicas=3))
+    with pytest.raises(AdminError) as err:
+        lead.admin.orphan_resize("up-2", "frontend 0 was restarted")
+    assert err.value.status == HTTPStatus.BAD_REQUEST
+    assert "this frontend drives it" in err.value.body
+
+
+def test_a_restarted_frontend_0_orphans_the_part_its_predecessor_left_on_a_follower_then_sends_its_own(
+        frontends: list[Frontend]) -> None:
+    """Frontend 1 is Prepared in resize up-0, which the lost frontend 0 drove; the new frontend 0's resize up-1 is
+    refused by it (one runs at a time) until the new frontend 0 orphaned up-0 and it ended."""
+    frontends[1].admin.start_resize(ResizeRequest(id="up-0", replicas=3, follower=True))  # left by the predecessor
+    followers, op = lead_side(frontends), operation(resize_id="up-1")
+
+    async def drive() -> tuple[dict[int, FollowerLost], dict[int, FollowerLost]]:
+        started = await followers.start(op, (ResizePhase.PREPARED,), 1e12, Cancels())
+        committed = await followers.commit(op, [1, 2], "at 3 ranks")
+        return started, committed
+
+    assert asyncio.run(drive()) == ({}, {})
+    assert frontends[1].runner.orphaned == ["up-0"]
+    assert frontends[2].runner.orphaned == []
+    for f in frontends[1:]:
+        assert f.runner.commits == ["up-1"]
+    old = frontends[1].fleet.resize("up-0")
+    assert old is not None
+    assert old.phase == ResizePhase.FAILED
+
+
+def test_a_part_this_frontend_0_sent_is_not_orphaned_and_one_that_does_not_end_loses_the_follower(
+        frontends: list[Frontend], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(followers_module, "UNREACHABLE_S", 0.5)
+    followers = lead_side(frontends)
+    frontends[1].runner.run_resize = lambda resize_id: None  # type: ignore[method-assign]  # never Prepared
+    asyncio.run(followers._part(1, operation(resize_id="up-0")))  # this frontend 0's own, still running
+    lost = asyncio.run(followers.start(operation(resize_id="up-1"), (ResizePhase.PREPARED,), 1e12, Cancels()))
+    assert sorted(lost) == [1]  # frontend 2 is Prepared in up-1
+    assert "refused its part" in str(lost[1])
+    assert "up-0" in str(lost[1])
+    assert frontends[1].runner.orphaned == []
+    frontends[2].admin.cancel_resize("up-1", "test")
+    frontends[2].admin.start_resize(ResizeRequest(id="up-2", replicas=3, follower=True))  # a predecessor's
+    frontends[2].runner.ends_when_orphaned = False
+    lost = asyncio.run(followers.start(operation(resize_id="up-3"), (ResizePhase.PREPARED,), 1e12, Cancels()))
+    assert "which an earlier frontend 0 drove, is still Prepared" in str(lost[2])
+    assert frontends[2].runner.orphaned == ["up-2"]

@@ -107,6 +107,9 @@ class Runner:
     def commit_resize(self, resize_id: str) -> None:
         raise AssertionError("a replacement is not a follower's part")
 
+    def orphan_resize(self, resize_id: str, reason: str) -> None:
+        raise AssertionError("a replacement is not a follower's part")
+
 
 class View:
     def lb_counts(self, rank: int) -> tuple[int, int, float]:
@@ -633,6 +636,9 @@ class ScriptedFollower:
     def commit_resize(self, resize_id: str) -> None:
         self.commits.append(resize_id)
         self.fleet.finish_resize(resize_id)
+
+    def orphan_resize(self, resize_id: str, reason: str) -> None:
+        raise AssertionError("this frontend 0 sent every part")
 
 
 def test_frontend_0_replaces_a_rank_through_every_follower_and_commits_them_after_itself(

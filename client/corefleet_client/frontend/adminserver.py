@@ -63,6 +63,10 @@ class AdminBackend(Protocol):
         """The operation, failed by the cancel; raises ResizeRefused (404, or 409 once it committed)."""
         ...
 
+    def orphan_resize(self, resize_id: str, reason: str) -> ResizeOperation:
+        """A follower's part whose frontend 0 is gone decides now; raises ResizeRefused (404, 400)."""
+        ...
+
 
 class _HTTPServer(ThreadingHTTPServer):
     """The HTTP server: what every request's handler reads (the token, the backend)."""
@@ -158,6 +162,11 @@ class _Handler(BaseHTTPRequestHandler):
             if path.startswith(prefix) and path.endswith(suffix):
                 self._cancel_resize(path[len(prefix):-len(suffix)], body)
                 return
+            if path.startswith(prefix) and path.endswith("/orphan"):
+                reason = self._reason(body)
+                op = self.server.backend.orphan_resize(path[len(prefix):-len("/orphan")], reason)
+                self._send(HTTPStatus.OK, op.to_json())
+                return
             if path.startswith(prefix) and path.endswith("/commit"):
                 op = self.server.backend.commit_resize(path[len(prefix):-len("/commit")])
                 self._send(HTTPStatus.OK, op.to_json())
@@ -177,11 +186,15 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(HTTPStatus.ACCEPTED if started else HTTPStatus.OK, op.to_json())
 
     def _cancel_resize(self, resize_id: str, body: Any) -> None:
+        op = self.server.backend.cancel_resize(resize_id, self._reason(body))
+        self._send(HTTPStatus.OK, op.to_json())
+
+    @staticmethod
+    def _reason(body: Any) -> str:
         reason = body.get("reason") if isinstance(body, dict) else None
         if not isinstance(reason, str) or not reason:
-            raise ValueError("a cancel needs a non-empty 'reason'")
-        op = self.server.backend.cancel_resize(resize_id, reason)
-        self._send(HTTPStatus.OK, op.to_json())
+            raise ValueError("a cancel or an orphaning needs a non-empty 'reason'")
+        return reason
 
 
 class AdminServer:

@@ -67,6 +67,8 @@ class ResizeRunner(Protocol):
 
     def commit_resize(self, resize_id: str) -> None: ...
 
+    def orphan_resize(self, resize_id: str, reason: str) -> None: ...
+
 
 @dataclass
 class RankRecord:
@@ -398,6 +400,24 @@ class Fleet:
             runner = self._runner
         assert runner is not None
         runner.commit_resize(resize_id)
+        return op
+
+    def orphan_resize(self, resize_id: str, reason: str) -> ResizeOperation:
+        """A follower's part whose driving frontend 0 is gone decides now, as at the end of its commit grace (a
+        restarted frontend 0 calls this on a part its predecessor left); idempotent, and a no-op once it ended."""
+        with self._lock:
+            op = self._ops.get(resize_id)
+            if op is None:
+                raise ResizeRefused(HTTPStatus.NOT_FOUND, f"no resize {resize_id!r}")
+            if not op.follower:
+                raise ResizeRefused(HTTPStatus.BAD_REQUEST, f"resize {resize_id!r} is not a follower's part: this "
+                                    "frontend drives it", op)
+            if op.phase.terminal or op.phase == ResizePhase.COMMITTING:
+                return op
+            runner = self._runner
+        assert runner is not None
+        logger.warning("Resize %s: orphaned: %s", resize_id, reason)
+        runner.orphan_resize(resize_id, reason)
         return op
 
     # ---- the admin API's view ------------------------------------------------------------------

@@ -26,7 +26,9 @@ Scale-down M -> N:
 
 A follower left Prepared without the lead's commit (the lead was lost, or is hung) decides by itself
 once `COMMIT_GRACE_S` passed, as the operator does for a lost frontend: a scale-up's new ranks are
-retired (the operator rolls the resize back), a scale-down is committed (the operator finishes it). A scale-down's
+retired (the operator rolls the resize back), a scale-down is committed (the operator finishes it). It decides at
+once when the lead's replacement sends it a part of a new resize while it runs the old one: the new lead orphans
+the old part (`POST /v1/resizes/ID/orphan`), waits until it ended, and sends its own again. A scale-down's
 part commits sooner once every leaving rank's engine went: the lead committed without it (it was passed over) and
 the pods were deleted, or the engines died; they leave either way.
 """
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 import urllib.error
@@ -71,6 +74,7 @@ class Followers:
 
     def __init__(self, admins: dict[int, AdminClient]) -> None:
         self.admins = admins
+        self._sent: set[str] = set()  # operations this lead sent parts of (a follower's others: a predecessor's)
 
     @classmethod
     def of(cls, addresses: Iterable[str], admin_port: int, token: str) -> Followers | None:
@@ -96,13 +100,53 @@ class Followers:
             await asyncio.sleep(POLL_S * 4)
 
     async def _part(self, index: int, op: ResizeOperation) -> ResizeOperation:
+        """Start follower `index`'s part of `op`. A part that an earlier frontend 0 (this one's predecessor, lost
+        mid-resize) left running there is orphaned first: it decides at once (module docstring), then `op` starts."""
         request = ResizeRequest(id=op.id, replicas=op.to_replicas, drain_timeout_s=op.drain_timeout_s,
                                 join_timeout_s=op.join_timeout_s, replace=op.replace, follower=True)
+        self._sent.add(op.id)
+        orphaned = False
+        while True:
+            try:
+                _, part = await self._call(index, lambda admin: admin.start_resize(request))
+                return part
+            except AdminError as e:
+                stale = None if orphaned else self._predecessors_part(e)
+                if stale is None:
+                    raise FollowerLost(f"frontend {index} refused its part: {e}") from None
+            await self._orphan(index, stale, op)
+            orphaned = True
+
+    def _predecessors_part(self, refusal: AdminError) -> ResizeOperation | None:
+        """The part in flight that a 409 names, if an earlier frontend 0 drove it (this one never sent it)."""
+        if refusal.status != 409:
+            return None
         try:
-            _, part = await self._call(index, lambda admin: admin.start_resize(request))
-        except AdminError as e:
-            raise FollowerLost(f"frontend {index} refused its part: {e}") from None
+            part = ResizeOperation.from_json(json.loads(refusal.body)["operation"])
+        except (ValueError, KeyError, TypeError):
+            return None
+        if not part.follower or part.phase.terminal or part.id in self._sent:
+            return None
         return part
+
+    async def _orphan(self, index: int, stale: ResizeOperation, op: ResizeOperation) -> None:
+        """Follower `index`'s part `stale` decides now, and ends within UNREACHABLE_S (else it is lost for `op`)."""
+        logger.warning("Resize %s: frontend %d still runs its part of resize %s (%s), which an earlier frontend 0 "
+                       "drove: it decides now", op.id, index, stale.id, stale.phase)
+        reason = f"frontend 0 was restarted; its resize {op.id} needs this frontend"
+        try:
+            await self._call(index, lambda admin: admin.orphan_resize(stale.id, reason))
+        except AdminError as e:
+            raise FollowerLost(f"frontend {index} refused to end its part of resize {stale.id}: {e}") from None
+        deadline = time.monotonic() + UNREACHABLE_S
+        while True:
+            part = await self._call(index, lambda admin: admin.resize(stale.id))
+            if part is None or part.phase.terminal:
+                return
+            if time.monotonic() >= deadline:
+                raise FollowerLost(f"frontend {index}'s part of resize {stale.id}, which an earlier frontend 0 drove, "
+                                   f"is still {part.phase} ({part.message})")
+            await asyncio.sleep(POLL_S)
 
     async def _until(self, index: int, op: ResizeOperation, phases: tuple[ResizePhase, ...],
                      deadline: float, cancels: Cancels | None) -> ResizeOperation:
@@ -201,15 +245,32 @@ class FollowerResize:
         self.cancels = cancels
         self.replacement = replacement  # this frontend's commit of a replaced rank, as frontend 0's
         self._commits: dict[str, asyncio.Event] = {}
+        self._orphaned: dict[str, str] = {}  # parts whose lead is gone (a restarted lead said so): why
 
     def commit(self, resize_id: str) -> None:
         """The lead committed (on the event loop)."""
         self._commits.setdefault(resize_id, asyncio.Event()).set()
 
+    def orphan(self, resize_id: str, reason: str) -> None:
+        """The lead that drove this part is gone (on the event loop): it decides at once what it would decide at the
+        end of its commit grace, now or as soon as it is Prepared."""
+        self._orphaned[resize_id] = reason
+
+    def forget(self, resize_id: str) -> None:
+        """The part ended."""
+        self._orphaned.pop(resize_id, None)
+
+    def _uncommitted(self, op: ResizeOperation, waited_s: float) -> str:
+        """Why the part goes on without the lead's commit."""
+        orphaned = self._orphaned.get(op.id)
+        if orphaned is not None:
+            return f"frontend 0 that drove it is gone ({orphaned})"
+        return f"frontend 0 did not commit within {waited_s:g}s"
+
     async def _committed(self, op: ResizeOperation, deadline: float,
                          settled: Callable[[], bool] = lambda: False) -> bool:
         """Prepared until the lead commits or `settled()` says the outcome can only be the commit (True), or the
-        deadline passes (False); raises ResizeFailed on a cancel."""
+        deadline passes or the part is orphaned (False); raises ResizeFailed on a cancel."""
         self.fleet.update_resize(op.id, phase=ResizePhase.PREPARED, message="waiting for frontend 0's commit")
         event = self._commits.setdefault(op.id, asyncio.Event())
         try:
@@ -218,7 +279,7 @@ class FollowerResize:
                 if settled():
                     return True
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 or op.id in self._orphaned:
                     return False
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(event.wait(), min(left, 0.2))
@@ -237,8 +298,8 @@ class FollowerResize:
                 self.fleet.set_rank(rank, RankState.JOINING, "announced itself; waiting for frontend 0's commit")
             committed = await self._committed(op, time.monotonic() + COMMIT_GRACE_S)
             if not committed:
-                raise ResizeFailed(f"frontend 0 did not commit within {COMMIT_GRACE_S:g}s of this frontend's "
-                                   "Prepared: the new ranks were not added (the scale-up is rolled back)")
+                raise ResizeFailed(f"{self._uncommitted(op, COMMIT_GRACE_S)} of this frontend's Prepared: the new "
+                                   "ranks were not added (the scale-up is rolled back)")
         except ResizeFailed as e:
             for rank in new:
                 self.fleet.set_rank(rank, RankState.RETIRED, f"not added: {e}")
@@ -274,9 +335,8 @@ class FollowerResize:
             logger.warning("Resize %s: the engine(s) of %s went before frontend 0's commit reached this frontend; "
                            "committing this frontend's part", op.id, describe(leaving))
         if not committed:
-            logger.warning("Resize %s: frontend 0 did not commit within %gs; committing this frontend's part by "
-                           "itself (a scale-down whose driver is lost is finished)", op.id,
-                           op.drain_timeout_s + COMMIT_GRACE_S)
+            logger.warning("Resize %s: %s; committing this frontend's part by itself (a scale-down whose driver is "
+                           "lost is finished)", op.id, self._uncommitted(op, op.drain_timeout_s + COMMIT_GRACE_S))
         fleet.update_resize(op.id, phase=ResizePhase.COMMITTING, message=f"removing {describe(leaving)}")
         marker = members.cut_routing(to)
         await members.shrink(frm, to, marker)
@@ -321,8 +381,8 @@ class FollowerResize:
                     fleet.set_rank(rank, RankState.DEAD, f"replacement {op.id} failed: {e}")
             raise
         if not committed:
-            logger.warning("Replacement %s: frontend 0 did not commit within %gs; committing this frontend's part by "
-                           "itself (the new engines announced themselves here)", op.id, COMMIT_GRACE_S)
+            logger.warning("Replacement %s: %s; committing this frontend's part by itself (the new engines announced "
+                           "themselves here)", op.id, self._uncommitted(op, COMMIT_GRACE_S))
         fleet.update_resize(op.id, phase=ResizePhase.COMMITTING, message=f"{what} back in service")
         for rank in ranks:
             self.replacement.commit_rank(op, rank)

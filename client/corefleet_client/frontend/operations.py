@@ -8,7 +8,8 @@ replacement of Dead dense ranks (`frontend.replace`), an elastic-EP resize of an
 recorded on the operation: `ResizeFailed` with its `fleet_intact`, a shutdown (the fleet must be
 recreated), or an unexpected error (logged, and the fleet recreated too). A follower's part of
 frontend 0's resize (several frontends) runs by `frontend.followers` up to Prepared, and goes on
-when frontend 0 calls `commit_resize`. `cancel_resize` asks the
+when frontend 0 calls `commit_resize` (or decides at once when a restarted frontend 0 calls
+`orphan_resize` on a part its predecessor left). `cancel_resize` asks the
 operation to stop: it stops at its next checkpoint (`types.Cancels`), or at once while it waits for
 joining ranks' handshake; once it committed, `Fleet.cancel_resize` refuses.
 """
@@ -53,6 +54,9 @@ class ResizeOperations:
     def commit_resize(self, resize_id: str) -> None:
         self._loop.call_soon_threadsafe(self.follower.commit, resize_id)
 
+    def orphan_resize(self, resize_id: str, reason: str) -> None:
+        self._loop.call_soon_threadsafe(self.follower.orphan, resize_id, reason)
+
     # ---- on the event loop -------------------------------------------------------------------------
     def stop(self) -> None:
         """The frontend shuts down: every running operation is cancelled (and recorded as failed)."""
@@ -96,3 +100,4 @@ class ResizeOperations:
             self.fleet.finish_resize(op.id, error=f"unexpected error: {type(e).__name__}: {e}", fleet_intact=False)
         finally:
             self.cancels.forget(op.id)
+            self.follower.forget(op.id)
