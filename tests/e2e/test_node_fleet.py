@@ -98,7 +98,9 @@ def sample(image: str, *, emulator: bool = False) -> dict[str, Any]:
     if emulator:
         spec["engine"]["env"] = [{"name": "COREFLEET_TEST_ENGINE", "value": "emulator"},
                                  {"name": "COREFLEET_TEST_EMULATOR_ARGS", "value": "--token-delay-ms 20"}]
-    spec["frontend"]["resources"] = small
+    # A frontend weighs twice an engine in the CPU scheduler (the sample asks 2 CPUs for it, 4 for an engine): with
+    # 100m each, the engines' busy polling starved a frontend's admin thread for over 5 s in CI.
+    spec["frontend"]["resources"] = {"requests": {"cpu": "200m", "memory": "512Mi"}}
     spec["coordinator"] = {"resources": small}
     # The emulator fleet resizes nothing; its hung-engine test waits out the pod's grace period (the drain timeout
     # + 15 s: a container stopped as a whole ignores SIGTERM, and the kubelet's kill of the pod takes the pod's grace
