@@ -386,12 +386,7 @@ class Fleet:
         """A follower's part of a resize, Prepared, goes on to its commit (frontend 0 calls this once every frontend
         is Prepared); idempotent once it commits."""
         with self._lock:
-            op = self._ops.get(resize_id)
-            if op is None:
-                raise ResizeRefused(HTTPStatus.NOT_FOUND, f"no resize {resize_id!r}")
-            if not op.follower:
-                raise ResizeRefused(HTTPStatus.BAD_REQUEST, f"resize {resize_id!r} is not a follower's part: it "
-                                    "commits by itself", op)
+            op = self._followers_part(resize_id, "it commits by itself")
             if op.phase in (ResizePhase.COMMITTING, ResizePhase.COMPLETED):
                 return op
             if op.phase != ResizePhase.PREPARED:
@@ -406,18 +401,24 @@ class Fleet:
         """A follower's part whose driving frontend 0 is gone decides now, as at the end of its commit grace (a
         restarted frontend 0 calls this on a part its predecessor left); idempotent, and a no-op once it ended."""
         with self._lock:
-            op = self._ops.get(resize_id)
-            if op is None:
-                raise ResizeRefused(HTTPStatus.NOT_FOUND, f"no resize {resize_id!r}")
-            if not op.follower:
-                raise ResizeRefused(HTTPStatus.BAD_REQUEST, f"resize {resize_id!r} is not a follower's part: this "
-                                    "frontend drives it", op)
+            op = self._followers_part(resize_id, "this frontend drives it")
             if op.phase.terminal or op.phase == ResizePhase.COMMITTING:
                 return op
             runner = self._runner
         assert runner is not None
         logger.warning("Resize %s: orphaned: %s", resize_id, reason)
         runner.orphan_resize(resize_id, reason)
+        return op
+
+    def _followers_part(self, resize_id: str, why_not: str) -> ResizeOperation:
+        """The operation `resize_id`, a follower's part (404 if there is none, 400 if it is this frontend's own); under
+        the lock."""
+        op = self._ops.get(resize_id)
+        if op is None:
+            raise ResizeRefused(HTTPStatus.NOT_FOUND, f"no resize {resize_id!r}")
+        if not op.follower:
+            raise ResizeRefused(HTTPStatus.BAD_REQUEST, f"resize {resize_id!r} is not a follower's part: {why_not}",
+                                op)
         return op
 
     # ---- the admin API's view ------------------------------------------------------------------
