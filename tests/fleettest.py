@@ -17,6 +17,7 @@ import base64
 import http.client
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -322,6 +323,11 @@ class Load:
         return f"{len(self.outcomes)} requests: {dict(kinds)}; failures: {[o.detail for o in self.failures()][:5]}"
 
 
+# An event of a stream that neither ends it nor reports an error: not decoded (a long stream sends thousands, and a
+# test reading several at once on a saturated machine starved its own threads decoding each).
+_PLAIN_EVENT = re.compile(rb'"finish_reason":\s*null')
+
+
 class PinnedStream:
     """One streaming completion pinned to a rank (`X-data-parallel-rank`), read to its end in a thread."""
 
@@ -343,18 +349,27 @@ class PinnedStream:
             if resp.status != 200:
                 self.outcome = (False, f"HTTP {resp.status}: {resp.read()[:300]!r}")
                 return
-            finish = None
-            for raw in resp:
-                line = raw.strip()
-                if not line.startswith(b"data:") or line == b"data: [DONE]":
-                    continue
-                event = json.loads(line[5:])
-                if "error" in event:
-                    self.outcome = (False, f"error event: {event['error']}")
-                    return
-                self.first_token.set()
-                for choice in event.get("choices", ()):
-                    finish = choice.get("finish_reason") or finish
+            finish: str | None = None
+            rest = b""
+            while True:
+                chunk = resp.read1(65536)
+                *lines, rest = (rest + chunk).split(b"\n") if chunk else (rest, b"")
+                for raw in lines:
+                    line = raw.strip()
+                    if not line.startswith(b"data:") or line == b"data: [DONE]":
+                        continue
+                    if b'"error"' not in line and _PLAIN_EVENT.search(line):
+                        self.first_token.set()
+                        continue
+                    event = json.loads(line[5:])
+                    if "error" in event:
+                        self.outcome = (False, f"error event: {event['error']}")
+                        return
+                    self.first_token.set()
+                    for choice in event.get("choices", ()):
+                        finish = choice.get("finish_reason") or finish
+                if not chunk:
+                    break
             self.outcome = (finish == "length", f"finish_reason {finish}")
         except (OSError, http.client.HTTPException, ValueError) as e:
             self.outcome = (False, f"{type(e).__name__}: {e}")
@@ -369,16 +384,19 @@ class PinnedStream:
 
 
 class LongStreams:
-    """Keeps `n` long streams pinned to `rank` in flight, each that ends replaced at once, until a new one is refused
-    or `stop()`: so that some are in flight when a drain of the rank begins, however late the drain comes on a busy
-    machine. Refused: a 503 (the rank stopped taking requests, its drain began) or, for a stream sent just after the
-    last one in flight ended the drain, vLLM's 400 for a rank the frontend no longer has (the scale-down committed
-    first)."""
+    """Keeps one long stream pinned to `rank` in flight per entry of `lengths` (its max_tokens), each that ends replaced
+    at once by one as long, until a new one is refused or `stop()`: so that some are in flight when a drain of the
+    rank begins, however late the drain comes on a busy machine. Streams of different lengths end at different
+    times: a drain that begins while one is being replaced (CI: the node stalled for 7 s, and when it went on, the
+    only stream ended and the operator began the drain in the same 150 ms) finds another in flight. Refused: a 503
+    (the rank stopped taking requests, its drain began) or, for a stream sent just after the last one in flight ended
+    the drain, vLLM's 400 for a rank the frontend no longer has (the scale-down committed first)."""
 
-    def __init__(self, url: str, model: str, rank: int, max_tokens: int, n: int) -> None:
+    def __init__(self, url: str, model: str, rank: int, lengths: tuple[int, ...]) -> None:
         self.streams: list[PinnedStream] = []
-        self._args = (url, model, rank, max_tokens)
-        self._n = n
+        self._url, self._model, self._rank = url, model, rank
+        self._slots: list[PinnedStream | None] = [None] * len(lengths)
+        self._lengths = lengths
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -387,9 +405,11 @@ class LongStreams:
         while not self._stop.is_set():
             if self.refused():
                 return
-            live = [s for s in self.streams if s.outcome is None]
-            for _ in range(self._n - len(live)):
-                self.streams.append(PinnedStream(*self._args))
+            for i, stream in enumerate(self._slots):
+                if stream is None or stream.outcome is not None:
+                    new = PinnedStream(self._url, self._model, self._rank, self._lengths[i])
+                    self._slots[i] = new
+                    self.streams.append(new)
             self._stop.wait(0.05)
 
     def stop(self) -> None:
@@ -405,7 +425,7 @@ class LongStreams:
         the 400 for a rank out of the frontend's range."""
         return [s for s in list(self.streams) if s.outcome is not None and not s.outcome[0]
                 and (s.outcome[1].startswith("HTTP 503") or "'code': 503" in s.outcome[1]
-                     or f"data_parallel_rank {self._args[2]} is out of range" in s.outcome[1])]
+                     or f"data_parallel_rank {self._rank} is out of range" in s.outcome[1])]
 
     def served(self) -> list[PinnedStream]:
         """Every stream the rank took: all but the refused ones."""

@@ -77,11 +77,10 @@ RESTRICTED = {"pod-security.kubernetes.io/enforce": "restricted",
               "pod-security.kubernetes.io/enforce-version": "latest"}
 TEST_IMAGE_PREFIX = "corefleet.local/runtime-test:"
 CONTEXT = 8192  # the test image's tiny model
-# Long requests pinned to the leaving rank, as long as the context allows, three at once (a batch is slower per
-# token): tens of seconds at 1-6 ms a token on these CPUs, more than the scale-down takes to reach the frontend
-# (a kubectl patch, the operator's reconcile, the admin API call), within the drain timeout below.
-LONG_TOKENS = CONTEXT - 64
-LONG_STREAMS = 1  # kept in flight on the leaving rank until its drain (more would starve the test's own threads)
+# Long requests pinned to the leaving rank, as long as the context allows: tens of seconds at 1-6 ms a token on these
+# CPUs, more than the scale-down takes to reach the frontend (a kubectl patch, the operator's reconcile, the admin
+# API call), within the drain timeout below. Two kept in flight, of different lengths (`LongStreams`).
+LONG_TOKENS = (CONTEXT - 64, (CONTEXT - 64) * 3 // 5)
 DRAIN_TIMEOUT = 120
 START_TIMEOUT = 600.0  # real vLLM engines starting as containers on a 2-core machine, up to 3 at once
 
@@ -717,8 +716,8 @@ def test_real_vllm_fleet_with_two_frontends_resizes_2_3_2_in_place_under_load(tw
             # refuses a new one: the drain lets those it took finish. The scale-down is sent once the frontends
             # count one in flight there. (Kept, not sent once: on this saturated machine the operator, whose pod
             # requests little CPU, may take longer to act than a long request lasts.)
-            longs = LongStreams(s.url(), SERVED, rank=2, max_tokens=LONG_TOKENS, n=LONG_STREAMS)
-            wait_until(lambda: longs.started() >= LONG_STREAMS, 60, "the long streams' first tokens")
+            longs = LongStreams(s.url(), SERVED, rank=2, lengths=LONG_TOKENS)
+            wait_until(lambda: longs.started() >= len(LONG_TOKENS), 60, "the long streams' first tokens")
             in_flight = wait_until(lambda: sum(s.fleet.admin(i).fleet().rank(2).in_flight for i in range(2)), 30,
                                    "a frontend to count a long request in flight on rank 2", interval=0.05,
                                    diagnose=lambda: f"the long streams' outcomes (None: still streaming): "
