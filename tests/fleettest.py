@@ -39,6 +39,7 @@ from podrunner import PodRunner
 
 ECS_PATH = "/apis/corefleet.io/v1alpha1/namespaces/{ns}/enginecoresets/{name}"
 ADMIN_READ_TIMEOUT_S = 30.0  # FleetView.admin's calls
+WATCH_ADMIN_TIMEOUT_S = 5.0  # ResizeWatch's
 
 
 def ecs_engine_args(served: str, context: int | None = None) -> list[str]:
@@ -154,7 +155,7 @@ class FleetView:
         """spec.frontend.replicas."""
         return int((self.ecs()["spec"].get("frontend") or {}).get("replicas", 1))
 
-    def admin(self, index: int = 0) -> AdminClient:
+    def admin(self, index: int = 0, timeout: float = ADMIN_READ_TIMEOUT_S) -> AdminClient:
         """Frontend `index`'s admin API (frontend 0's takes resizes)."""
         secret_name = constants.admin_secret_name(self.name)
         secret = self.k8s.request("GET", f"/api/v1/namespaces/{self.ns}/secrets/{secret_name}")
@@ -164,7 +165,7 @@ class FleetView:
         # operator's own calls time out at 5 s and are retried; the kubelet's liveness probe fails only after three
         # 5 s timeouts in a row).
         return AdminClient(f"http://{self.frontend_ip(index)}:{constants.FRONTEND_ADMIN_PORT}", token,
-                           timeout=ADMIN_READ_TIMEOUT_S)
+                           timeout=timeout)
 
     def engine_pid(self, rank: int) -> int:
         assert self.runner is not None, "engine_pid: pods run by a pod runner only"
@@ -450,7 +451,9 @@ class ResizeWatch:
         self._pods: set[str] = set()
 
     def __enter__(self) -> ResizeWatch:
-        self._admin = self.fleet.admin()
+        # A short timeout: a poll blocked on a slow frontend would miss the status's phases meanwhile (a call that
+        # times out is one of `errors`, and the next poll comes at once).
+        self._admin = self.fleet.admin(timeout=WATCH_ADMIN_TIMEOUT_S)
         self._pods = set(self.fleet.pods())
         self._thread.start()
         return self

@@ -76,11 +76,15 @@ PVC_MODEL, CLAIM, VOLUME = "tiny-pvc", "models", "corefleet-test-models"
 RESTRICTED = {"pod-security.kubernetes.io/enforce": "restricted",
               "pod-security.kubernetes.io/enforce-version": "latest"}
 TEST_IMAGE_PREFIX = "corefleet.local/runtime-test:"
-CONTEXT = 8192  # the test image's tiny model
-# Long requests pinned to the leaving rank, as long as the context allows: tens of seconds at 1-6 ms a token on these
-# CPUs, more than the scale-down takes to reach the frontend (a kubectl patch, the operator's reconcile, the admin
-# API call), within the drain timeout below. Two kept in flight, of different lengths (`LongStreams`).
-LONG_TOKENS = (CONTEXT - 64, (CONTEXT - 64) * 3 // 5)
+CONTEXT = 8192  # the test image's tiny model (the emulator fleet's frontend reads it)
+# The tiny model this module writes to the PVC, served by the real vLLM fleet: a longer context for LONG_TOKENS.
+PVC_CONTEXT = 16384
+# Long requests pinned to the leaving rank: about 20 s and 10 s on these CPUs (a token costs more the longer the
+# sequence), more than the scale-down takes to reach the frontend (a kubectl patch, the operator's reconcile, the
+# admin API call), within the drain timeout below. Two kept in flight, of different lengths (`LongStreams`). (At 8128
+# tokens a stream lasted 11 s, and CI starved the test's own process for as long: the streams ended unreplaced and
+# the drain, when it came, found nothing in flight. At 16320 the drain took a minute.)
+LONG_TOKENS = (12000, 7200)
 DRAIN_TIMEOUT = 120
 START_TIMEOUT = 600.0  # real vLLM engines starting as containers on a 2-core machine, up to 3 at once
 
@@ -93,7 +97,8 @@ def sample(image: str, *, emulator: bool = False) -> dict[str, Any]:
     spec.update(image=image, model=MODEL, replicas=2, maxReplicas=3)
     if not emulator:
         spec.update(model=PVC_MODEL, storage={"pvc": {"claimName": CLAIM}})
-    spec["engine"].update(args=ecs_engine_args(SERVED, CONTEXT), loadFormat="dummy", resources=small, shmSize="1Gi")
+    spec["engine"].update(args=ecs_engine_args(SERVED, CONTEXT if emulator else PVC_CONTEXT), loadFormat="dummy",
+                          resources=small, shmSize="1Gi")
     if emulator:
         spec["engine"]["env"] = [{"name": "COREFLEET_TEST_ENGINE", "value": "emulator"},
                                  {"name": "COREFLEET_TEST_EMULATOR_ARGS", "value": "--token-delay-ms 20"}]
@@ -168,7 +173,7 @@ def restricted_namespace(cp: LocalControlPlane, name: str) -> None:
 
 def model_volume(cp: LocalControlPlane, directory: Path) -> None:
     """The tiny model on a hostPath PersistentVolume, bound to the claim CLAIM in NS (read-only, every rank)."""
-    write_tiny_model(directory / PVC_MODEL, context=CONTEXT)
+    write_tiny_model(directory / PVC_MODEL, context=PVC_CONTEXT)
     for path in (directory, *directory.rglob("*")):  # readable by the fleet's uid 1000
         path.chmod(0o755 if path.is_dir() else 0o644)
     pv = {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": VOLUME},
