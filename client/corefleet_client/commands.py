@@ -11,7 +11,8 @@ own flags come first, then `--`, then vLLM's (`corefleet_client.argv.split_launc
   (it takes no vLLM flags);
 * the frontend: `[--admin-host H] --admin-port P --admin-token-file F --coordinator-address A
   --coordinator-*-port ... [--engine0-address E] [--coord-store-port S] [--engine-*-port ...]
-  [--advertise-address A] [--attach] [--frontend-addresses A0,A1,... --client-index I] -- MODEL --host H --port P
+  [--advertise-address A] [--attach [--detached-ranks R,...]] [--frontend-addresses A0,A1,... --client-index I]
+  -- MODEL --host H --port P
   --data-parallel-* ... <vLLM flags>`;
 * an engine (or the emulator): `[--health-host H] --health-port P [--token-delay-ms D]
   [--coord-store-port S] -- MODEL --headless --data-parallel-* ... <vLLM flags>`.
@@ -95,6 +96,7 @@ def frontend_args(
     engine_ports: tuple[int, int] | None = None,
     advertise_address: str | None = None,
     attach: bool = False,
+    detached: Sequence[int] = (),
     frontend_addresses: Sequence[str] = (),
     client_index: int = 0,
     vllm_flags: Sequence[str] = (),
@@ -111,7 +113,8 @@ def frontend_args(
     `engine_ports` (requests, outputs): the fixed ports the engines' sockets connect to (ephemeral
     when None), at `advertise_address` (the frontend pod's stable DNS name; `dp_address` when None), so
     that a replacement frontend binds the same and the running engines reconnect to it. `attach`: the
-    engines already run (a replaced frontend): re-attach to them instead of the startup handshake.
+    engines already run (a replaced frontend): re-attach to them instead of the startup handshake, but for the
+    ranks `detached` (their replacement was in flight when the lost frontend went): they start Dead.
     `frontend_addresses` (several frontends, all at `engine_ports`): every frontend's advertised address by
     client index, this one's (`client_index`) being its `advertise_address`; frontend 0 runs the handshake.
     """
@@ -134,8 +137,12 @@ def frontend_args(
         launcher += ["--engine-input-port", str(engine_ports[0]), "--engine-output-port", str(engine_ports[1])]
     if advertise_address is not None:
         launcher += ["--advertise-address", advertise_address]
+    if detached and not attach:
+        raise ValueError("detached ranks without attach")
     if attach:
         launcher += ["--attach"]
+    if detached:
+        launcher += ["--detached-ranks", ",".join(str(r) for r in sorted(detached))]
     if frontend_addresses:
         launcher += ["--frontend-addresses", ",".join(frontend_addresses), "--client-index", str(client_index)]
     return [

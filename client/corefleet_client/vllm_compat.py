@@ -99,6 +99,11 @@ The changes:
    and resolves the address again) but send nothing; the wrapper, once the ROUTER exists and before
    vLLM's wait, asks every engine to announce itself again (the `ATTACH_UTILITY` call, answered by
    `enginecore.install_attach_support`).
+   A rank left out of the attach (`absent`: a rank whose replacement the lost frontend was running, whose new
+   engine the operator deletes; `frontend.attach`) would keep vLLM waiting: its identity stands in that wait with
+   a copy of a real ready response (`StandInReadySocket`, over the sync shadow of the ROUTER vLLM reads them from),
+   so that the fleet's summed blocks count it as a replaced rank's engine does (`frontend.replace`). The client then
+   marks it Dead, ready for a replacement.
 11. `UtilityResults` is the client's `utility_results` (the futures of its utility calls by call
    id; `KubeDPLBClient.utility_results` wraps the dict vLLM's `MPClient.__init__` sets): vLLM pops an
    answer's future by call id (`_process_utility_output`) and a call id it does not know raises
@@ -368,10 +373,13 @@ def install_public_route_filter() -> None:
 
 
 @contextlib.contextmanager
-def attaching(announce: Callable[[Any], None]) -> Iterator[None]:
+def attaching(announce: Callable[[Any], None], present: int = 0, absent: Iterable[bytes] = ()) -> Iterator[None]:
     """While an MPClient is built over running engines, `announce(requests_router)` runs once vLLM created the
-    requests ROUTER, before it waits for every engine's message there (change 10)."""
+    requests ROUTER, before it waits for every engine's message there. The engine identities `absent` are not
+    waited for: once the `present` others answered, each stands in with a copy of a real ready response (change 10)."""
     original = vllm_core_client.make_zmq_socket
+    original_zmq = vllm_core_client.zmq
+    absent = tuple(absent)
 
     def make_zmq_socket(ctx: Any, path: str, socket_type: Any, *args: Any, **kwargs: Any) -> Any:
         made = original(ctx, path, socket_type, *args, **kwargs)
@@ -380,10 +388,64 @@ def attaching(announce: Callable[[Any], None]) -> Iterator[None]:
         return made
 
     vllm_core_client.make_zmq_socket = make_zmq_socket
+    if absent:
+        vllm_core_client.zmq = ZmqWithStandIns(present, absent)
     try:
         yield
     finally:
         vllm_core_client.make_zmq_socket = original
+        vllm_core_client.zmq = original_zmq
+
+
+class ZmqWithStandIns:
+    """The `zmq` module as `MPClient.__init__` sees it while attaching with absent engines: the same, except that
+    `zmq.Socket.shadow` (how it reads the ready responses: `sync_input_socket`) gives a `StandInReadySocket`."""
+
+    def __init__(self, present: int, absent: tuple[bytes, ...]) -> None:
+        class Socket(zmq.Socket):  # type: ignore[type-arg]
+            @classmethod
+            def shadow(cls, address: Any) -> Any:
+                return StandInReadySocket(zmq.Socket.shadow(address), present, absent)
+
+        self.Socket = Socket
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(zmq, name)
+
+
+class StandInReadySocket:
+    """The ROUTER's sync shadow as vLLM waits on it for one ready response per engine: real messages pass; once one
+    came from each of the `present` engines, every `absent` identity not heard from gets a copy of the last real
+    ready response (an absent engine that did answer keeps its own)."""
+
+    def __init__(self, socket: Any, present: int, absent: tuple[bytes, ...]) -> None:
+        self._socket = socket
+        self._present = present
+        self._absent = set(absent)
+        self._heard: set[bytes] = set()
+        self._stand_ins: list[list[bytes]] = []
+
+    def poll(self, timeout: int | None = None, flags: int = zmq.POLLIN) -> int:
+        if self._stand_ins:
+            return int(zmq.POLLIN)
+        return int(self._socket.poll(timeout=timeout, flags=flags))
+
+    def recv_multipart(self, *args: Any, **kwargs: Any) -> list[bytes]:
+        if self._stand_ins:
+            return self._stand_ins.pop(0)
+        frames: list[bytes] = self._socket.recv_multipart(*args, **kwargs)
+        identity = frames[0]
+        if identity in self._absent:
+            self._absent.discard(identity)
+            logger.info("Engine rank %d answered although left out of the attach",
+                        int.from_bytes(identity, "little"))
+            return frames
+        self._heard.add(identity)
+        if len(self._heard) >= self._present and self._absent:
+            payload = frames[1] if len(frames) > 1 else b""
+            self._stand_ins = [[identity, payload] for identity in sorted(self._absent)]
+            self._absent.clear()
+        return frames
 
 
 class UtilityResults(dict[int, Any]):

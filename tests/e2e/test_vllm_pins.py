@@ -197,6 +197,10 @@ def test_membership_change_pinned(core_client: ModuleType) -> None:
     init = inspect.getsource(core_client.MPClient.__init__)
     assert "router_handover=enable_input_socket_handover" in init
     assert "self._apply_ready_response(payload)" in init
+    # change 10's stand-ins for engines left out of an attach: the wait reads through the module's `zmq`
+    assert "sync_input_socket = zmq.Socket.shadow(self.input_socket)" in init
+    assert "identities.remove(identity)" in init
+    assert core_client.zmq is importlib.import_module("zmq")
     ready = inspect.getsource(core_client.MPClient._apply_ready_response)
     assert "EngineCoreReadyResponse" in ready
     assert "num_gpu_blocks += response.num_gpu_blocks" in ready

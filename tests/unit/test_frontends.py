@@ -28,8 +28,8 @@ from vllm.v1.serial_utils import MsgpackDecoder
 
 from corefleet_client import commands
 from corefleet_client.frontend import __main__ as frontend_main
+from corefleet_client.frontend import client, serve
 from corefleet_client.frontend import handshake as handshake_module
-from corefleet_client.frontend import serve
 from corefleet_client.frontend.client import check_client_index
 from corefleet_client.frontend.fleet import Fleet
 from corefleet_client.frontend.handshake import Handshake, advertised_addresses
@@ -105,6 +105,35 @@ def test_a_frontend_with_a_wrong_index_exits_2_before_anything_runs(capsys: pyte
                             *FIXED, "--advertise-address", "a", "--", "m"])
     assert exit_.value.code == 2
     assert "--client-index must be in 0..1" in capsys.readouterr().err
+
+
+def test_a_frontend_attaching_with_ranks_left_out_gets_them_from_its_command_line(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`--detached-ranks` (a frontend replaced while a rank replacement ran): from the operator's arguments to the
+    client's options; only with --attach, and never every rank."""
+    common: dict[str, Any] = {
+        "model": "m", "dp_size": 3, "host": "0.0.0.0", "port": 8000, "dp_address": "$(POD_IP)", "rpc_port": 29550,
+        "admin_port": 8001, "admin_token_file": "/t", "coordinator_address": "c",
+        "coordinator_front_publish_port": 1, "coordinator_back_output_port": 2, "coordinator_back_publish_port": 3,
+        "engine_ports": (29556, 29557)}
+    args = commands.frontend_args(**common, attach=True, detached=[2, 1])
+    ours = args[:args.index(commands.LAUNCHER_ARGS_END)]
+    assert ours[-3:] == ["--attach", "--detached-ranks", "1,2"]
+    assert serve.fleet_options(frontend_main.build_parser().parse_args(ours)).detached == (1, 2)
+    assert "--detached-ranks" not in commands.frontend_args(**common, attach=True)
+    with pytest.raises(ValueError, match="detached ranks without attach"):
+        commands.frontend_args(**common, detached=[1])
+    assert client.attached_ranks(3, (1,)) == [0, 2]
+    for wrong in ((0, 1, 2), (3,)):
+        with pytest.raises(ValueError, match=r"must name some of the fleet's ranks 0\.\.2, not all"):
+            client.attached_ranks(3, wrong)
+    with pytest.raises(SystemExit) as exit_:
+        frontend_main.main(["--coordinator-address", "c", "--detached-ranks", "1", "--", "m"])
+    assert exit_.value.code == 2
+    assert "--detached-ranks needs --attach" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse("--attach", "--detached-ranks", "1,x")
+    assert "not a comma-separated list of ranks" in capsys.readouterr().err
 
 
 # ---- vLLM gets the client count and index ------------------------------------------------------------------------

@@ -527,3 +527,51 @@ def test_the_frontends_config_keeps_the_engines_eplb_settings(tmp_path: Any, mon
     assert (pc.enable_eplb, pc.enable_elastic_ep, pc.elastic_ep_max_dp_size) == (True, True, 4)
     assert pc.eplb_config.num_redundant_experts == 4
     assert (args.enable_eplb, args.eplb_config.num_redundant_experts) == (True, 4)  # the caller's args as they were
+
+
+def _wait_for_ready_as_vllm_does(router: Any, engines: int) -> dict[bytes, bytes]:
+    """`MPClient.__init__`'s wait for one ready response per engine, as vLLM 0.32.0 writes it (pinned in
+    tests/e2e/test_vllm_pins.py), through the `zmq` module its core_client module sees."""
+    from vllm.v1.engine import core_client
+
+    identities = {rank.to_bytes(2, "little") for rank in range(engines)}
+    seen: dict[bytes, bytes] = {}
+    sync_input_socket = core_client.zmq.Socket.shadow(router)
+    while identities:
+        assert sync_input_socket.poll(timeout=5000), f"no ready response from {sorted(identities)}"
+        engine, payload = sync_input_socket.recv_multipart()
+        identities.remove(engine)
+        seen[engine] = payload
+    return seen
+
+
+@pytest.mark.parametrize("absent_answers", [False, True], ids=["absent engine silent", "absent engine answers"])
+def test_an_engine_left_out_of_the_attach_stands_in_for_vllms_ready_wait(absent_answers: bool) -> None:
+    """vllm_compat change 10: attaching with rank 1 left out, vLLM's wait ends once ranks 0 and 2 answered, rank 1
+    standing in with a copy of a real ready response (or with its own, had it answered); outside the attach the
+    module's zmq is zmq again."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    dealers = []
+    try:
+        for rank in ((1, 0, 2) if absent_answers else (0, 2)):
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.IDENTITY, identity(rank))
+            dealer.connect(f"tcp://127.0.0.1:{port}")
+            dealer.send(f"ready {rank}".encode())
+            dealers.append(dealer)
+            if rank == 1:  # queued first: read before the others
+                assert router.poll(5000)
+        from vllm.v1.engine import core_client
+
+        with vllm_compat.attaching(lambda _: None, present=2, absent=[identity(1)]):
+            seen = _wait_for_ready_as_vllm_does(router, 3)
+        assert core_client.zmq is zmq
+    finally:
+        for s in (*dealers, router):
+            s.close(linger=0)
+        ctx.term()
+    assert seen[identity(0)] == b"ready 0"
+    assert seen[identity(2)] == b"ready 2"
+    assert seen[identity(1)] in ((b"ready 1",) if absent_answers else (b"ready 0", b"ready 2"))

@@ -40,6 +40,16 @@ def _addresses(value: str) -> tuple[str, ...]:
     return tuple(a.strip() for a in value.split(","))
 
 
+def _ranks(value: str) -> tuple[int, ...]:
+    try:
+        ranks = tuple(sorted({int(r) for r in value.split(",") if r.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of ranks: {value!r}") from None
+    if any(r < 0 for r in ranks):
+        raise argparse.ArgumentTypeError(f"a rank is not negative: {value!r}")
+    return ranks
+
+
 def frontends_problem(opts: argparse.Namespace) -> str | None:
     """What is wrong with the K-frontend flags (`--frontend-addresses`, `--client-index`), or None."""
     addresses: tuple[str, ...] = opts.frontend_addresses
@@ -94,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "0..--data-parallel-size-1 instead of the startup handshake")
     p.add_argument("--attach-timeout", type=float, default=60.0,
                    help="with --attach: seconds for every engine to reconnect and answer")
+    p.add_argument("--detached-ranks", type=_ranks, default=(),
+                   help="with --attach: ranks not to attach, comma-separated (their replacement was in flight when the "
+                        "lost frontend went, and their new engines were deleted): they start Dead, ready to be "
+                        "replaced")
     p.add_argument("--frontend-addresses", type=_addresses, default=(),
                    help="several frontends per fleet: the advertised address of every frontend, comma-separated, by "
                         "client index (this one's is its --advertise-address); frontend 0 runs the engines' handshake "
@@ -120,6 +134,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if opts.attach and (opts.engine_input_port is None or opts.engine_output_port is None):
         parser.error("--attach needs --engine-input-port and --engine-output-port: the running engines connect "
                      "to fixed ports")
+    if opts.detached_ranks and not opts.attach:
+        parser.error("--detached-ranks needs --attach: only a frontend that re-attaches leaves ranks out")
     if (problem := frontends_problem(opts)) is not None:
         parser.error(problem)
     try:

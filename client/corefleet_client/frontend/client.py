@@ -41,7 +41,7 @@ from corefleet_client import vllm_compat
 from corefleet_client.admin import RankState
 from corefleet_client.frontend.attach import announcer
 from corefleet_client.frontend.elastic import ElasticResize
-from corefleet_client.frontend.fleet import ExpertLayout, Fleet
+from corefleet_client.frontend.fleet import ExpertLayout, Fleet, describe, identity
 from corefleet_client.frontend.followers import Followers
 from corefleet_client.frontend.handshake import Handshake
 from corefleet_client.frontend.liveness import Liveness, connection_lost
@@ -70,6 +70,15 @@ def describe_model(fleet: Fleet, vllm_config: Any) -> None:
         fleet.experts = ExpertLayout(num_experts=int(vllm_config.model_config.get_num_experts()),
                                      num_redundant_experts=int(pc.eplb_config.num_redundant_experts),
                                      max_size=int(pc.elastic_ep_max_dp_size))
+
+
+def attached_ranks(size: int, detached: Sequence[int]) -> list[int]:
+    """The ranks a frontend attaching to a fleet of `size` ranks asks to re-attach: all but `detached`, which must be
+    some of them, not all."""
+    if not set(detached) < set(range(size)):
+        raise ValueError(f"--detached-ranks {','.join(map(str, detached))} must name some of the fleet's ranks "
+                         f"0..{size - 1}, not all")
+    return [rank for rank in range(size) if rank not in set(detached)]
 
 
 def check_client_index(options: FleetOptions, client_count: int, client_index: int) -> None:
@@ -107,14 +116,17 @@ class KubeDPLBClient(DPLBAsyncMPClient):  # type: ignore[misc]  # vLLM is not ty
         describe_model(fleet, vllm_config)
         self._handshake = Handshake(self, options, fleet)
         addresses = self._handshake.startup(vllm_config)  # blocks until every rank is READY (not if attaching)
-        attaching = vllm_compat.attaching(announcer(range(vllm_config.parallel_config.data_parallel_size),
-                                                    client_index, options.attach_timeout_s)) \
+        size = vllm_config.parallel_config.data_parallel_size
+        attached = attached_ranks(size, options.detached) if options.attach else []
+        attaching = vllm_compat.attaching(announcer(attached, client_index, options.attach_timeout_s),
+                                          present=len(attached), absent=map(identity, options.detached)) \
             if options.attach else contextlib.nullcontext()
         with attaching:
             vllm_compat.init_dplb_client(self, vllm_config, executor_class, log_stats, addresses, client_count,
                                          client_index, renderer)
         if options.attach:
-            logger.info("Re-attached to the %d running engine(s)", len(self.core_engines))
+            logger.info("Re-attached to %d running engine(s)%s", len(attached),
+                        f"; {describe(options.detached)} left out, Dead until replaced" if options.detached else "")
         self._serve(options, fleet, self._handshake, followers)
 
     # vllm_compat change 11: the utility futures by call id, as vLLM's MPClient.__init__ sets them, in a dict that
@@ -141,8 +153,13 @@ class KubeDPLBClient(DPLBAsyncMPClient):  # type: ignore[misc]  # vLLM is not ty
         self._resizes = ResizeOperations(members, cancels, DenseResize(members, cancels, followers), self._elastic,
                                          Replacement(members, cancels, liveness, followers),
                                          asyncio.get_running_loop())
-        fleet.serving(members, self._resizes)
-        logger.info("All %d engine(s) joined; serving", len(self.core_engines))
+        # Ranks left out of the attach: their new engines were deleted, nothing is routed to them until replaced.
+        dead = {rank: "left out of the attach: its replacement was in flight when the frontend this one replaces "
+                      "was lost" for rank in options.detached}
+        for rank, why in dead.items():
+            members.stop_routing(rank, f"rank {rank} is {RankState.DEAD}: {why}")
+        fleet.serving(members, self._resizes, dead)
+        logger.info("All %d engine(s) joined; serving", len(self.core_engines) - len(options.detached))
         liveness.start()
 
     def shutdown(self, timeout: float | None = None) -> None:

@@ -23,7 +23,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Protocol
@@ -194,12 +194,13 @@ class Fleet:
         with self._lock:
             return sorted(r.rank for r in self._ranks.values() if r.state in states)
 
-    def serving(self, view: LoadView, runner: ResizeRunner) -> None:
-        """Every initial rank joined: requests flow, resizes may start."""
+    def serving(self, view: LoadView, runner: ResizeRunner, dead: Mapping[int, str] | None = None) -> None:
+        """Every initial rank joined (but those `dead`: rank -> why): requests flow, resizes may start."""
+        dead = dead or {}
         with self._lock:
             self._view, self._runner = view, runner
         for rank in range(self.size):
-            self.set_rank(rank, RankState.SERVING)
+            self.set_rank(rank, RankState.DEAD if rank in dead else RankState.SERVING, dead.get(rank, ""))
 
     def commit_size(self, size: int) -> None:
         with self._lock:

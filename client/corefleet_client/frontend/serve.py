@@ -77,6 +77,7 @@ def fleet_options(opts: argparse.Namespace) -> FleetOptions:
         advertise_address=opts.advertise_address,
         attach=opts.attach,
         attach_timeout_s=opts.attach_timeout,
+        detached=tuple(opts.detached_ranks),
         frontend_addresses=tuple(opts.frontend_addresses),
         client_index=opts.client_index,
     )

@@ -50,6 +50,9 @@ class FleetOptions:
     advertise_address: str | None = None  # what the engines connect to (None: --data-parallel-address)
     attach: bool = False  # re-attach to running engines (a replaced frontend) instead of the startup handshake
     attach_timeout_s: float = 60.0
+    # Attaching: ranks left out (their replacement was in flight when the lost frontend went; the operator deleted
+    # their new engines): they start Dead, ready for a replacement.
+    detached: tuple[int, ...] = ()
     # K frontends (k-frontends design): the advertised host of every frontend by client index (empty: this one alone),
     # and this frontend's index. Frontend 0 runs the engines' handshake and advertises all K in INIT.
     frontend_addresses: tuple[str, ...] = ()
