@@ -286,7 +286,8 @@ def coordinator_pod(fleet: FleetRef, *, dp_size: int, fleet_generation: int = 0)
 
 
 def frontend_pod(fleet: FleetRef, *, dp_size: int, coordinator_address: str, fleet_generation: int = 0,
-                 num_redundant_experts: int | None = None, attach: bool = False, index: int = 0) -> JSON:
+                 num_redundant_experts: int | None = None, attach: bool = False, index: int = 0,
+                 detached: frozenset[int] = frozenset()) -> JSON:
     """The vLLM API server with corefleet's DPLB client, the engines' handshake ROUTER and the admin API.
 
     vLLM's flags mirror the engines' (same model, parallel layout and user args, so the frontend's
@@ -296,7 +297,8 @@ def frontend_pod(fleet: FleetRef, *, dp_size: int, coordinator_address: str, fle
     The engines' sockets on it are at fixed ports under the pod's stable DNS name, so that a replacement
     frontend binds the same and the running engines reconnect to it; `attach`: this pod replaces a lost
     frontend while the engines run (`planner.members`): it re-attaches to them instead of the startup
-    handshake. Neither enters the configuration hash (pods are created only when missing, so a running
+    handshake (but for the ranks `detached`, whose replacement was in flight: they start Dead). Neither enters
+    the configuration hash (pods are created only when missing, so a running
     frontend keeps its arguments). `index`: frontend `index` of `spec.frontend.replicas` (several: each knows every
     frontend's DNS name and its own client index; frontend 0 runs the engines' handshake and drives resizes).
     """
@@ -329,6 +331,7 @@ def frontend_pod(fleet: FleetRef, *, dp_size: int, coordinator_address: str, fle
         frontend_addresses=addresses if count > 1 else (),
         client_index=index,
         attach=attach,
+        detached=sorted(detached) if attach else (),
         vllm_flags=[
             "--tensor-parallel-size", str(spec.engine.tensorParallelSize),
             *_served_model_name(spec),
@@ -508,12 +511,14 @@ def fleet_children(
     num_redundant_experts: int | None = None,
     engine_disruptions: int = 1,
     frontend_attach: frozenset[int] = frozenset(),
+    detached: frozenset[int] = frozenset(),
 ) -> list[JSON]:
     """Every object of a fleet of `dp_size` ranks, in a stable order: the Secret, the Services, the
     PodDisruptionBudget, the NetworkPolicy (if any), the coordinator, the frontend, then the engines by rank.
     `num_redundant_experts` (MoE): the redundant experts every rank and the frontend start with, if not the
     user's (`status.redundantExperts` of a fleet recreated at a size it was resized to). `frontend_attach`: the
-    frontends (by index) that replace lost ones while the engines run (`frontend_pod`'s `attach`)."""
+    frontends (by index) that replace lost ones while the engines run (`frontend_pod`'s `attach`), leaving out the
+    ranks `detached`."""
     _check_size(dp_size)
     unknown = sorted(r for r in scale_up_ranks if not 0 <= r < dp_size)
     if unknown:
@@ -525,7 +530,7 @@ def fleet_children(
     children.append(coordinator_pod(fleet, dp_size=dp_size, fleet_generation=fleet_generation))
     children += [frontend_pod(fleet, dp_size=dp_size, coordinator_address=coordinator_address,
                               fleet_generation=fleet_generation, num_redundant_experts=num_redundant_experts,
-                              attach=index in frontend_attach, index=index)
+                              attach=index in frontend_attach, index=index, detached=detached)
                  for index in range(fleet.spec.frontend.replicas)]
     children += [
         engine_pod(fleet, rank, dp_size=dp_size, frontend_address=frontend_address,

@@ -948,6 +948,10 @@ class OperationStatus:
         "A replacement in place of the fleet's coordinator and/or frontends (their pods' names after the fleet's: "
         "coordinator, frontend, frontend-1, ...; fromReplicas == toReplicas): new pods, the engines serve on; "
         "empty otherwise.", maxItems=1 + C.MAX_FRONTENDS, items={"pattern": MEMBER_PATTERN}))
+    detached: tuple[int, ...] = field(default=(), metadata=meta(
+        "A replacement of the frontend in place that interrupted a replacement of ranks: those ranks. Their new pods "
+        "are deleted, the new frontend attaches to the other engines and starts with these Dead, and they are "
+        "replaced again once it serves; empty otherwise.", maxItems=C.MAX_REPLICAS))
 
     def __post_init__(self) -> None:
         _bound(self, "message", C.MAX_STATUS_MESSAGE)

@@ -98,6 +98,8 @@ class World:
     drop_actions: bool = False  # the operator dies after writing the status, before acting
     built_size: dict[str, int] = field(default_factory=dict)  # pod -> the data-parallel size it was built for
     built_redundant: dict[str, int] = field(default_factory=dict)  # pod -> its --eplb-config's redundant experts
+    built_attach: dict[str, tuple[int, ...] | None] = field(default_factory=dict)  # frontend pod -> the ranks its
+    # --detached-ranks leaves out if it was built with --attach (else None)
     crash: set[str] = field(default_factory=set)  # pods (by name) whose container exits as soon as it starts
     stuck: set[str] = field(default_factory=set)  # pods whose deletion nothing completes (a lost node's)
     hang: set[str] = field(default_factory=set)  # pods (by name) that start and never become Ready
@@ -195,9 +197,17 @@ class World:
             f.ops.clear()
             f.dead.clear()
             f.engines.clear()
-            f.redundant = self.built_redundant.get(f"{self.fleet.name}-frontend", 0) if pod is not None else 0
+            name = f"{self.fleet.name}-frontend"
+            f.redundant = self.built_redundant.get(name, 0) if pod is not None else 0
             f.uid = pod.uid if pod is not None else ""
-            f.size = self.built_size.get(f"{self.fleet.name}-frontend", 0) if pod is not None else 0
+            f.size = self.built_size.get(name, 0) if pod is not None else 0
+            detached = self.built_attach.get(name)
+            if pod is not None and detached is not None:  # attaching: every other rank must reconnect, or it exits
+                f.dead = set(detached)
+                missing = [r for r in range(f.size) if r not in detached and not self.engine_runs(r)]
+                if missing:
+                    self.fail(name, f"container frontend exited with 1: ranks {missing} did not reconnect")
+                    f.uid = ""
             return
         replacing = {r for op in f.running() for r in op.replace}
         for r in range(f.size):  # an engine whose pod ended or went has lost its connection: Dead
@@ -247,6 +257,10 @@ class World:
                 f.engines = {r: uid for r, uid in f.engines.items() if r not in op.ranks}
                 op.ranks = {r: ("Retired", "") for r in op.ranks}
 
+    def engine_runs(self, rank: int) -> bool:
+        engine = self.pods.get(f"{self.fleet.name}-engine-{rank}")
+        return engine is not None and engine.phase == "Running" and not engine.terminating
+
     # ---- the API server, scheduler and kubelet ---------------------------------------------------
     def kubelet(self) -> None:
         """One step of the scheduler and kubelet: bind, start, and finish deletions."""
@@ -294,6 +308,10 @@ class World:
                     self.built_size[meta["name"]] = size
                     eplb = [json.loads(args[i + 1]) for i, x in enumerate(args) if x == "--eplb-config"]
                     self.built_redundant[meta["name"]] = eplb[-1]["num_redundant_experts"] if eplb else 0
+                    detached = [tuple(int(r) for r in args[i + 1].split(",")) for i, x in enumerate(args)
+                                if x == "--detached-ranks"]
+                    self.built_attach[meta["name"]] = (detached[-1] if detached else ()) if "--attach" in args \
+                        else None
                     self.pods[meta["name"]] = PodObs(
                         name=meta["name"], uid=str(uuid.uuid4()), role=meta["labels"][constants.LABEL_ROLE],
                         rank=int(meta["labels"][constants.LABEL_RANK]) if constants.LABEL_RANK in meta["labels"]
@@ -379,6 +397,8 @@ def check_invariants(world: World, before: Observed, p: Plan) -> None:
         assert q.rank is not None, f"deleted {q.name}"
         if new.operation is not None and q.rank in new.operation.replace and not new.operation.done:
             continue  # a lost rank's old pod, replaced in place (check_replacement_invariants)
+        if new.operation is not None and q.rank in new.operation.detached and not new.operation.done:
+            continue  # the new pod of a rank whose replacement ended with its frontend (check_member_invariants)
         assert q.rank >= new.replicas, f"deleted member {q.name}"
         retired = op_seen is not None and op_seen.ranks.get(q.rank, ("", ""))[0] in ("Retired", "Failed")
         refused = before.frontend is not None and before.frontend.refused
@@ -392,10 +412,14 @@ def check_invariants(world: World, before: Observed, p: Plan) -> None:
             assert any(q.name == a.name and q.uid == a.uid for q in before.pods)
     # At most one resize: a new one starts only once the last is done, and never twice.
     if new.operation is not None and old.operation is not None and new.operation.id != old.operation.id:
-        # (or a resize that ended with its lost frontend, replaced in place: `planner.members.interrupted_resize`)
-        ended = constants.ROLE_FRONTEND in new.operation.members and not (old.operation.members or
-                                                                           old.operation.replace)
-        assert old.operation.done or new.fleetGeneration != old.fleetGeneration or ended or \
+        # (or a resize or a replacement of ranks that ended with its lost frontend, replaced in place:
+        # `planner.members.interrupted_resize`, `interrupted_replacement`; or that replacement of the frontend going on
+        # as a new replacement of the ranks it left out: `planner.members._replace_detached`)
+        ended = constants.ROLE_FRONTEND in new.operation.members and not old.operation.members \
+            and new.operation.detached == old.operation.replace
+        resumed = bool(old.operation.members and old.operation.detached) \
+            and new.operation.replace == old.operation.detached and new.operation.phase == "Preparing"
+        assert old.operation.done or new.fleetGeneration != old.fleetGeneration or ended or resumed or \
             (new.operation.done and new.operation.phase == "Failed"), (old.operation, new.operation)
     starts = [a for a in p.actions if isinstance(a, StartResize)]
     assert len(starts) <= 1
@@ -432,7 +456,7 @@ def check_recovery_invariants(world: World, before: Observed, p: Plan, deleted: 
     if new.recovery is not None:
         assert new.recovery.attempt <= budget, new.recovery
     replacement_started = new.operation is not None and bool(new.operation.replace or new.operation.members) \
-        and (old.operation is None or old.operation.id != new.operation.id)
+        and (old.operation is None or old.operation.id != new.operation.id) and not resumed_replacement(old, new)
     if new.recoveries > old.recoveries:
         assert new.recovery is not None
         assert new.recovery.lostAt == world.now
@@ -461,6 +485,14 @@ def check_recovery_invariants(world: World, before: Observed, p: Plan, deleted: 
     kept |= {int(obj["metadata"]["annotations"][constants.ANNOTATION_GENERATION]) for obj in created}
     assert len(kept) <= 1, kept
     check_replacement_invariants(world, before, p, created, replacement_started)
+
+
+def resumed_replacement(old: EngineCoreSetStatus, new: EngineCoreSetStatus) -> bool:
+    """A replacement of the frontend that left ranks out of its attach, going on as their new replacement (no loss)."""
+    before, after = old.operation, new.operation
+    return before is not None and after is not None and before.id != after.id and bool(before.members) \
+        and bool(before.detached) and after.replace == before.detached and not after.members \
+        and new.recoveries == old.recoveries and new.fleetGeneration == old.fleetGeneration
 
 
 def check_replacement_invariants(world: World, before: Observed, p: Plan, created: list[Mapping[str, Any]],
@@ -523,11 +555,13 @@ def check_member_invariants(world: World, before: Observed, p: Plan, created: li
         if interrupted:
             assert old.operation is not None
             assert not old.operation.members
-            assert not old.operation.replace
+            # a replacement of ranks frontend 0 ran: its ranks are left out of the new frontend's attach
+            assert op.detached == old.operation.replace
             assert constants.ROLE_FRONTEND in op.members
             assert (op.fromReplicas, op.toReplicas) == (min(old.operation.fromReplicas, old.operation.toReplicas),) * 2
         assert old.phase in (("Running", "Degraded", "Scaling") if interrupted else ("Running", "Degraded"))
         assert not op.replace
+        assert not op.detached or interrupted
         assert new.recoveries == old.recoveries + 1
         assert new.fleetGeneration == old.fleetGeneration
         if not interrupted:
@@ -550,9 +584,12 @@ def check_member_invariants(world: World, before: Observed, p: Plan, created: li
         assert new.phase == "Degraded"
         assert new.replicas == op.toReplicas
         deleted = {a.name for a in p.actions if isinstance(a, Delete) and a.kind == "Pod"}
-        # the lost members' old pods; and the pods of ranks an interrupted resize added or was removing
+        # the lost members' old pods; the pods of ranks an interrupted resize added or was removing; the new pods of
+        # ranks an interrupted replacement was replacing
         beyond = {q.name for q in before.pods if q.rank is not None and q.rank >= new.replicas}
-        assert deleted <= {member(name, role) for role in op.members} | beyond, deleted
+        left_out = {constants.engine_name(name, rank) for rank in op.detached}
+        assert deleted <= {member(name, role) for role in op.members} | beyond | left_out, deleted
+        assert not deleted & left_out or op.phase == "Pending", (deleted, op)
         assert not [a for a in p.actions if isinstance(a, StartResize)]
         # The PodDisruptionBudget lets no engine go meanwhile.
         for a in p.actions:
@@ -565,10 +602,15 @@ def check_member_invariants(world: World, before: Observed, p: Plan, created: li
             assert not running, obj["metadata"]["name"]  # no engine is created while the members are replaced
         if role == constants.ROLE_FRONTEND:
             # --attach exactly when a frontend is created by a replacement of that frontend in place
-            attach = "--attach" in obj["spec"]["containers"][0]["args"]
+            args = obj["spec"]["containers"][0]["args"]
+            attach = "--attach" in args
             replaced = running and obj["metadata"]["name"] in {
                 member(name, m) for m in op.members}  # type: ignore[union-attr]
             assert attach == replaced, (attach, op)
+            # the ranks of an interrupted replacement are left out of the attach, exactly
+            given = args[args.index("--detached-ranks") + 1] if "--detached-ranks" in args else ""
+            wanted = ",".join(map(str, op.detached)) if replaced and op is not None else ""
+            assert given == wanted, (args, op)
             assert not (attach and spec.expertParallel)
 
 
@@ -1068,6 +1110,107 @@ def test_a_frontend_lost_during_a_dense_resize_is_replaced_in_place_and_the_resi
     assert "--attach" in args
     assert args[args.index("--data-parallel-size") + 1] == "2"
     assert not w.events("Recovering")
+
+
+REPLACEMENT_STAGES = ["old pod going", "new pod starting", "asked", "committing"]
+
+
+def reach_replacement_stage(w: World, op_id: str, stage: str) -> None:
+    """Step a replacement of rank 1 to `stage`: its old pod still going, its new pod starting, asked of the frontend,
+    or committing (the frontend serves on the new engine, whose pod is not Ready yet)."""
+    if stage == "old pod going":
+        w.pods["a-engine-1"] = replace(w.pods["a-engine-1"], terminating=True)
+        return
+    if stage == "committing":
+        w.hang.add("a-engine-1")  # its engine serves (the frontend commits below), its pod is not Ready yet
+
+    def reached() -> bool:
+        pod, op = w.pods.get("a-engine-1"), w.current().operation
+        return {"new pod starting": pod is not None and pod.phase == "Pending",
+                "asked": op_id in w.frontend.ops,
+                "committing": op is not None and op.phase == "Committing"}[stage]
+
+    for _ in range(40):
+        if reached():
+            return
+        w.step()
+        held = w.frontend.ops.get(op_id)
+        if stage == "committing" and held is not None and held.phase != "Completed":
+            held.phase, held.ranks = "Completed", {1: ("Serving", "")}
+            w.frontend.dead.discard(1)
+    raise AssertionError(f"the replacement did not reach {stage}: {w.status.operation}")
+
+
+@pytest.mark.parametrize("restart", [False, True], ids=["", "operator restarted"])
+@pytest.mark.parametrize("stage", REPLACEMENT_STAGES)
+def test_a_frontend_lost_during_a_replacement_of_a_rank_is_replaced_in_place_and_the_rank_replaced_again(
+        stage: str, restart: bool) -> None:
+    """The replacement lives in frontend 0 and ends with it; no engine that stays is touched: rank 1's new pod (or
+    its old one, still going) is deleted, the new frontend attaches to ranks 0 and 2 with rank 1 left out (Dead),
+    then rank 1 is replaced again, asked of the new frontend, as one more step of the same recovery. `restart`: the
+    operator dies after the status write of the pass that decides it, before its actions."""
+    w = running(3)
+    if stage == "old pod going":
+        w.stuck.add("a-engine-1")  # its deletion takes a while (a lost node's pod)
+    w.fail("a-engine-1")
+    w.step()
+    replacement = w.status.operation
+    assert replacement is not None
+    assert replacement.replace == (1,)
+    reach_replacement_stage(w, replacement.id, stage)
+    stays = {n: q.uid for n, q in w.pods.items() if n in ("a-engine-0", "a-engine-2", "a-coordinator")}
+    mark = len(w.log)
+    recoveries = w.status.recoveries
+    w.fail("a-frontend", "container frontend exited with 137 (OOMKilled)")
+    w.drop_actions = restart
+
+    p = w.step()
+
+    op = w.status.operation
+    assert op is not None
+    assert (op.members, op.detached, op.fromReplicas, op.toReplicas) == (("frontend",), (1,), 3, 3)
+    assert (w.status.replicas, w.status.fleetGeneration, w.status.recoveries) == (3, 1, recoveries + 1)
+    told = {e.reason: e.message for e in p.events}
+    assert f"replacement {replacement.id} of rank 1 rolled back" in told["ResizeFailed"]
+    assert "replacing the frontend in place" in told["MemberLost"]
+    assert "RankLost" not in told
+    w.hang.discard("a-engine-1")
+    w.stuck.discard("a-engine-1")
+
+    step_until(w, member_replaced, max_steps=40, what="the frontend replaced")
+    again = w.status.operation
+    assert again is not None
+    assert (again.replace, again.phase) == ((1,), "Preparing")
+    assert again.id != replacement.id
+    assert w.events("RankReplacementResumed")
+    step_until(w, replaced, max_steps=40, what="rank 1 replaced again")
+    w.converge(max_steps=100)
+    assert (w.status.replicas, w.status.fleetGeneration, w.status.recoveries) == (3, 1, recoveries + 1)
+    assert {n: q.uid for n, q in w.pods.items() if n in stays} == stays  # no engine that stays restarted
+    frontends = [obj for obj in created_pods(w, mark) if obj["metadata"]["name"] == "a-frontend"]
+    assert len(frontends) == 1
+    args = frontends[0]["spec"]["containers"][0]["args"]
+    assert args[args.index("--detached-ranks") + 1] == "1"
+    assert "--attach" in args
+    engines = [obj["metadata"]["name"] for obj in created_pods(w, mark) if obj["metadata"]["name"].startswith("a-e")]
+    assert engines == ["a-engine-1"]  # once, after the frontend
+    assert [o.replace for o in w.frontend.ops.values()] == [(1,)]  # asked of the new frontend once
+    assert not w.events("Recovering")
+
+
+def test_a_frontend_lost_during_a_replacement_with_another_loss_recreates_the_fleet() -> None:
+    """Only the frontend's loss is replaced in place; with an engine lost too, the fleet is recreated."""
+    w = running(3)
+    w.fail("a-engine-1")
+    w.step()
+    w.fail("a-frontend")
+    w.fail("a-engine-0")
+
+    p = w.step()
+
+    assert w.status.phase == "Recovering"
+    assert w.status.fleetGeneration == 2
+    assert "RankLost" in [e.reason for e in p.events]
 
 
 def test_a_coordinator_lost_during_a_resize_still_recreates_the_fleet() -> None:
@@ -1796,7 +1939,7 @@ def test_a_rank_that_keeps_dying_is_replaced_after_the_backoff_and_spends_the_bu
 
 
 @pytest.mark.parametrize("case", ["frontend too", "coordinator unready", "every rank", "moe", "during a resize",
-                                  "second loss during the replacement", "frontend during the replacement",
+                                  "second loss during the replacement", "coordinator during the replacement",
                                   "rank during the frontend's replacement",
                                   "coordinator during the frontend's replacement", "moe frontend"])
 def test_other_losses_recreate_the_whole_fleet(case: str) -> None:
@@ -1823,11 +1966,11 @@ def test_other_losses_recreate_the_whole_fleet(case: str) -> None:
         w.step()
         assert w.status.phase == "Degraded"
         w.fail("a-engine-0")
-    elif case == "frontend during the replacement":
+    elif case == "coordinator during the replacement":
         w.fail("a-engine-1")
         w.step()
         assert w.status.phase == "Degraded"
-        w.fail("a-frontend")
+        w.fail("a-coordinator", "container coordinator exited with 137")
     elif case in ("rank during the frontend's replacement", "coordinator during the frontend's replacement"):
         w.fail("a-frontend")
         w.step()

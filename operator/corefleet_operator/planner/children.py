@@ -103,6 +103,8 @@ def held_pods(fleet: FleetRef, step: Step, awaiting_experts: bool) -> frozenset[
         op = step.replacing.operation
         held = {constants.engine_name(fleet.name, rank) for rank in op.replace}
         held |= {member_name(fleet.name, role) for role in op.members}
+    # Ranks left out of the new frontends' attach wait until the members serve (their replacement comes after).
+    held |= {constants.engine_name(fleet.name, rank) for rank in step.detached}
     if awaiting_experts:
         held |= {constants.engine_name(fleet.name, rank) for rank in step.joining}
     ranks_replaced = step.replacing is not None and bool(step.replacing.operation.replace)
@@ -131,7 +133,8 @@ def desired_objects(fleet: FleetRef, observed: Observed, step: Step, redundant: 
     disruptions = 0 if step.in_flight or step.replacing_now else 1
     children = builders.fleet_children(fleet, dp_size=step.committed, admin_token=observed.admin_token,
                                        fleet_generation=step.generation, num_redundant_experts=fleet_redundant,
-                                       engine_disruptions=disruptions, frontend_attach=step.attaching)
+                                       engine_disruptions=disruptions, frontend_attach=step.attaching,
+                                       detached=step.detached)
     frontend_address = constants.pod_dns(fleet.name, constants.frontend_name(fleet.name), fleet.namespace)
     to = step.operation.toReplicas if step.operation is not None else step.committed
     return children + [builders.engine_pod(fleet, rank, dp_size=to, frontend_address=frontend_address,

@@ -61,7 +61,7 @@ def follow_operation(fleet: FleetRef, observed: Observed, basis: Basis, now: str
         return still
     if running.members:
         replacing = continue_members(fleet, observed, running, basis.current, now)
-        return replace(still, operation=replacing.operation, replacing=replacing,
+        return replace(still, operation=replacing.operation, replacing=replacing, moving=frozenset(running.detached),
                        moving_members=frozenset(member_name(fleet.name, role) for role in running.members))
     if running.replace:
         replacing = continue_replace(fleet, observed, running, basis.current, basis.streak, now)

@@ -3,8 +3,9 @@
 
 When a dense fleet (not `expertParallel`) serves in its current incarnation and configuration (Running
 or Degraded, no operation in flight; or Scaling, with a resize that the lost frontend ran and that ends with it:
-`interrupted_resize`, a scale-up rolled back, a scale-down finished, `size_after`), every engine pod that stays
-serves (`engines_serve`), and the only losses are its
+`interrupted_resize`, a scale-up rolled back, a scale-down finished, `size_after`; or a replacement of ranks that
+frontend 0 ran: `interrupted_replacement`), every engine pod that stays serves (`engines_serve`), and the only
+losses are its
 frontend and/or coordinator pods (failed, vanished, or not ready in time: `Losses.members`), they are replaced in
 place, in the same incarnation, as an operation (`members_in_place`; the other member too if its pod is being
 deleted meanwhile: `members_to_replace`): `status.operation` with `members` = their roles,
@@ -19,6 +20,15 @@ an operator restart):
   under the same DNS name, the running engines reconnect to it, and it re-attaches to them instead of
   vLLM's startup handshake. A new coordinator is found by the frontend and engines at its fixed ports.
 * Completed once every new pod is Ready (events FrontendReplaced or CoordinatorReplaced).
+
+A replacement of ranks whose frontend 0 is lost (it ran that replacement, which ends with it) is rolled back
+(`end_interrupted_replacement`) and its ranks are `detached` in the members' operation: vLLM's client waits at its
+start for a ready response from every engine, and whether the new engines' handshake with the lost frontend went
+far enough for them to answer the new one is not known. So in Pending their new pods are deleted too; in Preparing
+every new frontend is built with `--attach --detached-ranks` (it starts with them Dead), their pods are not created;
+and once the members are Ready the operation goes on as a new replacement of those ranks, Preparing
+(`planner.replace`: their pods created, the new frontend asked once it reports them Dead), without another loss of
+the streak.
 
 It is a recovery like any other (an attempt of the streak, `recoveries`), but its new pods are not held
 by the streak's backoff (the engines are fine and the endpoint is down meanwhile): only the first two member
@@ -47,8 +57,14 @@ from corefleet_operator.actions import Event
 from corefleet_operator.models import FleetRef, MemberRole, OperationStatus
 from corefleet_operator.observe import Observed, PodObs
 from corefleet_operator.planner.basis import Basis
-from corefleet_operator.planner.common import FRONTEND_GRACE_SECONDS, delete_pod, pod_ready, seconds_between
-from corefleet_operator.planner.replace import ReplaceStep
+from corefleet_operator.planner.common import (
+    FRONTEND_GRACE_SECONDS,
+    delete_pod,
+    listed,
+    pod_ready,
+    seconds_between,
+)
+from corefleet_operator.planner.replace import ReplaceStep, replace_id
 from corefleet_operator.status import POD_TERMINAL
 
 # The first two member losses of a streak are replaced in place; a third recreates the fleet.
@@ -107,12 +123,13 @@ def members_in_place(fleet: FleetRef, basis: Basis, lost: Iterable[tuple[int | N
     losses = list(lost)
     roles = set(roles)
     old = basis.old
-    resizing = interrupted_resize(fleet, basis, roles) is not None
+    interrupted = interrupted_resize(fleet, basis, roles) is not None \
+        or interrupted_replacement(fleet, basis, roles) is not None
     return (bool(losses) and all(rank is None for rank, _ in losses) and len(losses) == len(roles)
             and not fleet.spec.expertParallel and not basis.fresh and not basis.given_up and not changed
-            and (basis.running is None or resizing) and old.phase in ("Running", "Degraded", "Scaling")
+            and (basis.running is None or interrupted) and old.phase in ("Running", "Degraded", "Scaling")
             and old.fleetGeneration == basis.generation and basis.committed > 0
-            and engines_serve(fleet, basis, size_after(basis)))
+            and engines_serve(fleet, basis, size_after(basis), detached(basis)))
 
 
 def interrupted_resize(fleet: FleetRef, basis: Basis, roles: Iterable[MemberRole]) -> OperationStatus | None:
@@ -125,6 +142,30 @@ def interrupted_resize(fleet: FleetRef, basis: Basis, roles: Iterable[MemberRole
     return running
 
 
+def interrupted_replacement(fleet: FleetRef, basis: Basis, roles: Iterable[MemberRole]) -> OperationStatus | None:
+    """A replacement of dense ranks in flight that the lost frontend 0 was running (it ends with it): rolled back,
+    its ranks replaced again once the frontend is (the module's `detached`)."""
+    running = basis.running
+    if running is None or running.members or not running.replace or fleet.spec.expertParallel \
+            or constants.ROLE_FRONTEND not in set(roles):
+        return None
+    return running
+
+
+def detached(basis: Basis) -> tuple[int, ...]:
+    """The ranks of a replacement in flight (interrupted if the members are replaced now): left out of the attach."""
+    running = basis.running
+    return tuple(running.replace) if running is not None and not running.members else ()
+
+
+def end_interrupted_replacement(op: OperationStatus, reason: str, now: str) -> OperationStatus:
+    """A replacement of ranks whose frontend 0 was lost, rolled back: its new pods go, and its ranks are replaced
+    again once the frontend is."""
+    return replace(op, phase="Failed", finishedAt=now,
+                   message=f"rolled back: {reason} (the new pod(s) of {listed(op.replace)} go; replaced again once "
+                           "the frontend is)")
+
+
 def size_after(basis: Basis) -> int:
     """The committed size once the members are replaced: the smaller of a resize's two sizes (its old ranks after a
     scale-up rolled back, the staying ones after a scale-down finished), else the committed size."""
@@ -134,11 +175,14 @@ def size_after(basis: Basis) -> int:
     return min(running.fromReplicas, running.toReplicas)
 
 
-def engines_serve(fleet: FleetRef, basis: Basis, size: int) -> bool:
-    """Every engine pod of ranks 0..size-1 is there, Running, Ready and not being deleted: only then are the
-    engines worth keeping. (A lost node's pods go one at a time: its frontend may vanish while its engines are
-    still being deleted; replacing the frontend in place then would only be a second recovery once they go.)"""
-    return all(pod_ready(basis.current.get(constants.engine_name(fleet.name, rank))) for rank in range(size))
+def engines_serve(fleet: FleetRef, basis: Basis, size: int, detached: Iterable[int] = ()) -> bool:
+    """Every engine pod of ranks 0..size-1 (but those `detached`) is there, Running, Ready and not being deleted:
+    only then are the engines worth keeping. (A lost node's pods go one at a time: its frontend may vanish while its
+    engines are still being deleted; replacing the frontend in place then would only be a second recovery once they
+    go.)"""
+    left_out = set(detached)
+    return all(pod_ready(basis.current.get(constants.engine_name(fleet.name, rank)))
+               for rank in range(size) if rank not in left_out)
 
 
 def members_to_replace(fleet: FleetRef, basis: Basis, roles: Iterable[MemberRole]) -> tuple[MemberRole, ...]:
@@ -149,12 +193,16 @@ def members_to_replace(fleet: FleetRef, basis: Basis, roles: Iterable[MemberRole
 
 
 def start_members(fleet: FleetRef, observed: Observed, roles: Iterable[MemberRole], committed: int,
-                  generation: int, current: Mapping[str, PodObs], now: str) -> ReplaceStep:
-    """A new replacement of the lost members `roles`, and its first step (the old pods' deletes)."""
+                  generation: int, current: Mapping[str, PodObs], now: str,
+                  detached_ranks: Iterable[int] = ()) -> ReplaceStep:
+    """A new replacement of the lost members `roles` (leaving out of the attach the ranks `detached_ranks`, whose
+    replacement it interrupts), and its first step (the old pods' deletes)."""
     shown = tuple(sorted(set(roles)))
+    left_out = tuple(sorted(set(detached_ranks)))
+    also = f"; {listed(left_out)} replaced again after" if left_out else ""
     op = OperationStatus(id=members_id(shown, generation, now), fromReplicas=committed, toReplicas=committed,
-                         phase="Pending", startedAt=now, message=f"replacing {listed_members(shown)} in place",
-                         fleetGeneration=generation, members=shown)
+                         phase="Pending", startedAt=now, message=f"replacing {listed_members(shown)} in place{also}",
+                         fleetGeneration=generation, members=shown, detached=left_out)
     return continue_members(fleet, observed, op, current, now)
 
 
@@ -162,9 +210,10 @@ def continue_members(fleet: FleetRef, observed: Observed, op: OperationStatus, c
                      now: str) -> ReplaceStep:
     """Follow a replacement of the frontend and/or coordinator in place (`op.members`) one step (see the module)."""
     names = {role: member_name(fleet.name, role) for role in op.members}
+    engines = {constants.engine_name(fleet.name, rank) for rank in op.detached}
     what = listed_members(op.members)
     if op.phase == "Pending":
-        there = [p for p in observed.pods if p.name in names.values()]
+        there = [p for p in observed.pods if p.name in names.values() or p.name in engines]
         if there:
             deletes = tuple(delete_pod(p) for p in there if not p.terminating)
             return ReplaceStep(operation=replace(op, message=f"deleting the old pod(s) of {what}"), actions=deletes)
@@ -180,9 +229,11 @@ def continue_members(fleet: FleetRef, observed: Observed, op: OperationStatus, c
         frontends = any(frontend_index(m) is not None for m in op.members)
         reason = "FrontendReplaced" if frontends else "CoordinatorReplaced"
         done = replace(op, phase="Completed", finishedAt=now, message=f"{what} replaced in place in {took:.0f}s")
-        return replace(step, operation=done, events=(Event(
-            "Normal", reason, f"replacement {op.id}: {what} replaced in place (new pod(s)) after {took:.0f}s; the "
-                              "engines served on, none restarted"),))
+        told = Event("Normal", reason, f"replacement {op.id}: {what} replaced in place (new pod(s)) after {took:.0f}s; "
+                                       "the engines served on, none restarted")
+        if op.detached:
+            return _replace_detached(step, op, told, now)
+        return replace(step, operation=done, events=(told,))
     timeout = float(fleet.spec.scaling.readyTimeoutSeconds) + FRONTEND_GRACE_SECONDS
     unready = [name for name in names.values() if not pod_ready(current.get(name))]
     message = f"waiting for the new pod(s) {', '.join(sorted(unready))} to be Ready"
@@ -191,3 +242,19 @@ def continue_members(fleet: FleetRef, observed: Observed, op: OperationStatus, c
                                    f"(readyTimeoutSeconds {fleet.spec.scaling.readyTimeoutSeconds} + "
                                    f"{FRONTEND_GRACE_SECONDS:.0f}s): {message}"))
     return replace(step, operation=replace(op, message=message))
+
+
+def _replace_detached(step: ReplaceStep, op: OperationStatus, told: Event, now: str) -> ReplaceStep:
+    """The members serve again, without the ranks left out of their attach: the operation goes on as a new
+    replacement of those ranks, Preparing (their old pods are gone: `planner.replace` creates the new ones and asks
+    the frontend once it reports them Dead). A new id: the frontends' parts of the interrupted one may still be
+    known to them."""
+    ranks = tuple(op.detached)
+    again = OperationStatus(id=replace_id(ranks, op.fleetGeneration, now), fromReplicas=op.toReplicas,
+                            toReplicas=op.toReplicas, phase="Preparing", startedAt=now,
+                            message=f"creating the new pod(s) of {listed(ranks)}", fleetGeneration=op.fleetGeneration,
+                            replace=ranks)
+    resumed = Event("Normal", "RankReplacementResumed",
+                    f"replacement {again.id}: replacing {listed(ranks)} in place again, after replacement {op.id} of "
+                    "the frontend that was running it")
+    return replace(step, operation=again, events=(told, resumed), create=True)

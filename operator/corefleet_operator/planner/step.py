@@ -38,7 +38,9 @@ from corefleet_operator.planner.follow import Flight
 from corefleet_operator.planner.losses import Losses
 from corefleet_operator.planner.members import (
     MAX_MEMBER_REPLACEMENTS,
+    end_interrupted_replacement,
     frontend_index,
+    interrupted_replacement,
     interrupted_resize,
     listed_members,
     members_in_place,
@@ -84,6 +86,13 @@ class Step:
             return frozenset()
         return frozenset(i for member in self.replacing.operation.members
                          if (i := frontend_index(member)) is not None)
+
+    @property
+    def detached(self) -> frozenset[int]:
+        """The ranks the attaching frontends leave out (their replacement was interrupted): their pods wait."""
+        if not self.replacing_now or self.replacing is None or not self.replacing.operation.members:
+            return frozenset()
+        return frozenset(self.replacing.operation.detached)
 
     @property
     def joining(self) -> frozenset[int]:
@@ -175,8 +184,14 @@ def _recover(fleet: FleetRef, observed: Observed, basis: Basis, losses: Losses, 
     members = not attempt.exhausted and member_count <= MAX_MEMBER_REPLACEMENTS \
         and members_in_place(fleet, basis, losses.lost, losses.members, losses.changed)
     interrupted = interrupted_resize(fleet, basis, losses.members) if members else None
+    replacement = interrupted_replacement(fleet, basis, losses.members) if members else None
     if interrupted is not None:
         step = _end_interrupted_resize(interrupted, step, reason, now)
+    elif replacement is not None:
+        ended = end_interrupted_replacement(replacement, reason, now)
+        what = f"replacement {replacement.id} of {listed(replacement.replace)}"
+        step = replace(step, operation=ended,
+                       events=(*step.events, Event("Warning", "ResizeFailed", f"{what} {ended.message}")))
     else:
         step = _fail_running(running, step, f"the fleet was lost during the {kind}: {reason}", kind, now)
     if attempt.exhausted:
@@ -196,7 +211,8 @@ def _recover(fleet: FleetRef, observed: Observed, basis: Basis, losses: Losses, 
                        events=(*step.events, told, *replacing.events))
     if members:
         return _replace_members(fleet, observed, basis, losses, replace(step, recovery=replace(
-            recovery, retryAt=recovery.lostAt)), f"recovery {attempt.number} of {attempt.budget} now", now)
+            recovery, retryAt=recovery.lostAt)), f"recovery {attempt.number} of {attempt.budget} now", now,
+            detached=replacement.replace if replacement is not None else ())
     committed = basis.old.replicas if step.committed == 0 else step.committed
     step = _recreate(step, "Recovering", committed, recovery, Event(
         "Warning", "RankLost", f"{reason}: recreating the fleet at {committed} ranks (incarnation "
@@ -232,10 +248,12 @@ def folded(running: OperationStatus | None, basis: Basis) -> bool:
 
 
 def _replace_members(fleet: FleetRef, observed: Observed, basis: Basis, losses: Losses, step: Step, count: str,
-                     now: str) -> Step:
-    """The lost frontend and/or coordinator replaced in place (`planner.members`): a recovery, without backoff."""
+                     now: str, detached: tuple[int, ...] = ()) -> Step:
+    """The lost frontend and/or coordinator replaced in place (`planner.members`): a recovery, without backoff;
+    `detached`: the ranks of the replacement it interrupted, left out of the attach and replaced again after."""
     roles = members_to_replace(fleet, basis, losses.members)
-    replacing = start_members(fleet, observed, roles, step.committed, step.generation, basis.current, now)
+    replacing = start_members(fleet, observed, roles, step.committed, step.generation, basis.current, now,
+                              detached_ranks=detached)
     what = listed_members(roles)
     told = Event("Warning", "MemberLost", f"{losses.reason}: replacing {what} in place (new pod(s), the engines "
                                           f"serve on), {count}")
