@@ -469,6 +469,52 @@ def test_a_frontend_killed_mid_scale_up_is_replaced_and_the_resize_rolled_back_t
     completion(s.url())
 
 
+def test_a_frontend_killed_mid_replacement_of_a_rank_is_replaced_and_the_rank_replaced_again(setup: Setup) -> None:
+    """Issue 25: rank 1's engine container killed, then the frontend's while rank 1's new engine starts (the
+    replacement Preparing, run by the frontend): the replacement is rolled back (rank 1's new pod goes), the frontend
+    is replaced in place and re-attaches to the other ranks with rank 1 left out (Dead), then rank 1 is replaced
+    again through the new frontend. The other engines' containers and processes never change; no new incarnation."""
+    s = setup
+    name = s.fleet.name
+    size = s.fleet.status()["replicas"]
+    victim = constants.engine_name(name, 1)
+    stays = [constants.engine_name(name, r) for r in range(size) if r != 1] + [constants.coordinator_name(name)]
+    containers, pids = {p: s.container_id(p) for p in stays}, {p: s.container_pids(p) for p in stays}
+    before, old_uid = s.fleet.status(), s.fleet.uids()[victim]
+    events = len(s.fleet.events())
+    s.node.ctr("tasks", "kill", "--signal", "SIGKILL", s.container_id(victim))
+
+    def new_engine_starting() -> bool:
+        op = s.fleet.status().get("operation") or {}
+        uid = s.fleet.uids().get(victim)
+        return op.get("replace") == [1] and op.get("phase") == "Preparing" and uid not in (None, old_uid)
+
+    wait_until(new_engine_starting, 120, "rank 1's replacement with its new pod", interval=0.2,
+               diagnose=s.fleet.describe)
+    interrupted = s.fleet.status()["operation"]["id"]
+    s.node.ctr("tasks", "kill", "--signal", "SIGKILL", s.container_id(constants.frontend_name(name)))
+    wait_until(lambda: any(r == "RankReplaced" for r, _ in s.fleet.events()[events:]), 600,
+               "rank 1 replaced again after the frontend", interval=0.5, diagnose=s.fleet.describe)
+    s.settle(size)
+    story = s.fleet.events()[events:]
+    reasons = [r for r, _ in story]
+    told = {reason: message for reason, message in story}
+    assert f"replacement {interrupted} of rank 1 rolled back" in told.get("ResizeFailed", ""), story
+    order = [r for r in reasons if r in ("MemberLost", "FrontendReplaced", "RankReplacementResumed", "RankReplaced")]
+    assert order == ["MemberLost", "FrontendReplaced", "RankReplacementResumed", "RankReplaced"], story
+    assert not {"Recovering", "Restarting"} & set(reasons), story
+    assert not [m for r, m in story if r == "RankLost" and "recreating" in m], story
+    assert {p: s.container_id(p) for p in stays} == containers
+    assert {p: s.container_pids(p) for p in stays} == pids
+    st = s.fleet.status()
+    assert (st["replicas"], st["fleetGeneration"], st["recoveries"], st["phase"]) == \
+        (size, before["fleetGeneration"], before["recoveries"] + 2, "Running"), st
+    log = s.cp.kubectl("logs", "-n", NS, constants.frontend_name(name)).stdout
+    assert f"Re-attached to {size - 1} running engine(s); rank 1 left out, Dead until replaced" in log, log[-3000:]
+    assert [r.state for r in s.fleet.admin().fleet().ranks] == [RankState.SERVING] * size
+    completion(s.url(), headers={"X-data-parallel-rank": "1"})  # the new rank 1 serves
+
+
 def test_the_sample_with_emulator_engines_runs_as_containers_and_serves(setup: Setup, emu: FleetView) -> None:
     """The same sample, engines replaced by the emulator (the test image's switch, as another image would):
     Running as containers on the node, a completion through its ClusterIP."""
