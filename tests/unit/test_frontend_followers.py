@@ -254,12 +254,16 @@ class Members:
     calls: list[str] = field(default_factory=list)
     unroutable: dict[int, str] = field(default_factory=dict)
     lost: dict[int, str] = field(default_factory=dict)
+    silent: bool = False  # the new engines never announce themselves (frontend 0 was lost before their handshake)
 
     @property
     def joiner(self) -> Members:
         return self
 
     async def read_ready_responses(self, ranks: list[int], wait_s: float = 30.0) -> None:
+        if self.silent:
+            await asyncio.sleep(wait_s)
+            raise ResizeFailed(f"no ready response from {ranks} within {wait_s:g}s")
         self.calls.append(f"ready {ranks}")
 
     async def add_ranks(self, new: list[int], size: int) -> None:
@@ -288,17 +292,18 @@ class Members:
 
 
 def follower_part(frm: int, to: int, commit_after: float | None, engines_go_after: float | None = None,
-                  orphan_after: float | None = None) -> tuple[Fleet, Members, ResizeOperation]:
+                  orphan_after: float | None = None, silent: bool = False) -> tuple[Fleet, Members, ResizeOperation]:
     """Frontend 1's part of a resize frm -> to, run on an event loop; frontend 0 commits it after `commit_after`
     seconds (None: never); the leaving ranks' engines go after `engines_go_after` seconds (None: they stay); a
-    restarted frontend 0 orphans it after `orphan_after` seconds (None: none does)."""
+    restarted frontend 0 orphans it after `orphan_after` seconds (None: none does); `silent`: no new engine announces
+    itself."""
     fleet = Fleet("tiny", frm, frontends=2, client_index=1)
     runner = RecordingRunner()
     fleet.serving(IdleView(), runner)
     for rank in range(frm):
         fleet.set_rank(rank, RankState.SERVING)
     _, op = fleet.start_resize(ResizeRequest(id="r", replicas=to, drain_timeout_s=1, follower=True))
-    members = Members(fleet)
+    members = Members(fleet, silent=silent)
     part = FollowerResize(members, Cancels(), None)  # type: ignore[arg-type]  # the stand-ins have what it uses
 
     async def run() -> None:
@@ -463,3 +468,17 @@ def test_a_part_this_frontend_0_sent_is_not_orphaned_and_one_that_does_not_end_l
     lost = asyncio.run(followers.start(operation(resize_id="up-3"), (ResizePhase.PREPARED,), 1e12, Cancels()))
     assert "which an earlier frontend 0 drove, is still Prepared" in str(lost[2])
     assert frontends[2].runner.orphaned == ["up-2"]
+
+
+def test_a_followers_part_orphaned_while_it_waits_for_the_new_engines_ends_at_once() -> None:
+    """Frontend 0 lost before the new engines' handshake (the operator deletes the engines it started for it), and
+    back: the part it orphans is still waiting for their ready responses, which never come; it ends at once, failed
+    (the new rank not added), instead of waiting out the ready timeout while refusing the new frontend 0's parts."""
+    started = time.monotonic()
+    fleet, members, op = follower_part(2, 3, commit_after=None, orphan_after=0.1, silent=True)
+    assert time.monotonic() - started < 5.0  # not the 30 s ready timeout
+    assert members.calls == []
+    assert op.phase == ResizePhase.FAILED
+    assert "frontend 0 that drove it is gone (frontend 0 was restarted) before the new engine(s) of rank 2 " \
+           "announced themselves here" in op.error
+    assert fleet.size == 2

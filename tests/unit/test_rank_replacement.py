@@ -598,6 +598,30 @@ def test_a_followers_part_without_frontend_0s_commit_serves_the_new_engine_after
     assert (done.phase, fleet.record(2).state) == (ResizePhase.COMPLETED, RankState.SERVING)
 
 
+def test_a_followers_part_orphaned_by_a_restarted_frontend_0_fails_and_leaves_the_rank_dead() -> None:
+    """Frontend 0 lost while this frontend was Prepared (the new engine announced itself here) and back: the operator
+    deletes that engine and replaces the rank again, so the orphaned part fails at once rather than serve it."""
+    fleet, client = follower_fleet()
+    client.kill(1)
+    op = part_of(fleet, (1,))
+
+    async def main() -> None:
+        operations = client.operations()
+        task = asyncio.ensure_future(operations.run(op.id))
+        await until(lambda: phase(fleet, op) == ResizePhase.PREPARED, "prepared")
+        operations.follower.orphan(op.id, "frontend 0 was restarted")
+        await task
+
+    asyncio.run(main())
+    done = fleet.resize(op.id)
+    assert done is not None
+    assert done.phase == ResizePhase.FAILED
+    assert "frontend 0 that drove it is gone (frontend 0 was restarted): the new engine(s) of rank 1 are deleted" \
+        in done.error
+    assert fleet.record(1).state == RankState.DEAD
+    assert 1 in client.members.unroutable
+
+
 def test_a_cancelled_followers_part_serves_on_with_a_rank_whose_engine_still_runs_and_leaves_a_dead_one_dead() -> None:
     fleet, client = follower_fleet()
     client.kill(2)

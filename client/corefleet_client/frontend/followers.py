@@ -28,7 +28,10 @@ A follower left Prepared without the lead's commit (the lead was lost, or is hun
 once `COMMIT_GRACE_S` passed, as the operator does for a lost frontend: a scale-up's new ranks are
 retired (the operator rolls the resize back), a scale-down is committed (the operator finishes it). It decides at
 once when the lead's replacement sends it a part of a new resize while it runs the old one: the new lead orphans
-the old part (`POST /v1/resizes/ID/orphan`), waits until it ended, and sends its own again. A scale-down's
+the old part (`POST /v1/resizes/ID/orphan`), waits until it ended, and sends its own again; an orphaned part
+still waiting for new engines' ready responses ends then too (failed), and an orphaned replacement of ranks fails
+rather than commits (the operator deletes the new engines a lost frontend 0 started and replaces the ranks
+again: `planner.members`). A scale-down's
 part commits sooner once every leaving rank's engine went: the lead committed without it (it was passed over) and
 the pods were deleted, or the engines died; they leave either way.
 """
@@ -53,6 +56,7 @@ from corefleet_client.admin import (
     ResizeRequest,
 )
 from corefleet_client.frontend.fleet import describe
+from corefleet_client.frontend.handshake import READY_RESPONSE_TIMEOUT_S
 from corefleet_client.frontend.membership import Membership
 from corefleet_client.frontend.resize import drain, retire_leaving, serve_on, stop_routing_to
 from corefleet_client.frontend.types import COMMIT_GRACE_S, Cancels, FollowerLost, ResizeFailed
@@ -293,7 +297,7 @@ class FollowerResize:
                                  message=f"reading the ready responses of {describe(new)}")
         try:
             self.cancels.check(op)
-            await self.members.joiner.read_ready_responses(new)
+            await self._ready_responses(op, new, time.monotonic() + READY_RESPONSE_TIMEOUT_S)
             for rank in new:
                 self.fleet.set_rank(rank, RankState.JOINING, "announced itself; waiting for frontend 0's commit")
             committed = await self._committed(op, time.monotonic() + COMMIT_GRACE_S)
@@ -347,7 +351,8 @@ class FollowerResize:
         engine of a lost rank ended them already), their engines stop (frontend 0 releases them once every frontend
         drained them), the new engines' ready responses are read (their INIT named every frontend), and at frontend
         0's commit the ranks serve here again. Without the commit after `COMMIT_GRACE_S` the part commits by itself:
-        the new engines announced themselves to this frontend and serve the others."""
+        the new engines announced themselves to this frontend and serve the others. Orphaned (a new frontend 0 drives
+        the fleet), it fails instead: the operator deletes the new engines and replaces the ranks again."""
         members, fleet = self.members, self.fleet
         ranks = sorted(op.replace)
         live = [rank for rank in ranks if not self.replacement.gone(rank)]
@@ -373,6 +378,9 @@ class FollowerResize:
             async with self.replacement.keeping_kv_cache_size():
                 await self._ready_responses(op, ranks, deadline)
             committed = await self._committed(op, time.monotonic() + COMMIT_GRACE_S)
+            if not committed and op.id in self._orphaned:
+                raise ResizeFailed(f"{self._uncommitted(op, COMMIT_GRACE_S)}: the new engine(s) of {what} are "
+                                   "deleted, and the ranks replaced again")
         except ResizeFailed as e:
             still = [rank for rank in live if not self.replacement.gone(rank)]
             serve_on(members, still)  # stopped before their engines went: they serve on here
@@ -390,12 +398,16 @@ class FollowerResize:
 
     async def _ready_responses(self, op: ResizeOperation, ranks: list[int], deadline: float) -> None:
         """The new engines' ready responses, read as they come (frontend 0 may still be waiting for the new pods), until
-        `deadline`; a cancel (frontend 0's join failed) stops the wait."""
+        `deadline`; a cancel (frontend 0's join failed) stops the wait, and so does an orphaning: the new engines
+        handshake with frontend 0, which is gone, and the operator deletes those it started for it."""
         read = asyncio.ensure_future(self.members.joiner.read_ready_responses(
             ranks, wait_s=max(deadline - time.monotonic(), 0.001)))
         try:
             while not read.done():
                 self.cancels.check(op)
+                if op.id in self._orphaned:
+                    raise ResizeFailed(f"{self._uncommitted(op, 0)} before the new engine(s) of {describe(ranks)} "
+                                       "announced themselves here")
                 await asyncio.wait({read}, timeout=0.2)
         finally:
             if not read.done():
