@@ -469,11 +469,19 @@ def test_a_frontend_killed_mid_scale_up_is_replaced_and_the_resize_rolled_back_t
     completion(s.url())
 
 
+def operator_container(s: Setup) -> tuple[str, int]:
+    """The operator pod's container: its containerd ID and restart count."""
+    [status] = s.cp.request("GET", f"/api/v1/namespaces/{SYSTEM}/pods/{s.operator_pod}")["status"]["containerStatuses"]
+    return str(status.get("containerID", "")).removeprefix("containerd://"), int(status["restartCount"])
+
+
 def test_a_frontend_killed_mid_replacement_of_a_rank_is_replaced_and_the_rank_replaced_again(setup: Setup) -> None:
     """Issue 25: rank 1's engine container killed, then the frontend's while rank 1's new engine starts (the
     replacement Preparing, run by the frontend): the replacement is rolled back (rank 1's new pod goes), the frontend
     is replaced in place and re-attaches to the other ranks with rank 1 left out (Dead), then rank 1 is replaced
-    again through the new frontend. The other engines' containers and processes never change; no new incarnation."""
+    again through the new frontend. The operator's container is killed too while the frontend is being replaced: the
+    restarted operator carries the operation on from the status. The other engines' containers and processes never
+    change; no new incarnation."""
     s = setup
     name = s.fleet.name
     size = s.fleet.status()["replicas"]
@@ -493,9 +501,25 @@ def test_a_frontend_killed_mid_replacement_of_a_rank_is_replaced_and_the_rank_re
                diagnose=s.fleet.describe)
     interrupted = s.fleet.status()["operation"]["id"]
     s.node.ctr("tasks", "kill", "--signal", "SIGKILL", s.container_id(constants.frontend_name(name)))
-    wait_until(lambda: any(r == "RankReplaced" for r, _ in s.fleet.events()[events:]), 600,
-               "rank 1 replaced again after the frontend", interval=0.5, diagnose=s.fleet.describe)
+    killed = time.monotonic()
+    wait_until(lambda: (s.fleet.status().get("operation") or {}).get("detached") == [1], 120,
+               "the frontend's replacement, leaving rank 1 out", interval=0.2, diagnose=s.fleet.describe)
+    operator, restarts = operator_container(s)
+    s.node.ctr("tasks", "kill", "--signal", "SIGKILL", operator)  # the kubelet restarts it (10 s back-off)
+    wait_until(lambda: operator_container(s)[1] > restarts, 120, "the operator's container restarted", interval=0.5)
+    marks: dict[str, float] = {}
+
+    def replaced_again() -> bool:
+        seen = {r for r, _ in s.fleet.events()[events:]}
+        for reason in ("FrontendReplaced", "RankReplaced"):
+            if reason in seen:
+                marks.setdefault(reason, time.monotonic() - killed)
+        return "RankReplaced" in seen
+
+    wait_until(replaced_again, 600, "rank 1 replaced again after the frontend", interval=0.5, diagnose=s.fleet.describe)
     s.settle(size)
+    print(f"frontend killed mid-replacement (and the operator restarted): frontend replaced after "
+          f"{marks.get('FrontendReplaced', -1):.1f}s, rank 1 replaced again after {marks['RankReplaced']:.1f}s")
     story = s.fleet.events()[events:]
     reasons = [r for r, _ in story]
     told = {reason: message for reason, message in story}
