@@ -469,76 +469,6 @@ def test_a_frontend_killed_mid_scale_up_is_replaced_and_the_resize_rolled_back_t
     completion(s.url())
 
 
-def operator_container(s: Setup) -> tuple[str, int]:
-    """The operator pod's container: its containerd ID and restart count."""
-    [status] = s.cp.request("GET", f"/api/v1/namespaces/{SYSTEM}/pods/{s.operator_pod}")["status"]["containerStatuses"]
-    return str(status.get("containerID", "")).removeprefix("containerd://"), int(status["restartCount"])
-
-
-def test_a_frontend_killed_mid_replacement_of_a_rank_is_replaced_and_the_rank_replaced_again(setup: Setup) -> None:
-    """Issue 25: rank 1's engine container killed, then the frontend's while rank 1's new engine starts (the
-    replacement Preparing, run by the frontend): the replacement is rolled back (rank 1's new pod goes), the frontend
-    is replaced in place and re-attaches to the other ranks with rank 1 left out (Dead), then rank 1 is replaced
-    again through the new frontend. The operator's container is killed too while the frontend is being replaced: the
-    restarted operator carries the operation on from the status. The other engines' containers and processes never
-    change; no new incarnation."""
-    s = setup
-    name = s.fleet.name
-    size = s.fleet.status()["replicas"]
-    victim = constants.engine_name(name, 1)
-    stays = [constants.engine_name(name, r) for r in range(size) if r != 1] + [constants.coordinator_name(name)]
-    containers, pids = {p: s.container_id(p) for p in stays}, {p: s.container_pids(p) for p in stays}
-    before, old_uid = s.fleet.status(), s.fleet.uids()[victim]
-    events = len(s.fleet.events())
-    s.node.ctr("tasks", "kill", "--signal", "SIGKILL", s.container_id(victim))
-
-    def new_engine_starting() -> bool:
-        op = s.fleet.status().get("operation") or {}
-        uid = s.fleet.uids().get(victim)
-        return op.get("replace") == [1] and op.get("phase") == "Preparing" and uid not in (None, old_uid)
-
-    wait_until(new_engine_starting, 120, "rank 1's replacement with its new pod", interval=0.2,
-               diagnose=s.fleet.describe)
-    interrupted = s.fleet.status()["operation"]["id"]
-    s.node.ctr("tasks", "kill", "--signal", "SIGKILL", s.container_id(constants.frontend_name(name)))
-    killed = time.monotonic()
-    wait_until(lambda: (s.fleet.status().get("operation") or {}).get("detached") == [1], 120,
-               "the frontend's replacement, leaving rank 1 out", interval=0.2, diagnose=s.fleet.describe)
-    operator, restarts = operator_container(s)
-    s.node.ctr("tasks", "kill", "--signal", "SIGKILL", operator)  # the kubelet restarts it (10 s back-off)
-    wait_until(lambda: operator_container(s)[1] > restarts, 120, "the operator's container restarted", interval=0.5)
-    marks: dict[str, float] = {}
-
-    def replaced_again() -> bool:
-        seen = {r for r, _ in s.fleet.events()[events:]}
-        for reason in ("FrontendReplaced", "RankReplaced"):
-            if reason in seen:
-                marks.setdefault(reason, time.monotonic() - killed)
-        return "RankReplaced" in seen
-
-    wait_until(replaced_again, 600, "rank 1 replaced again after the frontend", interval=0.5, diagnose=s.fleet.describe)
-    s.settle(size)
-    print(f"frontend killed mid-replacement (and the operator restarted): frontend replaced after "
-          f"{marks.get('FrontendReplaced', -1):.1f}s, rank 1 replaced again after {marks['RankReplaced']:.1f}s")
-    story = s.fleet.events()[events:]
-    reasons = [r for r, _ in story]
-    told = {reason: message for reason, message in story}
-    assert f"replacement {interrupted} of rank 1 rolled back" in told.get("ResizeFailed", ""), story
-    order = [r for r in reasons if r in ("MemberLost", "FrontendReplaced", "RankReplacementResumed", "RankReplaced")]
-    assert order == ["MemberLost", "FrontendReplaced", "RankReplacementResumed", "RankReplaced"], story
-    assert not {"Recovering", "Restarting"} & set(reasons), story
-    assert not [m for r, m in story if r == "RankLost" and "recreating" in m], story
-    assert {p: s.container_id(p) for p in stays} == containers
-    assert {p: s.container_pids(p) for p in stays} == pids
-    st = s.fleet.status()
-    assert (st["replicas"], st["fleetGeneration"], st["recoveries"], st["phase"]) == \
-        (size, before["fleetGeneration"], before["recoveries"] + 2, "Running"), st
-    log = s.cp.kubectl("logs", "-n", NS, constants.frontend_name(name)).stdout
-    assert f"Re-attached to {size - 1} running engine(s); rank 1 left out, Dead until replaced" in log, log[-3000:]
-    assert [r.state for r in s.fleet.admin().fleet().ranks] == [RankState.SERVING] * size
-    completion(s.url(), headers={"X-data-parallel-rank": "1"})  # the new rank 1 serves
-
-
 def test_the_sample_with_emulator_engines_runs_as_containers_and_serves(setup: Setup, emu: FleetView) -> None:
     """The same sample, engines replaced by the emulator (the test image's switch, as another image would):
     Running as containers on the node, a completion through its ClusterIP."""
@@ -748,6 +678,93 @@ def test_a_killed_engine_container_is_replaced_in_place_through_both_frontends(t
         assert [r.state for r in s.fleet.admin(index).fleet().ranks] == [RankState.SERVING] * 2
     # Both frontends route to the new engine: requests pinned to rank 1 through the Service (kube-proxy picks a
     # frontend for each connection) until each frontend sent some.
+    sent = {i: requests_on(s.fleet, i).get(1, 0) for i in (0, 1)}
+
+    def both_route_to_rank_1() -> bool:
+        completion(s.url(), headers={"X-data-parallel-rank": "1"})
+        return all(requests_on(s.fleet, i).get(1, 0) > sent[i] for i in (0, 1))
+
+    wait_until(both_route_to_rank_1, 120, "both frontends sending requests to the new rank 1", interval=0.1)
+
+
+def operator_container(s: Setup) -> tuple[str, int]:
+    """The operator pod's container: its containerd ID and restart count."""
+    [status] = s.cp.request("GET", f"/api/v1/namespaces/{SYSTEM}/pods/{s.operator_pod}")["status"]["containerStatuses"]
+    return str(status.get("containerID", "")).removeprefix("containerd://"), int(status["restartCount"])
+
+
+def test_frontend_0_killed_mid_replacement_of_a_rank_is_replaced_and_the_rank_replaced_again(
+        two_frontends: Setup) -> None:
+    """Issue 25: rank 1's engine container killed, then frontend 0's while rank 1's new engine starts (the
+    replacement Preparing, run by frontend 0, frontend 1 following): the replacement is rolled back (rank 1's new pod
+    goes), frontend 0 is replaced in place and re-attaches to the other ranks with rank 1 left out (Dead), frontend
+    1's part of the old replacement is orphaned by it and fails, then rank 1 is replaced again through both. The
+    operator's container is killed too while frontend 0 is being replaced: the restarted operator carries the
+    operation on from the status. The other engines' containers and processes, and frontend 1's, never change; no
+    new incarnation."""
+    s = two_frontends
+    name = s.fleet.name
+    size = s.fleet.status()["replicas"]
+    victim = constants.engine_name(name, 1)
+    stays = [constants.engine_name(name, r) for r in range(size) if r != 1] + [constants.coordinator_name(name),
+                                                                                constants.frontend_name(name, 1)]
+    containers, pids = {p: s.container_id(p) for p in stays}, {p: s.container_pids(p) for p in stays}
+    before, old_uid = s.fleet.status(), s.fleet.uids()[victim]
+    events = len(s.fleet.events())
+    s.node.ctr("tasks", "kill", "--signal", "SIGKILL", s.container_id(victim))
+
+    def new_engine_starting() -> bool:
+        op = s.fleet.status().get("operation") or {}
+        uid = s.fleet.uids().get(victim)
+        return op.get("replace") == [1] and op.get("phase") == "Preparing" and uid not in (None, old_uid) \
+            and s.fleet.admin(1).resize(str(op.get("id"))) is not None  # frontend 1 runs its part
+
+    wait_until(new_engine_starting, 120, "rank 1's replacement with its new pod, frontend 1 following",
+               interval=0.2, diagnose=s.fleet.describe)
+    interrupted = s.fleet.status()["operation"]["id"]
+    s.node.ctr("tasks", "kill", "--signal", "SIGKILL", s.container_id(constants.frontend_name(name)))
+    killed = time.monotonic()
+    wait_until(lambda: (s.fleet.status().get("operation") or {}).get("detached") == [1], 120,
+               "the frontend's replacement, leaving rank 1 out", interval=0.2, diagnose=s.fleet.describe)
+    operator, restarts = operator_container(s)
+    s.node.ctr("tasks", "kill", "--signal", "SIGKILL", operator)  # the kubelet restarts it (10 s back-off)
+    wait_until(lambda: operator_container(s)[1] > restarts, 120, "the operator's container restarted", interval=0.5)
+    marks: dict[str, float] = {}
+
+    def replaced_again() -> bool:
+        seen = {r for r, _ in s.fleet.events()[events:]}
+        for reason in ("FrontendReplaced", "RankReplaced"):
+            if reason in seen:
+                marks.setdefault(reason, time.monotonic() - killed)
+        return "RankReplaced" in seen
+
+    wait_until(replaced_again, 600, "rank 1 replaced again after the frontend", interval=0.5, diagnose=s.fleet.describe)
+    s.settle(size)
+    print(f"frontend killed mid-replacement (and the operator restarted): frontend replaced after "
+          f"{marks.get('FrontendReplaced', -1):.1f}s, rank 1 replaced again after {marks['RankReplaced']:.1f}s")
+    story = s.fleet.events()[events:]
+    reasons = [r for r, _ in story]
+    told = {reason: message for reason, message in story}
+    assert f"replacement {interrupted} of rank 1 rolled back" in told.get("ResizeFailed", ""), story
+    order = [r for r in reasons if r in ("MemberLost", "FrontendReplaced", "RankReplacementResumed", "RankReplaced")]
+    assert order == ["MemberLost", "FrontendReplaced", "RankReplacementResumed", "RankReplaced"], story
+    assert not {"Recovering", "Restarting"} & set(reasons), story
+    assert not [m for r, m in story if r == "RankLost" and "recreating" in m], story
+    assert {p: s.container_id(p) for p in stays} == containers
+    assert {p: s.container_pids(p) for p in stays} == pids
+    st = s.fleet.status()
+    assert (st["replicas"], st["fleetGeneration"], st["recoveries"], st["phase"]) == \
+        (size, before["fleetGeneration"], before["recoveries"] + 2, "Running"), st
+    log = s.cp.kubectl("logs", "-n", NS, constants.frontend_name(name)).stdout
+    assert f"Re-attached to {size - 1} running engine(s); rank 1 left out, Dead until replaced" in log, log[-3000:]
+    part = s.fleet.admin(1).resize(interrupted)
+    assert part is not None
+    assert (part.follower, part.phase) == (True, ResizePhase.FAILED), part
+    assert "frontend 0 that drove it is gone" in part.error, part
+    for index in (0, 1):
+        assert [r.state for r in s.fleet.admin(index).fleet().ranks] == [RankState.SERVING] * size
+    # Both frontends route to the new rank 1: requests pinned to it through the Service (kube-proxy picks a frontend
+    # for each connection) until each frontend sent some.
     sent = {i: requests_on(s.fleet, i).get(1, 0) for i in (0, 1)}
 
     def both_route_to_rank_1() -> bool:
