@@ -23,7 +23,7 @@ import json
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -598,23 +598,37 @@ def test_a_followers_part_without_frontend_0s_commit_serves_the_new_engine_after
     assert (done.phase, fleet.record(2).state) == (ResizePhase.COMPLETED, RankState.SERVING)
 
 
+def interrupted_part(fleet: Fleet, op: ResizeOperation, part: Callable[[], Coroutine[Any, Any, None]],
+                     reached: ResizePhase, interrupt: Callable[[], None]) -> ResizeOperation:
+    """Run a follower's part (`part()`, on the event loop) until it reaches the phase `reached`, `interrupt` it there,
+    and return how it ended."""
+
+    async def main() -> None:
+        task = asyncio.ensure_future(part())
+        await until(lambda: phase(fleet, op) == reached, reached.value)
+        interrupt()
+        await task
+
+    asyncio.run(main())
+    done = fleet.resize(op.id)
+    assert done is not None
+    return done
+
+
 def test_a_followers_part_orphaned_by_a_restarted_frontend_0_fails_and_leaves_the_rank_dead() -> None:
     """Frontend 0 lost while this frontend was Prepared (the new engine announced itself here) and back: the operator
     deletes that engine and replaces the rank again, so the orphaned part fails at once rather than serve it."""
     fleet, client = follower_fleet()
     client.kill(1)
     op = part_of(fleet, (1,))
+    operations: list[ResizeOperations] = []
 
-    async def main() -> None:
-        operations = client.operations()
-        task = asyncio.ensure_future(operations.run(op.id))
-        await until(lambda: phase(fleet, op) == ResizePhase.PREPARED, "prepared")
-        operations.follower.orphan(op.id, "frontend 0 was restarted")
-        await task
+    def run() -> Coroutine[Any, Any, None]:
+        operations.append(client.operations())
+        return operations[0].run(op.id)
 
-    asyncio.run(main())
-    done = fleet.resize(op.id)
-    assert done is not None
+    done = interrupted_part(fleet, op, run, ResizePhase.PREPARED,
+                            lambda: operations[0].follower.orphan(op.id, "frontend 0 was restarted"))
     assert done.phase == ResizePhase.FAILED
     assert "frontend 0 that drove it is gone (frontend 0 was restarted): the new engine(s) of rank 1 are deleted" \
         in done.error
@@ -627,16 +641,8 @@ def test_a_cancelled_followers_part_serves_on_with_a_rank_whose_engine_still_run
     client.kill(2)
     client.engine_inflight[identity(1)] = 0  # nothing in flight here on rank 1
     op = part_of(fleet, (1, 2))
-
-    async def main() -> None:
-        task = asyncio.ensure_future(client.run(op.id))
-        await until(lambda: phase(fleet, op) == ResizePhase.PREPARING, "drained")
-        client.cancels.request(op.id, "replacement rep-1 failed on frontend 0: rank 2 did not join")
-        await task
-
-    asyncio.run(main())
-    done = fleet.resize(op.id)
-    assert done is not None
+    done = interrupted_part(fleet, op, lambda: client.run(op.id), ResizePhase.PREPARING, lambda: client.cancels.request(
+        op.id, "replacement rep-1 failed on frontend 0: rank 2 did not join"))
     assert done.phase == ResizePhase.FAILED
     assert "rank 2 did not join" in done.error
     assert (fleet.record(1).state, fleet.record(2).state) == (RankState.SERVING, RankState.DEAD)
