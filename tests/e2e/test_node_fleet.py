@@ -726,6 +726,10 @@ def test_frontend_0_killed_mid_replacement_of_a_rank_is_replaced_and_the_rank_re
     killed = time.monotonic()
     wait_until(lambda: (s.fleet.status().get("operation") or {}).get("detached") == [1], 120,
                "the frontend's replacement, leaving rank 1 out", interval=0.2, diagnose=s.fleet.describe)
+    # kopf posts a pass's events after its status write, from a queue that a SIGKILL loses: the operator is killed
+    # once they are out, while the frontend's replacement still runs (its new pod takes ~25 s to be Ready).
+    wait_until(lambda: "MemberLost" in {r for r, _ in s.fleet.events()[events:]}, 60, "the MemberLost event",
+               interval=0.2, diagnose=s.fleet.describe)
     operator, restarts = operator_container(s)
     s.node.ctr("tasks", "kill", "--signal", "SIGKILL", operator)  # the kubelet restarts it (10 s back-off)
     wait_until(lambda: operator_container(s)[1] > restarts, 120, "the operator's container restarted", interval=0.5)
