@@ -27,8 +27,13 @@ The load is closed-loop: a separate process (so that its CPU does not count as t
 though it shares the cores) runs `--concurrency` asyncio workers, each sending non-streaming
 `/v1/completions` (`max_tokens`, `ignore_eos`) one after another; after `--warmup` seconds it
 counts the requests that complete within the next `--duration` seconds. The sides run one at a
-time, alternately (stock, corefleet, stock, corefleet, ... for `--rounds`), each round on a freshly
-started fleet that is stopped before the next one starts. Besides requests/s, each round samples
+time, alternately and in ABBA order (stock, corefleet, corefleet, stock, ... for `--rounds`: each side goes
+first as often as the other: in runs of 2026-12-05 the first round, always stock's, often served 25-40% more
+than every later one of either side), each round on a freshly started fleet that is stopped before
+the next one starts. Both sides' fleet processes lead their own process groups in the benchmark's session (the
+stock processes once had sessions of their own, corefleet's `local` ones shared the benchmark's: with the
+kernel's autogroups that is not the same CPU scheduling); the load generator has its own session on both sides.
+Besides requests/s, each round samples
 CPU time per process over the measured window: the frontend's CPU milliseconds per request are
 the least noisy figure on a shared machine.
 
@@ -76,6 +81,11 @@ STOP_GRACE = 20.0
 REQUEST_TIMEOUT = 60.0
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 SIDES = ("stock", "corefleet")
+
+
+def side_order(rnd: int) -> tuple[str, ...]:
+    """ABBA: round 1 stock first, round 2 corefleet first, ... (each side first in half the rounds)."""
+    return SIDES if rnd % 2 else SIDES[::-1]
 
 
 class BenchError(RuntimeError):
@@ -295,8 +305,9 @@ class StockFleet:
         for name, argv in self.plan:
             log_path = self.work / f"{name}.log"
             with log_path.open("wb") as logf:
+                # Its own process group in the benchmark's session, as `local.start` runs corefleet's processes.
                 p = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"}, process_group=0)
             self.procs.append(Proc(name, p, log_path))
 
     def wait_ready(self, timeout: float) -> None:
@@ -600,7 +611,7 @@ def _run(args: argparse.Namespace, state: Path, started: float) -> int:
     results: list[RoundResult] = []
     for rnd in range(1, args.rounds + 1):
         for k in args.frontend_counts:
-            for side in SIDES:
+            for side in side_order(rnd):
                 work = state / f"{side}-k{k}-{rnd}"
                 log(f"round {rnd}: starting the {side} fleet with {k} frontend(s) (load average "
                     f"{os.getloadavg()[0]:.2f})")
