@@ -21,8 +21,11 @@ on with their weights loaded. What makes that possible:
   not know: vLLM would fail on them (`vllm_compat.tolerate_unknown_utility_results`).
 
 The committed size comes from the operator (`--data-parallel-size`, what it recorded): the ranks
-0..N-1 are attached. A rank that does not reconnect within `--attach-timeout` fails the start (exit 1):
-the operator then recreates the fleet, as it would for a rank lost with its frontend.
+0..N-1 are attached, but those of `--detached-ranks` (a replacement of them was in flight when the lost
+frontend went, and the operator deleted their new engines): they are not asked, vLLM's wait gets a stand-in for
+each (`vllm_compat.attaching`), and they start Dead, to be replaced. A rank that does not reconnect within
+`--attach-timeout` fails the start (exit 1): the operator then recreates the fleet, as it would for a rank lost
+with its frontend.
 """
 
 from __future__ import annotations
