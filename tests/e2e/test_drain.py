@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from corefleet_harness import local
 from corefleet_harness.localcluster import LocalControlPlane, add_gpu_node, gpu_node
 from corefleet_harness.support import wait_until
 from corefleet_harness.tinymodel import write_tiny_model
@@ -41,10 +42,10 @@ SETTLE = 420.0
 
 
 def engine_env(pod: Mapping[str, Any]) -> Mapping[str, str]:
-    """Each rank's OpenMP threads on a core of their own (vLLM binds every CPU engine to core 0 by default)."""
+    """Each rank's OpenMP threads on the core local mode gives it (`local.engine_cpu`): the pods run as processes
+    of this machine, where vLLM's own binding would give every rank every core but one."""
     rank = int(pod["metadata"]["labels"].get(constants.LABEL_RANK, "0"))
-    cpus = sorted(os.sched_getaffinity(0))
-    return {"VLLM_CPU_OMP_THREADS_BIND": str(cpus[rank % len(cpus)])}
+    return {"VLLM_CPU_OMP_THREADS_BIND": str(local.engine_cpu(rank, sorted(os.sched_getaffinity(0))))}
 
 
 class Setup:

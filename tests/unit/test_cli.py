@@ -785,6 +785,25 @@ def test_local_elastic_ep_command_lines_and_gpus() -> None:
     assert "CUDA_VISIBLE_DEVICES" not in local.engine_env("emulator", 1)
 
 
+def test_local_cpu_engines_leave_the_last_core_to_the_other_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks go round the usable cores but the reserved last one(s), as vLLM's own binding leaves them; a machine with
+    no more cores than reserved shares them all; a binding the user set is passed on unchanged."""
+    assert [local.engine_cpu(r, [1, 0]) for r in range(3)] == [0, 0, 0]
+    assert [local.engine_cpu(r, [0, 1, 2, 3]) for r in range(4)] == [0, 1, 2, 0]
+    assert [local.engine_cpu(r, [0, 1, 2, 3], reserved=2) for r in range(3)] == [0, 1, 0]
+    assert [local.engine_cpu(r, [0, 1], reserved=0) for r in range(3)] == [0, 1, 0]
+    assert [local.engine_cpu(r, [4]) for r in range(2)] == [4, 4]
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    assert local.reserved_cpus() == 0
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "two")
+    assert local.reserved_cpus() == local.DEFAULT_RESERVED_CPUS
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU")
+    cpus = sorted(os.sched_getaffinity(0))
+    assert local.engine_env("vllm", 1)["VLLM_CPU_OMP_THREADS_BIND"] == str(local.engine_cpu(1, cpus))
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1|2-3")
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in local.engine_env("vllm", 1)
+
+
 def test_local_elastic_ep_needs_a_moe_model(tmp_path: Path) -> None:
     opts = local.FleetOptions(replicas=2, engine="emulator", state_dir=tmp_path, elastic_ep_max=4,
                               port=free_ports(1)[0])

@@ -53,7 +53,16 @@ Everything callers use is re-exported here (`from corefleet_harness import local
 
 from __future__ import annotations
 
-from corefleet_harness.local.argv import coordinator_argv, engine_argv, engine_env, frontend_argv, is_moe_model
+from corefleet_harness.local.argv import (
+    DEFAULT_RESERVED_CPUS,
+    coordinator_argv,
+    engine_argv,
+    engine_cpu,
+    engine_env,
+    frontend_argv,
+    is_moe_model,
+    reserved_cpus,
+)
 from corefleet_harness.local.config import (
     DEFAULT_PORT,
     DEFAULT_READY_TIMEOUT,
@@ -106,6 +115,7 @@ __all__ = [
     "DEFAULT_PORT",
     "DEFAULT_READY_TIMEOUT",
     "DEFAULT_REPLICAS",
+    "DEFAULT_RESERVED_CPUS",
     "ENGINE_EMULATOR",
     "ENGINE_KINDS",
     "ENGINE_MODULES",
@@ -142,6 +152,7 @@ __all__ = [
     "default_state_dir",
     "down",
     "engine_argv",
+    "engine_cpu",
     "engine_env",
     "fleet_ports",
     "frontend_argv",
@@ -152,6 +163,7 @@ __all__ = [
     "owns",
     "proc_cmdline",
     "proc_stat",
+    "reserved_cpus",
     "save_record",
     "scale",
     "spawn",

@@ -96,16 +96,43 @@ def engine_argv(python: str, engine: str, model: str, replicas: int, rank: int, 
     ]
 
 
+# Cores a CPU fleet leaves to everything but the engines' compute (vLLM's own default for one worker per engine on
+# x86 and Arm: `OMPProcessManager.reserve_cpu_num`, overridden by the same variable).
+DEFAULT_RESERVED_CPUS = 1
+
+
+def engine_cpu(rank: int, cpus: Sequence[int], reserved: int = DEFAULT_RESERVED_CPUS) -> int:
+    """The core rank `rank`'s OpenMP threads are bound to, of the usable `cpus`: the ranks go round the cores
+    but the last `reserved` ones (all of them when there are no more than that), which are left to the engine
+    cores' own processes, the frontend and the coordinator, as vLLM's "auto" binding leaves them.
+
+    Why not every core: a vLLM CPU worker's OpenMP threads spin while they wait for each other, so a core
+    shared between a worker and a busy Python process (the frontend, the coordinator, an engine core's
+    scheduler) stalls both; measured with 2 real ranks on 2 cores (bench_fleet.py, 2026-12-05): ranks on cores
+    0 and 1 served 26-45 requests/s at concurrency 16 with 24-45 waits of 0.5-1.1 s for a token per 150
+    requests, ranks both on core 0 (core 1 left free, as stock `vllm serve` binds them) 60-100 requests/s."""
+    ordered = sorted(cpus)
+    usable = ordered[:-reserved] if 0 < reserved < len(ordered) else ordered
+    return usable[rank % len(usable)]
+
+
+def reserved_cpus() -> int:
+    """`VLLM_CPU_NUM_OF_RESERVED_CPU` where it is set (vLLM's own knob), else `DEFAULT_RESERVED_CPUS`."""
+    try:
+        return max(0, int(os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", DEFAULT_RESERVED_CPUS)))
+    except ValueError:
+        return DEFAULT_RESERVED_CPUS
+
+
 def engine_env(engine: str, rank: int, gpus_per_rank: int = 0) -> dict[str, str]:
-    """The environment an engine rank adds to `corefleet up`'s: its GPUs, or a CPU of its own."""
+    """The environment an engine rank adds to `corefleet up`'s: its GPUs, or its CPU core (`engine_cpu`)."""
     env = {"PYTHONUNBUFFERED": "1"}
     if gpus_per_rank:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(rank * gpus_per_rank + i) for i in range(gpus_per_rank))
     elif engine == ENGINE_VLLM and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-        # vLLM binds each CPU engine's OpenMP threads to core 0 by default ("auto" picks per local
-        # rank, and every engine here is local rank 0): spread the ranks over the usable cores.
-        cpus = sorted(os.sched_getaffinity(0))
-        env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpus[rank % len(cpus)])
+        # vLLM's "auto" binding picks cores per local rank, and every engine here is local rank 0 of its own
+        # launcher: left to vLLM, every rank would get every core but the reserved one.
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(engine_cpu(rank, sorted(os.sched_getaffinity(0)), reserved_cpus()))
     return env
 
 
