@@ -131,7 +131,7 @@ _TITLE = re.compile(r"\bVLLM::([A-Za-z]+)(?:_DP(\d+))?")
 _TITLE_ROLES = {"EngineCore": "EngineCore", "Worker": "worker", "DPCoordinator": "coordinator",
                 "APIServer": "frontend"}
 STALL_S = 0.5  # a wait for a token this long is a stall (a step of the tiny model takes ~10-60 ms)
-GOALS = {"throughput": 1.00, "ttft": 1.10, "c1_ttft_ms": 2.0, "rss": 1.10}
+GOALS = {"throughput": 1.00, "ttft": 1.10, "tpot": 1.05, "c1_ttft_ms": 2.0, "rss": 1.10}
 
 
 # ---- processes of one side: its session ----------------------------------------------------------
@@ -343,7 +343,7 @@ def stop_session(name: str, sid: int, not_before: int, leader: subprocess.Popen[
 def _omp_bind(ranks: int) -> str:
     """What local mode gives rank r (`VLLM_CPU_OMP_THREADS_BIND=<core>`), as vLLM's per-local-rank list."""
     cpus = sorted(os.sched_getaffinity(0))
-    return "|".join(str(cpus[r % len(cpus)]) for r in range(ranks))
+    return "|".join(str(local.engine_cpu(r, cpus, local.reserved_cpus())) for r in range(ranks))
 
 
 @contextlib.contextmanager
@@ -498,6 +498,16 @@ class LoadResult:
     loadgen_cpu: float = 0.0
     other_cpu: float = 0.0  # every other process on the machine
     window_s: float = 0.0
+    hops: dict[str, float] = field(default_factory=dict)  # HOP_METRICS name -> mean seconds in the main run
+
+    def hop_ms(self, name: str) -> float:
+        return 1000 * self.hops.get(name, float("nan"))
+
+    @property
+    def median_itl_ms(self) -> float:
+        """The client's median wait between two tokens: unlike the mean TPOT, a few stalls do not move it."""
+        itls = [x for itl in self.result.get("itls") or [] for x in itl if x is not None]
+        return 1000 * statistics.median(itls) if itls else float("nan")
 
     def get(self, key: str) -> float:
         return float(self.result.get(key, float("nan")))
@@ -523,7 +533,10 @@ def run_loadgen(side: Side, args: argparse.Namespace, model: str, concurrency: i
             "--result-filename", result_file.name]
     samples: dict[str, tuple[float, float, dict[int, float], float]] = {}
 
+    scraped: dict[str, dict[str, tuple[float, float]]] = {}
+
     def sample(lg_pid: int) -> tuple[float, float, dict[int, float], float]:
+        scraped["start" if "start" not in samples else "end"] = histogram_totals(side.base, HOP_METRICS)
         pids = side.pids()
         cpu = {pid: s for pid in pids if (s := cpu_seconds(pid)) is not None}
         lg = sum(s for pid in session_pids(lg_pid, 0) if (s := cpu_seconds(pid)) is not None)
@@ -571,7 +584,60 @@ def run_loadgen(side: Side, args: argparse.Namespace, model: str, concurrency: i
     fleet = sum(cpu.values())
     return LoadResult(concurrency=concurrency, prompts=prompts, result=result, startup_s=t_main - t0, cpu=cpu,
                       loadgen_cpu=lg_b - lg_a, other_cpu=max(0.0, busy_b - busy_a - fleet - (lg_b - lg_a)),
-                      window_s=t_b - t_a)
+                      window_s=t_b - t_a, hops=histogram_means(scraped["start"], scraped["end"]))
+
+
+# ---- where a request's time goes: vLLM's own request histograms, on both sides -------------------
+# Each side's API server (stock's, corefleet's frontend) exports the same histograms from the same code
+# (vllm/v1/metrics/stats.py, loggers.py): the two TTFT-like ones are measured by the API server's clock
+# (arrival of the HTTP request -> the output handler processed the first token / the last one); the others
+# are differences of the engine's own timestamps (queued, scheduled, and each step's `EngineCoreOutputs.timestamp`,
+# taken when the step's outputs are built). Beside the load generator's figures (the client's clock) they split a
+# request into: the client and HTTP (client TTFT - server TTFT), the way in and out through the API server and the
+# sockets (server TTFT - queue - prefill), the engine's own steps (queue, prefill, inter-token latency), and per
+# token what happens after a step (client TPOT - engine inter-token latency: the output socket, the output
+# handler, detokenizing, the HTTP stream).
+HOP_METRICS = (
+    "vllm:time_to_first_token_seconds",
+    "vllm:e2e_request_latency_seconds",
+    "vllm:request_queue_time_seconds",
+    "vllm:request_prefill_time_seconds",
+    "vllm:inter_token_latency_seconds",
+    "vllm:request_decode_time_seconds",
+)
+
+
+def parse_histogram_totals(text: str, names: tuple[str, ...]) -> dict[str, tuple[float, float]]:
+    """Per histogram name: (sum, count) over every label set (all engines) in a Prometheus text exposition."""
+    out = {name: (0.0, 0.0) for name in names}
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        series, _, value = line.rpartition(" ")
+        metric = series.split("{", 1)[0]
+        for suffix, at in (("_sum", 0), ("_count", 1)):
+            name = metric.removesuffix(suffix)
+            if metric.endswith(suffix) and name in out:
+                totals = list(out[name])
+                totals[at] += float(value)
+                out[name] = (totals[0], totals[1])
+    return out
+
+
+def histogram_totals(base: str, names: tuple[str, ...]) -> dict[str, tuple[float, float]]:
+    status, body = http_get(f"{base}/metrics", 10, unanswered_ok=True)
+    if status != 200:
+        raise BenchError(f"GET {base}/metrics: {status or 'no answer'}")
+    return parse_histogram_totals(body.decode(errors="replace"), names)
+
+
+def histogram_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """Mean of each histogram's observations between two scrapes (NaN where there were none)."""
+    means = {}
+    for name, (total, count) in after.items():
+        n = count - before.get(name, (0.0, 0.0))[1]
+        means[name] = (total - before.get(name, (0.0, 0.0))[0]) / n if n > 0 else float("nan")
+    return means
 
 
 # ---- routing balance (emulator mode) -------------------------------------------------------------
@@ -746,6 +812,8 @@ def report(results: list[RoundResult], args: argparse.Namespace, started: float)
         ("c=1 TTFT median ms", lambda r: r.c1.get("median_ttft_ms"), "{:.2f}"),
         ("c=1 TTFT p99 ms", lambda r: r.c1.get("p99_ttft_ms"), "{:.2f}"),
         ("c=1 TPOT mean ms", lambda r: r.c1.get("mean_tpot_ms"), "{:.2f}"),
+        ("c=1 TPOT p99 ms", lambda r: r.c1.get("p99_tpot_ms"), "{:.2f}"),
+        ("c=1 ITL median ms", lambda r: r.c1.median_itl_ms, "{:.2f}"),
         ("c=1 requests/s", lambda r: r.c1.get("request_throughput"), "{:.2f}"),
         (f"c={c} waits > {STALL_S:g} s", lambda r: r.c16.stalls, "{:.0f}"),
         (f"c=1 waits > {STALL_S:g} s", lambda r: r.c1.stalls, "{:.0f}"),
@@ -759,6 +827,15 @@ def report(results: list[RoundResult], args: argparse.Namespace, started: float)
         s, cf = med("stock", pick), med("corefleet", pick)
         ratio = f"{cf / s:.2f}" if s else "-"
         lines.append(f"  {name:<24}{fmt.format(s):>12}{fmt.format(cf):>12}{ratio:>10}")
+    lines.append("")
+    lines.append("where a request's time goes, mean ms (vLLM's request histograms on each API server, engine "
+                 "timestamps "
+                 "for queue/prefill/ITL; median over rounds):")
+    lines.append(f"  {'':<44}{'stock':>10}{'corefleet':>10}{'cf-stock':>10}")
+    for load in ("c1", "c16"):
+        for name, pick in hop_rows(load, c):
+            s, cf = med("stock", pick), med("corefleet", pick)
+            lines.append(f"  {name:<44}{s:>10.2f}{cf:>10.2f}{cf - s:>+10.2f}")
     lines.append("")
     lines += side_by_side(f"CPU seconds per process during the c={c} run (user + system, median over rounds):",
                           by_side, lambda r: r.c16.cpu, lambda v: f"{v:.1f} s", "total fleet")
@@ -787,6 +864,29 @@ def report(results: list[RoundResult], args: argparse.Namespace, started: float)
     return lines
 
 
+def hop_rows(load: str, concurrency: int) -> list[tuple[str, Callable[[RoundResult], float]]]:
+    """The rows of the where-the-time-goes table for one of the two runs ("c1", "c16"): see HOP_METRICS."""
+    def run(r: RoundResult) -> LoadResult:
+        return r.c1 if load == "c1" else r.c16
+
+    c = "c=1" if load == "c1" else f"c={concurrency}"
+    ttft, queue, prefill = ("vllm:time_to_first_token_seconds", "vllm:request_queue_time_seconds",
+                            "vllm:request_prefill_time_seconds")
+    itl = "vllm:inter_token_latency_seconds"
+    return [
+        (f"{c} TTFT, client", lambda r: run(r).get("mean_ttft_ms")),
+        (f"{c}   client + HTTP (client - server TTFT)", lambda r: run(r).get("mean_ttft_ms") - run(r).hop_ms(ttft)),
+        (f"{c}   TTFT, server (API server's clock)", lambda r: run(r).hop_ms(ttft)),
+        (f"{c}     in and out (server TTFT - queue - prefill)",
+         lambda r: run(r).hop_ms(ttft) - run(r).hop_ms(queue) - run(r).hop_ms(prefill)),
+        (f"{c}     engine queue", lambda r: run(r).hop_ms(queue)),
+        (f"{c}     engine prefill", lambda r: run(r).hop_ms(prefill)),
+        (f"{c} TPOT, client", lambda r: run(r).get("mean_tpot_ms")),
+        (f"{c}   engine step to step (inter-token latency)", lambda r: run(r).hop_ms(itl)),
+        (f"{c}   after the step (client TPOT - engine ITL)", lambda r: run(r).get("mean_tpot_ms") - run(r).hop_ms(itl)),
+    ]
+
+
 def _sum_by_label(procs: list[ProcMem], attr: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for p in procs:
@@ -807,6 +907,9 @@ def figures(results: list[RoundResult], concurrency: int) -> list[str]:
         "stock", lambda r: r.c16.get("request_throughput"))
     ttft = med("corefleet", lambda r: r.c16.get("mean_ttft_ms")) / med("stock", lambda r: r.c16.get("mean_ttft_ms"))
     p99 = med("corefleet", lambda r: r.c16.get("p99_ttft_ms")) / med("stock", lambda r: r.c16.get("p99_ttft_ms"))
+    tpot = med("corefleet", lambda r: r.c16.get("mean_tpot_ms")) / med("stock", lambda r: r.c16.get("mean_tpot_ms"))
+    tpot1 = med("corefleet", lambda r: r.c1.get("mean_tpot_ms")) / med("stock", lambda r: r.c1.get("mean_tpot_ms"))
+    itl1 = med("corefleet", lambda r: r.c1.median_itl_ms) / med("stock", lambda r: r.c1.median_itl_ms)
     floor = med("corefleet", lambda r: r.c1.get("median_ttft_ms")) - med("stock", lambda r: r.c1.get("median_ttft_ms"))
     floor_mean = med("corefleet", lambda r: r.c1.get("mean_ttft_ms")) - med("stock", lambda r: r.c1.get("mean_ttft_ms"))
     rss = med("corefleet", RoundResult.rss_total) / med("stock", RoundResult.rss_total)
@@ -817,6 +920,10 @@ def figures(results: list[RoundResult], concurrency: int) -> list[str]:
         f"{verdict(ttft <= GOALS['ttft'])}",
         f"RATIO corefleet/stock p99 TTFT c={concurrency} = {p99:.2f} (goal <= {GOALS['ttft']:.2f}): "
         f"{verdict(p99 <= GOALS['ttft'])}",
+        f"RATIO corefleet/stock mean TPOT c={concurrency} = {tpot:.2f} (goal <= {GOALS['tpot']:.2f}): "
+        f"{verdict(tpot <= GOALS['tpot'])}",
+        f"RATIO corefleet/stock mean TPOT c=1 = {tpot1:.2f} (goal <= {GOALS['tpot']:.2f}): "
+        f"{verdict(tpot1 <= GOALS['tpot'])}  [median ITL: {itl1:.2f}]",
         f"DIFF corefleet-stock median TTFT c=1 = {floor:+.2f} ms (goal within {GOALS['c1_ttft_ms']:.0f} ms): "
         f"{verdict(abs(floor) <= GOALS['c1_ttft_ms'])}  [mean: {floor_mean:+.2f} ms]",
         f"RATIO corefleet/stock RSS at rest = {rss:.2f} (goal <= {GOALS['rss']:.2f}): {verdict(rss <= GOALS['rss'])}",
