@@ -831,11 +831,11 @@ def report(results: list[RoundResult], args: argparse.Namespace, started: float)
     lines.append("where a request's time goes, mean ms (vLLM's request histograms on each API server, engine "
                  "timestamps "
                  "for queue/prefill/ITL; median over rounds):")
-    lines.append(f"  {'':<44}{'stock':>10}{'corefleet':>10}{'cf-stock':>10}")
+    lines.append(f"  {'':<52}{'stock':>10}{'corefleet':>10}{'cf-stock':>10}")
     for load in ("c1", "c16"):
         for name, pick in hop_rows(load, c):
             s, cf = med("stock", pick), med("corefleet", pick)
-            lines.append(f"  {name:<44}{s:>10.2f}{cf:>10.2f}{cf - s:>+10.2f}")
+            lines.append(f"  {name:<52}{s:>10.2f}{cf:>10.2f}{cf - s:>+10.2f}")
     lines.append("")
     lines += side_by_side(f"CPU seconds per process during the c={c} run (user + system, median over rounds):",
                           by_side, lambda r: r.c16.cpu, lambda v: f"{v:.1f} s", "total fleet")
