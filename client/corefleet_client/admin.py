@@ -140,6 +140,11 @@ class RankStatus:
     failed_total: int = 0  # requests ended with an error because the rank died or was retired with them
     message: str = ""
     since: float | None = None  # when the rank entered its state (seconds since the epoch); None: unknown
+    # Serving but Stalled (`frontend.progress`): no step ended within its stall bound; new requests avoid it until it
+    # makes progress again, its in-flight ones wait for it. The message says why.
+    stalled: bool = False
+    stalled_since: float | None = None  # when it last turned Stalled
+    stalls_total: int = 0  # times it turned Stalled since the frontend started
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RankStatus:

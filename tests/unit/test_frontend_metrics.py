@@ -54,6 +54,23 @@ def test_per_rank_series_state_in_flight_and_counters() -> None:
     assert got[("corefleet_frontend_rank_requests_failed_total", (("engine", "0"),))] == 1
     assert got[("corefleet_frontend_ranks", ())] == 2
     assert got[("corefleet_frontend_resize_phase", (("phase", "Idle"),))] == 1
+    assert got[("corefleet_frontend_rank_stalled", (("engine", "1"),))] == 0
+
+
+def test_a_stalled_rank_shows_while_it_is_and_counts_each_stall() -> None:
+    fleet = serving_fleet(2)
+    fleet.set_stalled(1, "no step ended for 3.2s")
+    fleet.set_stalled(1, "no step ended for 4.0s")  # still the same stall
+    got = scrape(fleet)
+    assert got[("corefleet_frontend_rank_stalled", (("engine", "1"),))] == 1
+    assert got[("corefleet_frontend_rank_stalls_total", (("engine", "1"),))] == 1
+    assert got[("corefleet_frontend_rank_state", (("engine", "1"), ("state", "Serving")))] == 1
+    fleet.set_stalled(1, "")
+    fleet.set_stalled(1, "again")
+    fleet.set_stalled(1, "")
+    got = scrape(fleet)
+    assert got[("corefleet_frontend_rank_stalled", (("engine", "1"),))] == 0
+    assert got[("corefleet_frontend_rank_stalls_total", (("engine", "1"),))] == 2
 
 
 def test_a_running_resize_shows_its_phase() -> None:

@@ -18,8 +18,8 @@ from vllm.v1.engine.core_client import DPLBAsyncMPClient
 
 from corefleet_client.frontend.fleet import identity
 from corefleet_client.frontend.membership import routing_counts
-
-UNROUTABLE = 1 << 60
+from corefleet_client.frontend.progress import HISTORY, RankProgress
+from corefleet_client.frontend.types import STALLED_LOAD, UNROUTABLE, StallPolicy
 
 
 def test_counts_shorter_than_the_fleet_are_padded_with_idle_ranks() -> None:
@@ -56,3 +56,36 @@ def test_the_new_rank_of_a_scale_up_gets_requests_only_with_the_padding(padded: 
     stale: list[list[int | float]] = [[0, 1, 0.1], [0, 1, 0.1]]
     lb = routing_counts(stale, 3, ()) if padded else stale
     assert route(lb, 3, {0: 1, 1: 1}) == (2 if padded else 0)
+
+
+def test_a_stalled_rank_is_picked_only_when_every_rank_that_takes_requests_is_stalled() -> None:
+    # Rank 1 stalled with nothing on it, rank 0 busy: the router still picks rank 0.
+    lb = routing_counts([[0, 5, 0.1], [0, 0, 0.0], [0, 0, 0.0]], 3, [2], [1])
+    assert lb[1] == [0, STALLED_LOAD, 0.0]
+    assert lb[2] == [UNROUTABLE, UNROUTABLE, 0.0]
+    assert route(lb, 3, {0: 5}) == 0
+    # Every rank that takes requests is stalled (rank 2 takes none): their own loads decide, no rank is refused.
+    counts: list[list[int | float]] = [[0, 3, 0.1], [0, 1, 0.0], [0, 0, 0.0]]
+    lb = routing_counts(counts, 3, [2], [0, 1])
+    assert lb[:2] == [[0, 3, 0.1], [0, 1, 0.0]]
+    assert route(lb, 3, {0: 3, 1: 1}) == 1
+    # A rank both unroutable and stalled is unroutable.
+    assert routing_counts([[0, 0, 0.0], [0, 0, 0.0]], 2, [1], [1])[1] == [UNROUTABLE, UNROUTABLE, 0.0]
+
+
+def test_a_ranks_stall_bound_follows_its_slowest_recent_step_and_its_prompts_still_prefilling() -> None:
+    policy = StallPolicy(floor_s=3.0, step_factor=10.0)
+    progress = RankProgress()
+    assert progress.bound(policy, 0) == 3.0  # nothing shown yet: the floor
+    for waited in (0.01, 0.05, 0.02):
+        progress.answered(waited)
+    assert progress.bound(policy, 0) == 3.0  # 10 x 50 ms is under the floor
+    progress.answered(0.5)
+    assert progress.bound(policy, 0) == pytest.approx(5.0)  # 10 x its slowest recent step
+    for _ in range(HISTORY):
+        progress.answered(0.02)  # the slow step left the history
+    assert progress.bound(policy, 0) == 3.0
+    progress.prefilled(0.032, 64)  # 0.5 ms a prompt token
+    progress.prefilled(0.1, 0)  # no prompt tokens: no sample
+    assert progress.bound(policy, 8000) == pytest.approx(3.0 + 2 * 8000 * 0.0005)
+    assert not StallPolicy(floor_s=0).enabled

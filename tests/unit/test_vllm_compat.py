@@ -37,7 +37,7 @@ from corefleet_client.admin import FleetState, RankState
 from corefleet_client.frontend.client import KubeDPLBClient
 from corefleet_client.frontend.fleet import Fleet, identity
 from corefleet_client.frontend.handshake import Handshake
-from corefleet_client.frontend.types import FleetOptions
+from corefleet_client.frontend.types import FleetOptions, StallPolicy
 from corefleet_harness.support import wait_until_async
 
 
@@ -208,13 +208,14 @@ class Requests:
         return [i for i in ids if self.request_states.pop(i, None) is not None]
 
 
-def make_client(ranks: int, engines: Engines, interval: float = 0.01, timeout: float = 0.2) -> KubeDPLBClient:
+def make_client(ranks: int, engines: Engines, interval: float = 0.01, timeout: float = 0.2,
+                stall: StallPolicy | None = None) -> KubeDPLBClient:
     """corefleet's client past its handshake (which needs engines), as `_serve` leaves it."""
     client = KubeDPLBClient.__new__(KubeDPLBClient)
     engines.client = client
     options = FleetOptions(coordinator_address="127.0.0.1", coordinator_front_publish_port=1,
                            coordinator_back_output_port=2, coordinator_back_publish_port=3,
-                           liveness_interval_s=interval, liveness_timeout_s=timeout)
+                           liveness_interval_s=interval, liveness_timeout_s=timeout, stall=stall or StallPolicy())
     fleet = Fleet("tiny", ranks)
     client.core_engines = [identity(r) for r in range(ranks)]
     client.lb_engines = [[0, 0, 0.0] for _ in range(ranks)]
@@ -379,6 +380,129 @@ def test_a_stall_of_the_frontends_own_loop_blames_no_rank() -> None:
             await asyncio.sleep(0.1)  # several liveness ticks after the stall
             assert (state(client, 0), state(client, 1)) == (RankState.SERVING, RankState.SERVING)
             assert not [t for t in transitions if t[1] != RankState.SERVING], transitions
+        finally:
+            stop_watching(client)
+
+    asyncio.run(main())
+
+
+def routed(client: KubeDPLBClient, n: int) -> list[int]:
+    """The ranks `n` new unpinned requests are routed to (each stays in flight)."""
+    out = []
+    for _ in range(n):
+        request = SimpleNamespace(request_id=f"r{next(_REQUEST_IDS)}", data_parallel_rank=None, pooling_params=None)
+        out.append(int.from_bytes(client.get_core_engine_for_request(request), "little"))
+    return out
+
+
+_REQUEST_IDS = itertools.count()
+
+
+def test_a_rank_that_ends_no_step_is_stalled_within_its_bound_and_routed_to_again_once_it_answers() -> None:
+    """Stalled long before the liveness timeout: its state (Serving) and in-flight requests stay, new requests go to
+    the other rank (one pinned to it is still sent), and its next answer ends it."""
+    async def main() -> None:
+        engines = Engines()
+        client = make_client(2, engines, timeout=30.0, stall=StallPolicy(floor_s=0.1, step_factor=10))
+        try:
+            await until(lambda: engines.utility_calls(1, "is_sleeping") >= 3, "rank 1 to answer liveness calls")
+            assert sorted(routed(client, 2)) == [0, 1]
+            engines.stopped.add(1)  # SIGSTOP: no step ends, no call is answered
+            stopped_at = time.monotonic()
+            await until(lambda: client._members.fleet.snapshot().rank(1).stalled, "rank 1 Stalled")
+            assert time.monotonic() - stopped_at < 1.0  # the bound (0.1 s) and a tick, not the 30 s timeout
+            snapshot = client._members.fleet.snapshot()
+            rank = snapshot.rank(1)
+            assert rank.state == RankState.SERVING
+            assert rank.in_flight == 1
+            assert rank.stalls_total == 1
+            assert rank.stalled_since is not None
+            assert "no step ended for" in rank.message, rank.message
+            assert "1 request(s) in flight" in rank.message, rank.message
+            assert snapshot.state == FleetState.SERVING
+            assert "rank 1 Stalled" in snapshot.message
+            assert routed(client, 4) == [0, 0, 0, 0]
+            pinned = SimpleNamespace(request_id="pinned", data_parallel_rank=1, pooling_params=None)
+            assert client.get_core_engine_for_request(pinned) == identity(1)
+            client._members.async_llm.output_processor.add("pinned")
+            assert client._members.refusal(pinned) is None  # sent: it waits for the rank, as in-flight ones do
+
+            engines.cont(1)  # SIGCONT: its answer is progress
+            await until(lambda: not client._members.fleet.snapshot().rank(1).stalled, "rank 1 no longer Stalled")
+            snapshot = client._members.fleet.snapshot()
+            assert snapshot.rank(1).stalls_total == 1
+            assert snapshot.message == ""
+            assert 1 in routed(client, 2)
+            assert not engines.errors, engines.errors
+        finally:
+            stop_watching(client)
+
+    asyncio.run(main())
+
+
+def test_a_rank_prefilling_a_long_prompt_is_not_stalled_until_its_allowance_is_spent() -> None:
+    """A step that is long for a reason the frontend knows: its requests' prompt tokens still prefilling, at the cost
+    per prompt token the rank showed, twice over. The same silence with nothing prefilling is a stall."""
+    async def main() -> None:
+        engines = Engines()
+        client = make_client(2, engines, timeout=30.0, stall=StallPolicy(floor_s=0.1, step_factor=10))
+        requests = client._members.async_llm.output_processor
+        try:
+            await until(lambda: engines.utility_calls(1, "is_sleeping") >= 3, "rank 1 to answer liveness calls")
+            # vLLM's stats of a finished request of rank 1: 64 prompt tokens prefilled in 8 ms (0.125 ms a token).
+            client._liveness.prefilled(1, [SimpleNamespace(prefill_time=0.008, num_prompt_tokens=64)])
+            long_prompt = SimpleNamespace(request_id="long", data_parallel_rank=1, pooling_params=None)
+            assert client.get_core_engine_for_request(long_prompt) == identity(1)
+            requests.request_states["long"] = SimpleNamespace(is_prefilling=True, prompt_len=4000, queue=None)
+            assert client._members.prefill_tokens_on(1) == 4000
+            bound = client._liveness.progress[1].bound(client._liveness.options.stall, 4000)
+            assert 1.0 <= bound < 1.2  # 0.1 s + 2 x 4000 x 0.125 ms
+            engines.stopped.add(1)  # one long step
+            await asyncio.sleep(0.6)  # six stall floors: still within the allowance
+            assert not client._members.fleet.snapshot().rank(1).stalled
+            assert sorted(routed(client, 3)) == [0, 0, 1]  # not avoided: by load, rank 1 had the long one
+            requests.request_states["long"].is_prefilling = False  # its first token: the step was not the prefill
+            await until(lambda: client._members.fleet.snapshot().rank(1).stalled, "rank 1 Stalled")
+            engines.cont(1)
+            await until(lambda: not client._members.fleet.snapshot().rank(1).stalled, "rank 1 no longer Stalled")
+        finally:
+            stop_watching(client)
+
+    asyncio.run(main())
+
+
+def test_stall_detection_is_off_with_a_zero_stall_timeout() -> None:
+    async def main() -> None:
+        engines = Engines()
+        client = make_client(2, engines, timeout=0.5, stall=StallPolicy(floor_s=0))
+        try:
+            await until(lambda: engines.utility_calls(1, "is_sleeping") >= 3, "rank 1 to answer liveness calls")
+            engines.stopped.add(1)
+            await until(lambda: state(client, 1) == RankState.UNRESPONSIVE, "rank 1 Unresponsive")
+            assert client._members.fleet.snapshot().rank(1).stalls_total == 0
+        finally:
+            stop_watching(client)
+
+    asyncio.run(main())
+
+
+def test_a_stalled_rank_that_stays_silent_is_unresponsive_at_the_liveness_timeout() -> None:
+    async def main() -> None:
+        engines = Engines()
+        client = make_client(2, engines, timeout=0.5, stall=StallPolicy(floor_s=0.05, step_factor=10))
+        try:
+            await until(lambda: engines.utility_calls(1, "is_sleeping") >= 3, "rank 1 to answer liveness calls")
+            engines.stopped.add(1)
+            await until(lambda: client._members.fleet.snapshot().rank(1).stalled, "rank 1 Stalled")
+            await until(lambda: state(client, 1) == RankState.UNRESPONSIVE, "rank 1 Unresponsive")
+            rank = client._members.fleet.snapshot().rank(1)
+            assert not rank.stalled, rank
+            assert "liveness call" in rank.message, rank
+            assert 1 not in client._members.stalled
+            assert 1 in client._members.unroutable
+            engines.cont(1)
+            await until(lambda: state(client, 1) == RankState.SERVING, "rank 1 Serving again")
+            assert not client._members.fleet.snapshot().rank(1).stalled
         finally:
             stop_watching(client)
 

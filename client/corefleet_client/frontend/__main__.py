@@ -20,11 +20,13 @@ from collections.abc import Sequence
 
 from corefleet_client.admin import read_token
 from corefleet_client.argv import split_launcher_argv
+from corefleet_client.frontend.types import DEFAULT_STALL_STEP_FACTOR, DEFAULT_STALL_TIMEOUT_S
 from corefleet_client.process import configure_logging, exit_promptly
 
 EXIT_USAGE = 2
 # The default of --liveness-timeout where the command line is not one's own (local fleets in tests).
 ENV_LIVENESS_TIMEOUT = "COREFLEET_LIVENESS_TIMEOUT"
+ENV_STALL_TIMEOUT = "COREFLEET_STALL_TIMEOUT"
 
 
 def _env_float(name: str, default: float) -> float:
@@ -120,6 +122,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an engine that does not answer a liveness call within this many seconds is Unresponsive: "
                         "it gets no new request until it answers (a lost connection makes it Dead) "
                         f"(default ${ENV_LIVENESS_TIMEOUT}, else 30)")
+    p.add_argument("--stall-timeout", type=float, default=_env_float(ENV_STALL_TIMEOUT, DEFAULT_STALL_TIMEOUT_S),
+                   help="the least time an engine may end no step (its liveness call unanswered) before it is "
+                        "Stalled: new requests go to the other ranks until it makes progress, its own wait for it; "
+                        "longer where its recent steps were slow (--stall-step-factor times the slowest) or its "
+                        "requests' prompts still prefill; 0: never (default $" + ENV_STALL_TIMEOUT +
+                        f", else {DEFAULT_STALL_TIMEOUT_S:g})")
+    p.add_argument("--stall-step-factor", type=float, default=DEFAULT_STALL_STEP_FACTOR,
+                   help="an engine is Stalled after no step for this many times its slowest recent step, if that "
+                        f"is longer than --stall-timeout (default {DEFAULT_STALL_STEP_FACTOR:g})")
     return p
 
 
@@ -131,6 +142,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("the vLLM serve arguments (MODEL and flags) must follow '--'")
     if opts.liveness_interval <= 0 or opts.liveness_timeout <= 0:
         parser.error("--liveness-interval and --liveness-timeout must be positive")
+    if opts.stall_timeout < 0 or opts.stall_step_factor < 1:
+        parser.error("--stall-timeout must be 0 (off) or positive, --stall-step-factor at least 1")
     if opts.attach and (opts.engine_input_port is None or opts.engine_output_port is None):
         parser.error("--attach needs --engine-input-port and --engine-output-port: the running engines connect "
                      "to fixed ports")

@@ -81,6 +81,9 @@ class RankRecord:
     aborts_total: int = 0
     failed_total: int = 0
     since: float = dataclasses.field(default_factory=time.time)  # when it entered its state
+    stalled: str = ""  # why it is Stalled (`frontend.progress`): "" while it makes progress
+    stalled_since: float | None = None  # when it last turned Stalled (seconds since the epoch)
+    stalls_total: int = 0  # times it turned Stalled
 
 
 @dataclass
@@ -175,6 +178,17 @@ class Fleet:
                 self._ops[op.id] = dataclasses.replace(op, ranks=ranks)
         if changed:
             logger.info("Rank %d: %s%s", rank, state, f" ({message})" if message else "")
+
+    def set_stalled(self, rank: int, why: str) -> None:
+        """A Serving rank turned Stalled (`why`), or made progress again (`why` empty): its requests and state stay."""
+        with self._lock:
+            rec = self._ranks.get(rank)
+            if rec is None or bool(rec.stalled) == bool(why):
+                return
+            rec.stalled = why
+            if why:
+                rec.stalled_since = time.time()
+                rec.stalls_total += 1
 
     def set_join_progress(self, progress: Callable[[], dict[int, str]] | None) -> None:
         """While ranks handshake: a function giving each joining rank's handshake step (read by snapshots).
@@ -443,14 +457,17 @@ class Fleet:
                 rank=rec.rank, identity=identity(rec.rank).hex(), state=rec.state, waiting=int(waiting),
                 running=int(running), kv_cache_usage=float(kv), in_flight=in_flight,
                 requests_total=rec.requests_total, aborts_total=rec.aborts_total, failed_total=rec.failed_total,
-                message=rec.message, since=rec.since,
+                message=rec.message or rec.stalled, since=rec.since, stalled=bool(rec.stalled),
+                stalled_since=rec.stalled_since, stalls_total=rec.stalls_total,
             ))
         troubled = [r for r in ranks if r.state in (RankState.DEAD, RankState.UNRESPONSIVE)]
         if troubled:
             state = FleetState.DEGRADED
             message = "; ".join(f"rank {r.rank} {r.state}: {r.message}" for r in troubled)
-        elif view is not None:
-            state, message = FleetState.SERVING, ""
+        elif view is not None:  # a Stalled rank is said, not a degraded fleet: it is back at its next step
+            state = FleetState.SERVING
+            message = "; ".join(f"rank {r.rank} Stalled: {r.message}" for r in ranks
+                                if r.stalled and r.state == RankState.SERVING)
         else:
             state, message = FleetState.STARTING, "engines joining"
         resize = current if current is not None else (ops[-1] if ops else None)

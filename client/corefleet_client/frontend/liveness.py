@@ -30,6 +30,11 @@ fails, the failure is logged and the watcher restarted (its state lives on this 
 detection never stops silently; exiting instead would fail every in-flight request on every rank.
 `/health` is 503 only while no rank is Serving: one hung or lost rank never takes the endpoint down.
 
+Long before the liveness timeout, a probe unanswered past the rank's stall bound makes a Serving rank Stalled
+(`frontend.progress`: an engine answers between its steps, so the rank has ended no step since): it stays Serving
+with its in-flight requests, new requests go to the other ranks, and its next answer ends it. Each answer's wait
+is what the bound is learned from, with the prefill cost from vLLM's request stats (`prefilled`).
+
 vLLM's fan-out utilities (`call_utility_all`) go to the live ranks only, for the same reason.
 """
 
@@ -48,6 +53,7 @@ from vllm.exceptions import GracefulHTTPError
 from corefleet_client.admin import RankState
 from corefleet_client.frontend.fleet import describe
 from corefleet_client.frontend.membership import Membership
+from corefleet_client.frontend.progress import RankProgress
 from corefleet_client.frontend.types import FleetOptions
 
 logger = logging.getLogger("corefleet.frontend")
@@ -79,6 +85,7 @@ class Liveness:
         self.fleet = members.fleet
         self.options = options
         self.probes: dict[int, Probe] = {}  # rank -> its outstanding liveness call
+        self.progress: dict[int, RankProgress] = {}  # rank -> what its answers showed (`frontend.progress`)
         self.task: asyncio.Task[None] | None = None
         self._last_tick: float | None = None  # when the watcher last ran (loop time)
         self._stopping = False
@@ -121,9 +128,16 @@ class Liveness:
                            now - last - options.liveness_interval_s, options.liveness_timeout_s)
             for outstanding in self.probes.values():
                 outstanding.sent_at = now
+        elif options.stall.enabled and last is not None \
+                and now - last > options.liveness_interval_s + options.stall.floor_s:
+            # Late by more than a stall bound can be: the loop stalled, not the ranks; their answers may wait unread.
+            for outstanding in self.probes.values():
+                outstanding.sent_at = max(outstanding.sent_at, now - options.liveness_interval_s)
         members = dict(enumerate(self.members.client.core_engines))
         for rank in [r for r in self.probes if r not in members]:
             del self.probes[rank]  # retired: vLLM still takes an answer that comes (nobody awaits it)
+        for rank in [r for r in self.progress if r not in members]:
+            del self.progress[rank]
         for rank, engine in members.items():
             record = self.members.records.get(rank)
             if record is None or record.state == RankState.DEAD or rank in self.members.lost:
@@ -136,6 +150,10 @@ class Liveness:
                     continue
                 if record.state == RankState.SERVING and now - probe.sent_at > options.liveness_timeout_s:
                     self._rank_unresponsive(rank, probe)
+                elif record.state == RankState.SERVING and options.stall.enabled and rank not in self.members.stalled:
+                    bound = self._progress(rank).bound(options.stall, self.members.prefill_tokens_on(rank))
+                    if now - probe.sent_at > bound:
+                        self._rank_stalled(rank, now - probe.sent_at, bound)
                 # Its probe is still out: check only that the connection is up (a killed process is
                 # Dead within an interval, whether or not it was answering).
                 await self.members.send_connection_check(engine)
@@ -154,16 +172,46 @@ class Liveness:
             return
         if self.probes.get(rank) is probe:
             del self.probes[rank]
+        waited = self._loop.time() - probe.sent_at
+        if self.members.stop_avoiding(rank):
+            self.fleet.set_stalled(rank, "")
+            logger.warning("Engine rank %d made progress again after %.1fs: new requests go to it again", rank, waited)
+        elif self.members.state(rank) == RankState.SERVING:
+            # A step time. Not the wait that ended a stall: that would keep the rank's next stall from being seen.
+            self._progress(rank).answered(waited)
         if self.members.state(rank) != RankState.UNRESPONSIVE:
             return
-        waited = self._loop.time() - probe.sent_at
         self.members.route_again(rank)
         self.fleet.set_rank(rank, RankState.SERVING)
         logger.warning("Engine rank %d answered its liveness call after %.1fs: Serving again", rank, waited)
 
     def forget(self, rank: int) -> None:
-        """A new engine took the rank (a replacement): no probe of the lost one counts for it."""
+        """A new engine took the rank (a replacement): no probe of the lost one counts for it, nor what it showed."""
         self.probes.pop(rank, None)
+        self.progress.pop(rank, None)
+        if self.members.stop_avoiding(rank):
+            self.fleet.set_stalled(rank, "")
+
+    # ---- progress (`frontend.progress`) -----------------------------------------------------------
+    def _progress(self, rank: int) -> RankProgress:
+        progress = self.progress.get(rank)
+        if progress is None:
+            progress = self.progress[rank] = RankProgress()
+        return progress
+
+    def prefilled(self, rank: int, finished: Any) -> None:
+        """vLLM's stats of requests of `rank` that finished (`FleetStatLoggers`): each one's prefill cost."""
+        progress = self._progress(rank)
+        for request in finished:
+            progress.prefilled(float(request.prefill_time), int(request.num_prompt_tokens))
+
+    def _rank_stalled(self, rank: int, quiet: float, bound: float) -> None:
+        in_flight = len(self.members.requests_on(rank))
+        reason = (f"no step ended for {quiet:.1f}s (its stall bound: {bound:.1f}s) with {in_flight} request(s) in "
+                  "flight; new requests go to the other ranks until it makes progress")
+        self.members.avoid(rank, reason)
+        self.fleet.set_stalled(rank, reason)
+        logger.warning("Engine rank %d is stalled: %s", rank, reason)
 
     # ---- a rank's loss -------------------------------------------------------------------------
     def _rank_unresponsive(self, rank: int, probe: Probe) -> None:
@@ -171,6 +219,7 @@ class Liveness:
         since = time.strftime("%H:%M:%S UTC", time.gmtime(time.time() - (self._loop.time() - probe.sent_at)))
         reason = f"no answer to a liveness call sent at {since} within {timeout:g}s; its connection is up"
         self.members.stop_routing(rank, f"rank {rank} is {RankState.UNRESPONSIVE}: {reason}")
+        self.fleet.set_stalled(rank, "")
         self.fleet.set_rank(rank, RankState.UNRESPONSIVE, reason)
         logger.error("Engine rank %d is unresponsive (%s): no new requests go to it, its %d in-flight "
                      "request(s) wait for it", rank, reason, len(self.members.requests_on(rank)))
@@ -195,6 +244,7 @@ class Liveness:
         self.probes.pop(rank, None)
         self.fleet.set_rank(rank, RankState.DEAD, reason)
         members.stop_routing(rank, f"rank {rank} is {RankState.DEAD}: {reason}")
+        self.fleet.set_stalled(rank, "")
         serving = self.fleet.ranks_in(RankState.SERVING)
         logger.error("Engine rank %d is dead (%s); failing its %d in-flight request(s); %s", rank, reason, len(lost),
                      f"{describe(serving)} serve on" if serving else "no rank serves: /health is 503")

@@ -39,7 +39,7 @@ from corefleet_client import vllm_compat
 from corefleet_client.admin import RankState, ResizeOperation
 from corefleet_client.frontend.fleet import Fleet, RankRecord, identity
 from corefleet_client.frontend.stats import FleetStatLoggers
-from corefleet_client.frontend.types import UNROUTABLE, EngineClient, ResizeFailed
+from corefleet_client.frontend.types import STALLED_LOAD, UNROUTABLE, EngineClient, ResizeFailed
 
 logger = logging.getLogger("corefleet.frontend")
 
@@ -49,21 +49,27 @@ ANNOUNCE_TIMEOUT_S = 10.0
 CONNECTION_CHECK_REQUEST_ID = "corefleet-connection-check"
 
 
-def routing_counts(counts: list[list[int | float]], size: int,
-                   unroutable: Iterable[int]) -> list[list[int | float]]:
+def routing_counts(counts: list[list[int | float]], size: int, unroutable: Iterable[int],
+                   stalled: Iterable[int] = ()) -> list[list[int | float]]:
     """The load the router reads for each of `size` ranks, from the coordinator's last counts.
 
     The coordinator's counts may be shorter than the fleet: a publish it made before it applied a
     scale-up (`SCALE_ELASTIC_EP`) can reach the stats task after it, and the coordinator publishes
     again only when a count changes, or every 5 s. vLLM's router scans only `len(counts)` ranks, so
     the new ranks would get no unpinned request meanwhile: they count as idle until the coordinator
-    knows them. Ranks that take no request (dead, unresponsive, leaving) look fully loaded.
+    knows them. Ranks that take no request (dead, unresponsive, leaving) look fully loaded. Stalled
+    ranks (`frontend.progress`) look loaded more than any working rank, less than those: the router
+    picks one only when every rank that takes requests is stalled, and then by their own loads.
     """
     if len(counts) < size:
         counts = counts + [[0, 0, 0.0] for _ in range(size - len(counts))]
-    for rank in unroutable:
-        if rank < len(counts):
-            counts[rank] = [UNROUTABLE, UNROUTABLE, 0.0]
+    closed = {rank for rank in unroutable if rank < len(counts)}
+    for rank in closed:
+        counts[rank] = [UNROUTABLE, UNROUTABLE, 0.0]
+    avoided = {rank for rank in stalled if rank < len(counts)} - closed
+    if avoided and len(avoided) + len(closed) < len(counts):
+        for rank in avoided:
+            counts[rank] = [0, STALLED_LOAD, 0.0]
     return counts
 
 
@@ -104,6 +110,7 @@ class Membership:
         self._vllm_abort = vllm_abort  # vLLM's own `_abort_requests` (not corefleet's override of it)
         self.records: dict[int, RankRecord] = {rank: fleet.record(rank) for rank in range(len(client.core_engines))}
         self.unroutable: dict[int, str] = {}  # rank -> why no request is routed to it
+        self.stalled: dict[int, str] = {}  # rank -> why new requests avoid it while another rank takes them
         self.lost: dict[int, str] = {}  # leaving ranks that died while draining -> why
         # Ranks back in the routing that no request was routed to yet -> their requests_total then.
         self.stale_loads: dict[int, int] = {}
@@ -134,7 +141,7 @@ class Membership:
     def before_routing(self) -> None:
         """What the router must read before each choice (see `routing_counts` and `ignore_load_until_routed`)."""
         client = self.client
-        client.lb_engines = routing_counts(client.lb_engines, len(client.core_engines), self.unroutable)
+        client.lb_engines = routing_counts(client.lb_engines, len(client.core_engines), self.unroutable, self.stalled)
         self.ignore_stale_loads()
 
     def routed(self, engine: bytes) -> None:
@@ -164,6 +171,19 @@ class Membership:
 
     def stop_routing(self, rank: int, why: str) -> None:
         self.unroutable[rank] = why
+        self.stalled.pop(rank, None)
+
+    def avoid(self, rank: int, why: str) -> None:
+        """A Stalled rank: new requests go elsewhere while another rank takes them (`routing_counts`)."""
+        self.stalled[rank] = why
+
+    def stop_avoiding(self, rank: int) -> bool:
+        """A Stalled rank made progress: routed by its load again; whether it was Stalled."""
+        if self.stalled.pop(rank, None) is None:
+            return False
+        if rank not in self.unroutable:
+            self.ignore_load_until_routed(rank)
+        return True
 
     def route_again(self, rank: int) -> None:
         """A rank takes requests again (its coordinator counts may be older than what it runs now)."""
@@ -189,7 +209,7 @@ class Membership:
         for rank, total in list(stale.items()):
             record = self.records.get(rank)
             if record is None or record.requests_total != total or record.state != RankState.SERVING \
-                    or rank in self.unroutable or rank >= len(lb_engines):
+                    or rank in self.unroutable or rank in self.stalled or rank >= len(lb_engines):
                 del stale[rank]  # it got a request (its engine now publishes its own counts), or left the routing
             else:
                 lb_engines[rank] = [0, 0, 0.0]
@@ -233,6 +253,7 @@ class Membership:
         """A rank that left the routing is forgotten; why it died while leaving, if it did."""
         died = self.lost.pop(rank, None)
         self.unroutable.pop(rank, None)
+        self.stalled.pop(rank, None)
         self.records.pop(rank, None)
         self.client.engine_inflight.pop(identity(rank), None)
         return died
@@ -259,6 +280,19 @@ class Membership:
             await asyncio.sleep(0.01)
 
     # ---- requests ------------------------------------------------------------------------------
+    def prefill_tokens_on(self, rank: int) -> int:
+        """Prompt tokens of the rank's requests that have no first token yet (vLLM's output processor knows each
+        request's prompt length and whether it is still prefilling)."""
+        states = getattr(getattr(self.async_llm, "output_processor", None), "request_states", None)
+        if not states:
+            return 0
+        total = 0
+        for request_id in self.requests_on(rank):
+            state = states.get(request_id)
+            if state is not None and state.is_prefilling:
+                total += int(state.prompt_len or 0)
+        return total
+
     def requests_on(self, rank: int) -> list[str]:
         engine = identity(rank)
         return [rid for rid, eng in self.client.reqs_in_flight.items() if eng == engine]

@@ -50,6 +50,9 @@ class FleetCollector(Collector):
         failed = CounterMetricFamily(f"{PREFIX}rank_requests_failed",
                                      "Requests on the rank that got an error because the rank was lost",
                                      labels=engine)
+        stalled = GaugeMetricFamily(f"{PREFIX}rank_stalled", "1 while the rank is Stalled: it ended no step within "
+                                    "its stall bound, new requests go to the other ranks", labels=engine)
+        stalls = CounterMetricFamily(f"{PREFIX}rank_stalls", "Times the rank turned Stalled", labels=engine)
         for rank in snap.ranks:
             if rank.state in GONE:
                 continue
@@ -60,7 +63,9 @@ class FleetCollector(Collector):
             routed.add_metric([label], rank.requests_total)
             aborted.add_metric([label], rank.aborts_total)
             failed.add_metric([label], rank.failed_total)
-        yield from (state, in_flight, routed, aborted, failed)
+            stalled.add_metric([label], 1.0 if rank.stalled else 0.0)
+            stalls.add_metric([label], rank.stalls_total)
+        yield from (state, in_flight, routed, aborted, failed, stalled, stalls)
         yield GaugeMetricFamily(f"{PREFIX}ranks", "The committed data-parallel size", value=snap.data_parallel_size)
         op = snap.resize
         current = IDLE if op is None or op.phase.terminal else op.phase.value

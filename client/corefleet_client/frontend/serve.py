@@ -32,7 +32,7 @@ from corefleet_client.frontend.client import client_factory
 from corefleet_client.frontend.fleet import Fleet
 from corefleet_client.frontend.followers import Followers
 from corefleet_client.frontend.metrics import FleetCollector
-from corefleet_client.frontend.types import FleetOptions
+from corefleet_client.frontend.types import FleetOptions, StallPolicy
 
 logger = logging.getLogger("corefleet.frontend")
 
@@ -72,6 +72,7 @@ def fleet_options(opts: argparse.Namespace) -> FleetOptions:
         coord_store_port=opts.coord_store_port,
         liveness_interval_s=opts.liveness_interval,
         liveness_timeout_s=opts.liveness_timeout,
+        stall=StallPolicy(floor_s=opts.stall_timeout, step_factor=opts.stall_step_factor),
         engine_input_port=opts.engine_input_port,
         engine_output_port=opts.engine_output_port,
         advertise_address=opts.advertise_address,

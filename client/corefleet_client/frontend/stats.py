@@ -21,6 +21,7 @@ output handler's `_logger_ref`):
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import REGISTRY
@@ -91,6 +92,8 @@ class FleetStatLoggers:
         self._ranks = frozenset(range(ranks))
         self._rebuild = rebuild  # StatLoggerManager's keyword arguments besides engine_idxs
         self.dropped = 0  # records of engine indexes outside the fleet
+        # Told of each rank's finished requests (vLLM's FinishedRequestStats): the stall bound's prefill cost.
+        self.finished: Callable[[int, list[Any]], None] | None = None
 
     @property
     def engine_indexes(self) -> list[int]:
@@ -110,6 +113,9 @@ class FleetStatLoggers:
         if (engine_idx or 0) not in self._ranks:
             self.dropped += 1
             return
+        finished = getattr(iteration_stats, "finished_requests", None)
+        if finished and self.finished is not None:
+            self.finished(engine_idx or 0, finished)
         self._manager.record(scheduler_stats, iteration_stats, mm_cache_stats=mm_cache_stats, engine_idx=engine_idx)
 
     def record_sleep_state(self, sleep: int = 0, level: int = 0) -> None:

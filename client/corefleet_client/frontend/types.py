@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, Protocol
 
@@ -31,6 +31,24 @@ COMMIT_GRACE_S = 60.0
 
 # A score no live rank reaches: vLLM's router picks the lowest (waiting, running) load.
 UNROUTABLE = 1 << 60
+# The load a Stalled rank shows the router: more than any working rank's, less than UNROUTABLE.
+STALLED_LOAD = 1 << 40
+
+
+DEFAULT_STALL_TIMEOUT_S = 3.0
+DEFAULT_STALL_STEP_FACTOR = 10.0
+
+
+@dataclass(frozen=True)
+class StallPolicy:
+    """The frontend's stall settings (`--stall-timeout`, `--stall-step-factor`): see `frontend.progress`."""
+
+    floor_s: float = DEFAULT_STALL_TIMEOUT_S  # 0: no rank is ever Stalled
+    step_factor: float = DEFAULT_STALL_STEP_FACTOR
+
+    @property
+    def enabled(self) -> bool:
+        return self.floor_s > 0
 
 
 @dataclass(frozen=True)
@@ -45,6 +63,7 @@ class FleetOptions:
     coord_store_port: int | None = None  # elastic EP: the startup's coordination store, beside engine 0
     liveness_interval_s: float = 1.0
     liveness_timeout_s: float = 30.0
+    stall: StallPolicy = field(default_factory=StallPolicy)  # when a rank that ends no step is Stalled (`.progress`)
     engine_input_port: int | None = None  # fixed ports of the engines' sockets (None: ephemeral)
     engine_output_port: int | None = None
     advertise_address: str | None = None  # what the engines connect to (None: --data-parallel-address)
