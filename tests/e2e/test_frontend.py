@@ -301,6 +301,57 @@ def test_a_stopped_engine_is_unresponsive_and_serves_again_once_continued(fleet:
     assert code == 200, body
 
 
+def test_a_stopped_engine_is_stalled_within_its_bound_and_new_requests_go_to_the_other_rank(vllm_fleet: Fleet) -> None:
+    """Issue 26's SIGSTOP check: 4 closed-loop clients over both real-vLLM ranks, one rank stopped. Long before the
+    liveness timeout it is Stalled (still Serving, its in-flight requests waiting for it): no new request goes to it,
+    and the clients not stuck on it keep the fleet serving; continued, it takes requests again. Nothing fails."""
+    fleet = vllm_fleet
+    slow, other = fleet.rec.replicas - 1, 0
+    load = Load(fleet.url, MODEL_NAME, workers=4, max_tokens=16, pause_s=0.0).start()
+    try:
+        def done_by(t: float) -> int:
+            return sum(1 for o in list(load.outcomes) if o.started + o.latency <= t)
+
+        wait_until(lambda: len(load.outcomes) >= 20, 120, "the load to warm up", interval=POLL)
+        t0, n0 = time.monotonic(), len(load.outcomes)
+        wait_until(lambda: len(load.outcomes) >= n0 + 60, 120, "60 requests before the stop", interval=POLL)
+        before_rate = (len(load.outcomes) - n0) / (time.monotonic() - t0)
+        routed_before = fleet.status().rank(slow).requests_total
+        os.killpg(fleet.engine_pid(slow), signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        try:
+            status = wait_until(lambda: (s := fleet.status()).rank(slow).stalled and s, fleet.liveness_timeout,
+                                f"rank {slow} Stalled", interval=POLL)
+            stalled_after = time.monotonic() - stopped_at
+            rank = status.rank(slow)
+            assert rank.state == RankState.SERVING, rank
+            assert "no step ended" in rank.message, rank.message
+            assert status.state == FleetState.SERVING
+            routed_at_stall = rank.requests_total
+            # Until the liveness timeout would have acted, new requests go to the other rank only.
+            status = wait_until(lambda: (s := fleet.status()).rank(slow).state == RankState.UNRESPONSIVE and s,
+                                fleet.liveness_timeout + 30, f"rank {slow} Unresponsive", interval=POLL)
+            unresponsive_at = time.monotonic()
+            assert status.rank(slow).requests_total == routed_at_stall
+            during_rate = (done_by(unresponsive_at) - done_by(stopped_at)) / (unresponsive_at - stopped_at)
+        finally:
+            os.killpg(fleet.engine_pid(slow), signal.SIGCONT)
+        wait_until(lambda: fleet.status().rank(slow).state == RankState.SERVING, 60, f"rank {slow} Serving again",
+                   interval=POLL)
+        wait_until(lambda: fleet.status().rank(slow).requests_total > routed_at_stall, 60,
+                   f"a request routed to rank {slow} again", interval=POLL)
+    finally:
+        load.stop()
+    print(f"\nSIGSTOP of rank {slow} under 4 closed-loop clients: {before_rate:.1f} req/s before, Stalled after "
+          f"{stalled_after:.1f} s, {during_rate:.1f} req/s from the stop to the liveness timeout "
+          f"({during_rate / before_rate:.0%}); routed to it before the stop {routed_before}, until it was Stalled "
+          f"{routed_at_stall - routed_before}")
+    assert stalled_after < 3.0 + 3 * 1.0 + 2.0  # the stall floor, up to two watcher intervals and a probe's, slack
+    assert load.failures() == [], load.summary()
+    assert fleet.status().rank(other).state == RankState.SERVING
+    assert during_rate >= 0.5 * before_rate, (before_rate, during_rate)
+
+
 def test_a_killed_emulated_engine_is_reported_and_its_requests_fail(emulated_fleet: Fleet) -> None:
     """Every rank holds a stream, one is killed: its stream alone ends with an error, the others complete. (It
     leaves the fleet degraded: the next test gets a fresh one. The real-vLLM fleet's rank is replaced in place.)"""
