@@ -398,12 +398,25 @@ def routed(client: KubeDPLBClient, n: int) -> list[int]:
 _REQUEST_IDS = itertools.count()
 
 
+def pump_outputs(client: KubeDPLBClient, engines: Engines) -> asyncio.Task[None]:
+    """Each running engine sends a step's outputs every 5 ms (as vLLM's output handler tells `FleetStatLoggers`)."""
+    async def pump() -> None:
+        while True:
+            for rank in range(len(client.core_engines)):
+                if rank not in engines.stopped:
+                    client._liveness.outputs(rank)
+            await asyncio.sleep(0.005)
+
+    return asyncio.create_task(pump())
+
+
 def test_a_rank_that_ends_no_step_is_stalled_within_its_bound_and_routed_to_again_once_it_answers() -> None:
     """Stalled long before the liveness timeout: its state (Serving) and in-flight requests stay, new requests go to
     the other rank (one pinned to it is still sent), and its next answer ends it."""
     async def main() -> None:
         engines = Engines()
         client = make_client(2, engines, timeout=30.0, stall=StallPolicy(floor_s=0.1, step_factor=10))
+        pump = pump_outputs(client, engines)
         try:
             await until(lambda: engines.utility_calls(1, "is_sleeping") >= 3, "rank 1 to answer liveness calls")
             assert sorted(routed(client, 2)) == [0, 1]
@@ -417,7 +430,7 @@ def test_a_rank_that_ends_no_step_is_stalled_within_its_bound_and_routed_to_agai
             assert rank.in_flight == 1
             assert rank.stalls_total == 1
             assert rank.stalled_since is not None
-            assert "no step ended for" in rank.message, rank.message
+            assert any(why in rank.message for why in ("no output for", "no step ended for")), rank.message
             assert "1 request(s) in flight" in rank.message, rank.message
             assert snapshot.state == FleetState.SERVING
             assert "rank 1 Stalled" in snapshot.message
@@ -427,7 +440,7 @@ def test_a_rank_that_ends_no_step_is_stalled_within_its_bound_and_routed_to_agai
             client._members.async_llm.output_processor.add("pinned")
             assert client._members.refusal(pinned) is None  # sent: it waits for the rank, as in-flight ones do
 
-            engines.cont(1)  # SIGCONT: its answer is progress
+            engines.cont(1)  # SIGCONT: its outputs and its answer are progress
             await until(lambda: not client._members.fleet.snapshot().rank(1).stalled, "rank 1 no longer Stalled")
             snapshot = client._members.fleet.snapshot()
             assert snapshot.rank(1).stalls_total == 1
@@ -435,6 +448,7 @@ def test_a_rank_that_ends_no_step_is_stalled_within_its_bound_and_routed_to_agai
             assert 1 in routed(client, 2)
             assert not engines.errors, engines.errors
         finally:
+            pump.cancel()
             stop_watching(client)
 
     asyncio.run(main())
@@ -447,6 +461,7 @@ def test_a_rank_prefilling_a_long_prompt_is_not_stalled_until_its_allowance_is_s
         engines = Engines()
         client = make_client(2, engines, timeout=30.0, stall=StallPolicy(floor_s=0.1, step_factor=10))
         requests = client._members.async_llm.output_processor
+        pump = pump_outputs(client, engines)
         try:
             await until(lambda: engines.utility_calls(1, "is_sleeping") >= 3, "rank 1 to answer liveness calls")
             # vLLM's stats of a finished request of rank 1: 64 prompt tokens prefilled in 8 ms (0.125 ms a token).
@@ -466,6 +481,42 @@ def test_a_rank_prefilling_a_long_prompt_is_not_stalled_until_its_allowance_is_s
             engines.cont(1)
             await until(lambda: not client._members.fleet.snapshot().rank(1).stalled, "rank 1 no longer Stalled")
         finally:
+            pump.cancel()
+            stop_watching(client)
+
+    asyncio.run(main())
+
+
+def test_a_rank_that_answers_but_sends_no_output_while_busy_is_stalled_until_it_does() -> None:
+    """The outputs' signal alone: its liveness calls are answered, yet its requests get nothing (a step that never
+    ends while the engine core's loop still turns); one output ends the stall."""
+    async def main() -> None:
+        engines = Engines()
+        client = make_client(2, engines, timeout=30.0, stall=StallPolicy(floor_s=0.1, step_factor=10))
+        silent: set[int] = set()
+
+        async def pump() -> None:
+            while True:
+                for rank in (0, 1):
+                    if rank not in silent:
+                        client._liveness.outputs(rank)
+                await asyncio.sleep(0.005)
+
+        task = asyncio.create_task(pump())
+        try:
+            await until(lambda: engines.utility_calls(1, "is_sleeping") >= 3, "rank 1 to answer liveness calls")
+            silent.add(1)
+            await asyncio.sleep(0.3)  # three floors without an output, but nothing in flight: no stall
+            assert not client._members.fleet.snapshot().rank(1).stalled
+            assert sorted(routed(client, 2)) == [0, 1]
+            await until(lambda: client._members.fleet.snapshot().rank(1).stalled, "rank 1 Stalled")
+            assert "no output for" in client._members.fleet.snapshot().rank(1).message
+            assert engines.utility_calls(1, "is_sleeping") >= 4  # its calls are answered all along
+            assert routed(client, 2) == [0, 0]
+            silent.discard(1)
+            await until(lambda: not client._members.fleet.snapshot().rank(1).stalled, "rank 1 no longer Stalled")
+        finally:
+            task.cancel()
             stop_watching(client)
 
     asyncio.run(main())

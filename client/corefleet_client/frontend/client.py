@@ -185,7 +185,7 @@ class KubeDPLBClient(DPLBAsyncMPClient):  # type: ignore[misc]  # vLLM is not ty
         self._members.async_llm = async_llm
         if async_llm.logger_manager is not None:
             stat_loggers = FleetStatLoggers(async_llm.logger_manager, len(self.core_engines), stat_logger_options)
-            stat_loggers.finished = self._liveness.prefilled
+            stat_loggers.outputs, stat_loggers.finished = self._liveness.outputs, self._liveness.prefilled
             self._members.stat_loggers = stat_loggers
             vllm_compat.set_stat_loggers(async_llm, stat_loggers)
 

@@ -30,10 +30,11 @@ fails, the failure is logged and the watcher restarted (its state lives on this 
 detection never stops silently; exiting instead would fail every in-flight request on every rank.
 `/health` is 503 only while no rank is Serving: one hung or lost rank never takes the endpoint down.
 
-Long before the liveness timeout, a probe unanswered past the rank's stall bound makes a Serving rank Stalled
-(`frontend.progress`: an engine answers between its steps, so the rank has ended no step since): it stays Serving
-with its in-flight requests, new requests go to the other ranks, and its next answer ends it. Each answer's wait
-is what the bound is learned from, with the prefill cost from vLLM's request stats (`prefilled`).
+Long before the liveness timeout, a rank that makes no progress is Stalled (`frontend.progress`): no output for its
+output bound while it has requests in flight (checked every `OUTPUT_CHECK_S`), or its probe unanswered past its call
+bound. It stays Serving with its in-flight requests, new requests go to the other ranks, and its next output or
+answer ends it. The bounds are learned from its outputs' gaps and its answers' waits, with the prefill cost from
+vLLM's request stats (`outputs` and `prefilled`, told by `FleetStatLoggers`).
 
 vLLM's fan-out utilities (`call_utility_all`) go to the live ranks only, for the same reason.
 """
@@ -60,6 +61,8 @@ logger = logging.getLogger("corefleet.frontend")
 
 # The utility the liveness watcher calls: answered between engine steps, no side effects.
 LIVENESS_UTILITY = "is_sleeping"
+# How often the watcher checks the ranks' outputs for a stall (probes go every liveness interval).
+OUTPUT_CHECK_S = 0.1
 _DOWN = (RankState.DEAD, RankState.UNRESPONSIVE)
 
 
@@ -86,8 +89,11 @@ class Liveness:
         self.options = options
         self.probes: dict[int, Probe] = {}  # rank -> its outstanding liveness call
         self.progress: dict[int, RankProgress] = {}  # rank -> what its answers showed (`frontend.progress`)
+        # Stalled ranks whose stall an answer ends (their call went unanswered); one found by outputs ends at an output.
+        self.call_stalls: set[int] = set()
         self.task: asyncio.Task[None] | None = None
         self._last_tick: float | None = None  # when the watcher last ran (loop time)
+        self._last_check: float | None = None  # when it last checked the ranks' outputs
         self._stopping = False
         self._loop = asyncio.get_running_loop()
 
@@ -112,11 +118,20 @@ class Liveness:
         self.start()
 
     async def _watch(self) -> None:
-        """Every interval, probe each rank (see the module docstring); never wait on one rank's answer."""
+        """Every interval, probe each rank (see the module docstring); never wait on one rank's answer. In between,
+        every `OUTPUT_CHECK_S`, look for ranks whose outputs stopped (`check_outputs`)."""
         loop = asyncio.get_running_loop()
+        interval = self.options.liveness_interval_s
+        step = min(interval, OUTPUT_CHECK_S) if self.options.stall.enabled else interval
+        next_tick = loop.time() + interval
         while True:
-            await asyncio.sleep(self.options.liveness_interval_s)
-            await self.tick(loop.time())
+            await asyncio.sleep(step)
+            now = loop.time()
+            if now >= next_tick - step / 2:
+                await self.tick(now)
+                next_tick = now + interval
+            if self.options.stall.enabled:
+                self.check_outputs(loop.time())
 
     async def tick(self, now: float) -> None:
         options = self.options
@@ -153,7 +168,8 @@ class Liveness:
                 elif record.state == RankState.SERVING and options.stall.enabled and rank not in self.members.stalled:
                     bound = self._progress(rank).bound(options.stall, self.members.prefill_tokens_on(rank))
                     if now - probe.sent_at > bound:
-                        self._rank_stalled(rank, now - probe.sent_at, bound)
+                        self._rank_stalled(rank, f"no step ended for {now - probe.sent_at:.1f}s (its stall bound: "
+                                                 f"{bound:.1f}s)", by_call=True)
                 # Its probe is still out: check only that the connection is up (a killed process is
                 # Dead within an interval, whether or not it was answering).
                 await self.members.send_connection_check(engine)
@@ -173,9 +189,10 @@ class Liveness:
         if self.probes.get(rank) is probe:
             del self.probes[rank]
         waited = self._loop.time() - probe.sent_at
-        if self.members.stop_avoiding(rank):
+        if rank in self.call_stalls and self.members.stop_avoiding(rank):
             self.fleet.set_stalled(rank, "")
-            logger.warning("Engine rank %d made progress again after %.1fs: new requests go to it again", rank, waited)
+            logger.warning("Engine rank %d made progress again (its liveness call answered after %.1fs): new requests "
+                           "go to it again", rank, waited)
         elif self.members.state(rank) == RankState.SERVING:
             # A step time. Not the wait that ended a stall: that would keep the rank's next stall from being seen.
             self._progress(rank).answered(waited)
@@ -193,6 +210,36 @@ class Liveness:
             self.fleet.set_stalled(rank, "")
 
     # ---- progress (`frontend.progress`) -----------------------------------------------------------
+    def check_outputs(self, now: float) -> None:
+        """Stall each Serving rank that has had requests in flight and sent no output for its output bound."""
+        policy = self.options.stall
+        last, self._last_check = self._last_check, now
+        if last is not None and now - last > OUTPUT_CHECK_S + policy.floor_s:
+            # The loop itself stalled: outputs may wait unread; no rank is blamed for it.
+            for progress in self.progress.values():
+                progress.restart_clocks(now)
+            return
+        members = self.members
+        for rank, engine in enumerate(members.client.core_engines):
+            record = members.records.get(rank)
+            if record is None or record.state != RankState.SERVING or rank in members.unroutable:
+                continue
+            progress = self._progress(rank)
+            progress.work(members.client.engine_inflight[engine] > 0, now)
+            quiet = progress.quiet_for(now)
+            if quiet is None or rank in members.stalled or quiet <= progress.output_bound_before_prefill(policy):
+                continue
+            bound = progress.output_bound(policy, members.prefill_tokens_on(rank))
+            if quiet > bound:
+                self._rank_stalled(rank, f"no output for {quiet:.1f}s (its stall bound: {bound:.1f}s)")
+
+    def outputs(self, rank: int) -> None:
+        """The rank sent a step's outputs (`FleetStatLoggers`): progress."""
+        self._progress(rank).output(self._loop.time())
+        if self.members.stop_avoiding(rank):
+            self.fleet.set_stalled(rank, "")
+            logger.warning("Engine rank %d made progress again (an output): new requests go to it again", rank)
+
     def _progress(self, rank: int) -> RankProgress:
         progress = self.progress.get(rank)
         if progress is None:
@@ -205,10 +252,14 @@ class Liveness:
         for request in finished:
             progress.prefilled(float(request.prefill_time), int(request.num_prompt_tokens))
 
-    def _rank_stalled(self, rank: int, quiet: float, bound: float) -> None:
-        in_flight = len(self.members.requests_on(rank))
-        reason = (f"no step ended for {quiet:.1f}s (its stall bound: {bound:.1f}s) with {in_flight} request(s) in "
-                  "flight; new requests go to the other ranks until it makes progress")
+    def _rank_stalled(self, rank: int, what: str, by_call: bool = False) -> None:
+        if by_call:
+            self.call_stalls.add(rank)
+        else:
+            self.call_stalls.discard(rank)
+        in_flight = self.members.in_flight(rank)
+        reason = (f"{what} with {in_flight} request(s) in flight; new requests go to the other ranks until it "
+                  "makes progress")
         self.members.avoid(rank, reason)
         self.fleet.set_stalled(rank, reason)
         logger.warning("Engine rank %d is stalled: %s", rank, reason)
