@@ -302,9 +302,11 @@ def test_a_stopped_engine_is_unresponsive_and_serves_again_once_continued(fleet:
 
 
 def test_a_stopped_engine_is_stalled_within_its_bound_and_new_requests_go_to_the_other_rank(vllm_fleet: Fleet) -> None:
-    """Issue 26's SIGSTOP check: 4 closed-loop clients over both real-vLLM ranks, one rank stopped. Long before the
-    liveness timeout it is Stalled (still Serving, its in-flight requests waiting for it): no new request goes to it,
-    and the clients not stuck on it keep the fleet serving; continued, it takes requests again. Nothing fails."""
+    """Issue 26's SIGSTOP check: 4 closed-loop clients over both real-vLLM ranks, one rank stopped. Within its stall
+    bound (seconds, far below the liveness timeout) it is Stalled, still Serving with its in-flight requests waiting
+    for it; from then on no new request goes to it until it makes progress; continued, it takes requests again.
+    Nothing fails. The request rates before and during the stop are printed (the clients whose requests are on the
+    stopped rank wait for it: the rate while it is stopped is that of the others)."""
     fleet = vllm_fleet
     slow, other = fleet.rec.replicas - 1, 0
     load = Load(fleet.url, MODEL_NAME, workers=4, max_tokens=16, pause_s=0.0).start()
@@ -316,19 +318,21 @@ def test_a_stopped_engine_is_stalled_within_its_bound_and_new_requests_go_to_the
         t0, n0 = time.monotonic(), len(load.outcomes)
         wait_until(lambda: len(load.outcomes) >= n0 + 60, 120, "60 requests before the stop", interval=POLL)
         before_rate = (len(load.outcomes) - n0) / (time.monotonic() - t0)
-        routed_before = fleet.status().rank(slow).requests_total
+        stalls_before = fleet.status().rank(slow).stalls_total
         os.killpg(fleet.engine_pid(slow), signal.SIGSTOP)
         stopped_at = time.monotonic()
         try:
-            status = wait_until(lambda: (s := fleet.status()).rank(slow).stalled and s, fleet.liveness_timeout,
-                                f"rank {slow} Stalled", interval=POLL)
+            status = wait_until(lambda: (s := fleet.status()).rank(slow).stalls_total > stalls_before and s,
+                                fleet.liveness_timeout, f"rank {slow} Stalled", interval=POLL)
             stalled_after = time.monotonic() - stopped_at
             rank = status.rank(slow)
+            assert rank.stalled, rank
             assert rank.state == RankState.SERVING, rank
-            assert "no step ended" in rank.message, rank.message
+            assert re.search(r"no (output|step ended) for [0-9.]+s \(its stall bound", rank.message), rank.message
             assert status.state == FleetState.SERVING
-            routed_at_stall = rank.requests_total
-            # Until the liveness timeout would have acted, new requests go to the other rank only.
+            assert f"rank {slow} Stalled" in status.message
+            routed_at_stall, in_flight_at_stall = rank.requests_total, rank.in_flight
+            # Until the liveness timeout acts, new requests go to the other rank only.
             status = wait_until(lambda: (s := fleet.status()).rank(slow).state == RankState.UNRESPONSIVE and s,
                                 fleet.liveness_timeout + 30, f"rank {slow} Unresponsive", interval=POLL)
             unresponsive_at = time.monotonic()
@@ -342,14 +346,12 @@ def test_a_stopped_engine_is_stalled_within_its_bound_and_new_requests_go_to_the
                    f"a request routed to rank {slow} again", interval=POLL)
     finally:
         load.stop()
-    print(f"\nSIGSTOP of rank {slow} under 4 closed-loop clients: {before_rate:.1f} req/s before, Stalled after "
-          f"{stalled_after:.1f} s, {during_rate:.1f} req/s from the stop to the liveness timeout "
-          f"({during_rate / before_rate:.0%}); routed to it before the stop {routed_before}, until it was Stalled "
-          f"{routed_at_stall - routed_before}")
-    assert stalled_after < 3.0 + 3 * 1.0 + 2.0  # the stall floor, up to two watcher intervals and a probe's, slack
+    print(f"\nSIGSTOP of rank {slow} under 4 closed-loop clients: {before_rate:.1f} req/s before; Stalled after "
+          f"{stalled_after:.1f} s with {in_flight_at_stall} request(s) on it; {during_rate:.1f} req/s from the stop "
+          f"to the liveness timeout ({during_rate / before_rate:.0%} of before)")
+    assert stalled_after < fleet.liveness_timeout / 2
     assert load.failures() == [], load.summary()
     assert fleet.status().rank(other).state == RankState.SERVING
-    assert during_rate >= 0.5 * before_rate, (before_rate, during_rate)
 
 
 def test_a_killed_emulated_engine_is_reported_and_its_requests_fail(emulated_fleet: Fleet) -> None:
