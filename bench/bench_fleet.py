@@ -36,13 +36,13 @@ autogroup, and so is the load generator (a second terminal). Everything of a sid
 session id; stock is stopped by signalling its process group (SIGTERM, SIGKILL after 20 s), and
 both sides are checked to leave no process behind.
 
-CPU placement: local mode pins rank r's OpenMP threads to core r (mod the usable cores) through
-`VLLM_CPU_OMP_THREADS_BIND=<core>` in each engine's environment (vLLM's "auto" would bind every
-engine to the first core: each is local rank 0 of its own launcher). Stock gets the equivalent
-through vLLM's own per-rank syntax, `VLLM_CPU_OMP_THREADS_BIND=<core0>|<core1>|...` (one entry
-per local DP rank), so each rank's worker computes on the same core on both sides; the run prints
-the bindings each worker logged. A `VLLM_CPU_OMP_THREADS_BIND` already in the environment is
-passed to both sides unchanged.
+CPU placement: local mode binds rank r's OpenMP threads to a core (`local.engine_cpu`: the usable
+cores but the last, round, as vLLM's own "auto" binding leaves the last core to the other processes)
+through `VLLM_CPU_OMP_THREADS_BIND=<core>` in each engine's environment. Stock gets the same cores
+through vLLM's own per-rank syntax, `VLLM_CPU_OMP_THREADS_BIND=<core0>|<core1>|...` (one entry per
+local DP rank; on 2 cores `0|0`, what stock picks by default), so each rank's worker computes on the
+same core on both sides; the run prints the bindings each worker logged. A
+`VLLM_CPU_OMP_THREADS_BIND` already in the environment is passed to both sides unchanged.
 
 The load is vLLM's own load generator, `vllm bench serve` (streaming `/v1/completions`, the random
 dataset, `--random-input-len 32 --random-output-len 32 --ignore-eos`, seed 0, so both sides get
@@ -59,11 +59,14 @@ concurrency-16 run (psutil `cpu_times`, user + system, sampled at its start and 
 PSS at rest (after the warm-up, before the load; RSS counts shared library pages in every
 process, PSS shares them out).
 
-Figures (medians over the rounds): `RATIO corefleet/stock throughput c=16` (goal >= 1.00), mean
-and p99 TTFT ratios at c=16 (goal <= 1.10), the difference of median TTFT at c=1 (goal within
-2 ms; the mean's difference is printed beside it), `RATIO corefleet/stock RSS at rest` (goal <=
-1.10). Each is printed with whether its goal is met; the exit status is non-zero only on errors
-(a fleet that does not come up, failed requests, a process left behind), never on a missed goal.
+Figures (medians over the rounds): `RATIO corefleet/stock throughput c=16` (goal >= 1.00), mean and
+p99 TTFT ratios at c=16 (goal <= 1.10), mean TPOT ratios at c=16 and c=1 (goal <= 1.05; the c=1
+median inter-token latency's ratio beside it), the difference of median TTFT at c=1 (goal within 2
+ms; the mean's difference is printed beside it), `RATIO corefleet/stock RSS at rest` (goal <= 1.10).
+Beside them, where a request's time goes on each side (`HOP_METRICS`: vLLM's own request histograms
+from each API server's `/metrics`). Each is printed with whether its goal is met; the exit status is
+non-zero only on errors (a fleet that does not come up, failed requests, a process left behind),
+never on a missed goal.
 
 Noise: with real vLLM CPU engines both sides stall now and then for 0.5-1.1 s, every in-flight
 stream at once, even at concurrency 1 (a few times per 10 s; never over the emulator, so most
