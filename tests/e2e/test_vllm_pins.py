@@ -157,6 +157,12 @@ def test_dplb_internals_pinned(core_client: ModuleType) -> None:
     assert "outputs_queue" in inspect.getsource(core_client.AsyncMPClient.get_output_async)
     output_task = inspect.getsource(core_client.AsyncMPClient._ensure_output_queue_task)
     assert 'getattr(self.__class__, "process_engine_outputs", None)' in output_task
+    # frontend.rescue: the hook sees each message before it is queued for the output handler, and vLLM's own hook
+    # (a staticmethod KubeDPLBClient's calls) takes finished requests out of the routing tables.
+    assert output_task.index("await output_handler(_self, outputs)") < output_task.index(
+        "outputs_queue.put_nowait(outputs)")
+    assert isinstance(inspect.getattr_static(dplb, "process_engine_outputs"), staticmethod)
+    assert "outputs.finished_requests" in inspect.getsource(dplb.process_engine_outputs)
 
 
 def test_dplb_init_is_what_init_dplb_client_repeats(core_client: ModuleType) -> None:

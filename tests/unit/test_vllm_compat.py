@@ -27,7 +27,7 @@ from vllm.entrypoints.launchers.api_server import entry
 from vllm.entrypoints.launchers.cli_args import make_arg_parser
 from vllm.exceptions import GracefulHTTPError
 from vllm.utils.argparse_utils import FlexibleArgumentParser
-from vllm.v1.engine import EngineCoreRequestType, UtilityOutput
+from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequestType, UtilityOutput
 from vllm.v1.engine.core_client import _process_utility_output
 from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.serial_utils import MsgpackEncoder, UtilityResult
@@ -750,3 +750,29 @@ def test_an_engine_left_out_of_the_attach_stands_in_for_vllms_ready_wait(absent_
     assert seen[identity(0)] == b"ready 0"
     assert seen[identity(2)] == b"ready 2"
     assert seen[identity(1)] in ((b"ready 1",) if absent_answers else (b"ready 0", b"ready 2"))
+
+
+def test_vllms_output_hook_tells_progress_and_drops_what_a_stalled_rank_sends_for_a_moved_request() -> None:
+    """`process_engine_outputs` (vLLM calls it on every message of engine outputs, before its output handling): the
+    rank's progress is noted, and a finish the old rank reports for a request moved away from it does not take the
+    request out of vLLM's routing tables, where it now runs on its new rank."""
+    async def main() -> None:
+        engines = Engines()
+        client = make_client(2, engines, timeout=30.0, stall=StallPolicy(floor_s=0.1, step_factor=10))
+        try:
+            assert client._rescue is not None
+            client.reqs_in_flight["moved"] = identity(0)
+            client.engine_inflight[identity(0)] += 1
+            client._rescue.moved["moved"] = 1
+            await KubeDPLBClient.process_engine_outputs(
+                client, EngineCoreOutputs(engine_index=1, finished_requests={"moved"}))
+            assert client.reqs_in_flight["moved"] == identity(0)
+            assert client._liveness.progress[1].last_output is not None
+            await KubeDPLBClient.process_engine_outputs(
+                client, EngineCoreOutputs(engine_index=0, finished_requests={"moved"}))
+            assert "moved" not in client.reqs_in_flight
+            assert client.engine_inflight[identity(0)] == 0
+        finally:
+            stop_watching(client)
+
+    asyncio.run(main())

@@ -10,7 +10,8 @@ pyproject.toml):
 * `operations`: resize operations on vLLM's event loop, each run by its component;
 * components: `elastic` (an MoE fleet's resizes), `replace` (a dense fleet's Dead ranks replaced),
   `resize` (a dense fleet's resizes, and the drain), `liveness` (Dead and Unresponsive ranks),
-  `progress` (when a rank that ends no step is Stalled);
+  `progress` (when a rank that makes no progress is Stalled), `rescue` (a Stalled rank's requests that have not
+  started, sent to another rank);
 * `membership` (the one interface to the client's routing tables) and `handshake` (the engines'
   HELLO/INIT/READY);
 * `stats` (AsyncLLM's stat loggers for a changing fleet), `metrics` (corefleet's `/metrics`

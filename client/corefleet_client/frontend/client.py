@@ -48,6 +48,7 @@ from corefleet_client.frontend.liveness import Liveness, connection_lost
 from corefleet_client.frontend.membership import Joiner, Membership, rank_of
 from corefleet_client.frontend.operations import ResizeOperations
 from corefleet_client.frontend.replace import Replacement
+from corefleet_client.frontend.rescue import Rescue
 from corefleet_client.frontend.resize import DenseResize
 from corefleet_client.frontend.stats import FleetStatLoggers
 from corefleet_client.frontend.types import Cancels, FleetOptions
@@ -105,6 +106,7 @@ class KubeDPLBClient(DPLBAsyncMPClient):  # type: ignore[misc]  # vLLM is not ty
     resources: Any
     encoder: Any
     client_index: int
+    _rescue: Rescue | None = None  # with stall detection on (`frontend.rescue`)
 
     def __init__(self, vllm_config: Any, executor_class: Any, log_stats: bool,
                  client_addresses: dict[str, Any] | None = None, client_count: int = 1, client_index: int = 0,
@@ -148,6 +150,8 @@ class KubeDPLBClient(DPLBAsyncMPClient):  # type: ignore[misc]  # vLLM is not ty
         self.input_socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
         members = self._members = Membership(self, fleet, joiner, vllm_abort=super()._abort_requests)
         liveness = self._liveness = Liveness(members, options)
+        if options.stall.enabled:
+            self._rescue = liveness.rescue = Rescue(members, self.add_request_async)
         cancels = Cancels()
         self._elastic = ElasticResize(members, cancels, options)
         self._resizes = ResizeOperations(members, cancels, DenseResize(members, cancels, followers), self._elastic,
@@ -185,7 +189,7 @@ class KubeDPLBClient(DPLBAsyncMPClient):  # type: ignore[misc]  # vLLM is not ty
         self._members.async_llm = async_llm
         if async_llm.logger_manager is not None:
             stat_loggers = FleetStatLoggers(async_llm.logger_manager, len(self.core_engines), stat_logger_options)
-            stat_loggers.outputs, stat_loggers.finished = self._liveness.outputs, self._liveness.prefilled
+            stat_loggers.finished = self._liveness.prefilled
             self._members.stat_loggers = stat_loggers
             vllm_compat.set_stat_loggers(async_llm, stat_loggers)
 
@@ -214,6 +218,8 @@ class KubeDPLBClient(DPLBAsyncMPClient):  # type: ignore[misc]  # vLLM is not ty
         for _ in range(len(self.core_engines)):
             try:
                 await super().add_request_async(request)
+                if self._rescue is not None:
+                    self._rescue.sent(request)
                 return
             except zmq.ZMQError as e:
                 rank = self._members.unsend(request.request_id)
@@ -223,6 +229,17 @@ class KubeDPLBClient(DPLBAsyncMPClient):  # type: ignore[misc]  # vLLM is not ty
                 if request.data_parallel_rank is not None:
                     break
         raise EngineDeadError()
+
+    @staticmethod
+    async def process_engine_outputs(self: KubeDPLBClient, outputs: Any) -> None:
+        """vLLM's hook on each message of engine outputs, before its output handling: the rank's progress
+        (`Liveness.outputs`), and what a stalled rank sends for a request moved away from it dropped (`Rescue`)."""
+        liveness: Liveness | None = getattr(self, "_liveness", None)
+        if liveness is not None:
+            liveness.outputs(outputs.engine_index)
+        if self._rescue is not None:
+            self._rescue.engine_outputs(outputs)
+        await DPLBAsyncMPClient.process_engine_outputs(self, outputs)
 
     async def _abort_requests(self, request_ids: list[str], engine: bytes) -> None:
         rank = rank_of(engine)

@@ -55,6 +55,7 @@ from corefleet_client.admin import RankState
 from corefleet_client.frontend.fleet import describe
 from corefleet_client.frontend.membership import Membership
 from corefleet_client.frontend.progress import RankProgress
+from corefleet_client.frontend.rescue import Rescue
 from corefleet_client.frontend.types import FleetOptions
 
 logger = logging.getLogger("corefleet.frontend")
@@ -91,6 +92,8 @@ class Liveness:
         self.progress: dict[int, RankProgress] = {}  # rank -> what its answers showed (`frontend.progress`)
         # Stalled ranks whose stall an answer ends (their call went unanswered); one found by outputs ends at an output.
         self.call_stalls: set[int] = set()
+        self.rescue: Rescue | None = None  # moves a Stalled rank's requests that have not started (`frontend.rescue`)
+        self._rescues: set[asyncio.Task[int]] = set()
         self.task: asyncio.Task[None] | None = None
         self._last_tick: float | None = None  # when the watcher last ran (loop time)
         self._last_check: float | None = None  # when it last checked the ranks' outputs
@@ -206,6 +209,8 @@ class Liveness:
         """A new engine took the rank (a replacement): no probe of the lost one counts for it, nor what it showed."""
         self.probes.pop(rank, None)
         self.progress.pop(rank, None)
+        if self.rescue is not None:
+            self.rescue.forget_rank(rank)
         if self.members.stop_avoiding(rank):
             self.fleet.set_stalled(rank, "")
 
@@ -263,6 +268,15 @@ class Liveness:
         self.members.avoid(rank, reason)
         self.fleet.set_stalled(rank, reason)
         logger.warning("Engine rank %d is stalled: %s", rank, reason)
+        if self.rescue is not None and in_flight:
+            task = asyncio.create_task(self.rescue.move_from(rank), name=f"corefleet-rescue-rank-{rank}")
+            self._rescues.add(task)
+            task.add_done_callback(self._rescue_done)
+
+    def _rescue_done(self, task: asyncio.Task[int]) -> None:
+        self._rescues.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("Moving a stalled rank's requests failed: %s", task.exception(), exc_info=task.exception())
 
     # ---- a rank's loss -------------------------------------------------------------------------
     def _rank_unresponsive(self, rank: int, probe: Probe) -> None:
@@ -296,6 +310,8 @@ class Liveness:
         self.fleet.set_rank(rank, RankState.DEAD, reason)
         members.stop_routing(rank, f"rank {rank} is {RankState.DEAD}: {reason}")
         self.fleet.set_stalled(rank, "")
+        if self.rescue is not None:
+            self.rescue.forget_rank(rank)
         serving = self.fleet.ranks_in(RankState.SERVING)
         logger.error("Engine rank %d is dead (%s); failing its %d in-flight request(s); %s", rank, reason, len(lost),
                      f"{describe(serving)} serve on" if serving else "no rank serves: /health is 503")

@@ -5,11 +5,13 @@ A rank stopped for seconds (SIGSTOP, a swapping host, a hung collective) keeps i
 timeout (30 s: `frontend.liveness`) is all that took it out of the routing, and until then it got new requests
 that waited on a rank that does nothing (issue 26: 14 requests in 40 s against 794 in the 30 s before, 4
 closed-loop clients over 2 ranks; each request routed to it holds a client). A Stalled rank keeps its state
-(Serving) and its in-flight requests, but the router sends it new ones only when every rank is stalled
-(`membership.routing_counts`), until it makes progress again. Two signals, whichever comes first:
+(Serving) and its in-flight requests that already streamed, but the router sends it new ones only when every rank
+is stalled (`membership.routing_counts`), until it makes progress again; those that have not started go to another
+rank (`frontend.rescue`). Two signals, whichever comes first:
 
-* its outputs: a rank with requests in flight sends one batch of outputs per step. No output for its *output
-  bound* while it has had work (checked every `OUTPUT_CHECK_S`) is a stall; its next output ends it;
+* its outputs: a rank with requests in flight sends one batch of outputs per step (seen on the output socket's
+  reader, vLLM's `process_engine_outputs` hook). No output for its *output bound* while it has had work (checked
+  every `liveness.OUTPUT_CHECK_S`) is a stall; its next output ends it;
 * its liveness call: an engine core answers utility calls between its steps (vLLM 0.32.0
   `EngineCoreProc.run_busy_loop` handles its input queue before each step), so an answer takes about as long as
   the step it waited behind, and a call unanswered past its *call bound* means no step ended since. This one
@@ -30,8 +32,8 @@ Each bound comes from what the rank showed:
   time over its prompt tokens, from vLLM's request stats; it counts the steps of other requests that ran
   meanwhile, an overestimate, which is safe), twice over;
 * `floor` (the frontend's `--stall-timeout`, 1 s; 0 turns all of this off) keeps a rank that has shown no
-  history yet, or only very fast steps, from being judged on noise. The outputs' signal needs vLLM's request
-  stats (on unless the frontend runs with `--disable-log-stats`); without them only the liveness call's counts.
+  history yet, or only very fast steps, from being judged on noise. The prefill cost needs vLLM's request stats
+  (on unless the frontend runs with `--disable-log-stats`); without them there is no prefill allowance.
 """
 
 from __future__ import annotations

@@ -92,9 +92,8 @@ class FleetStatLoggers:
         self._ranks = frozenset(range(ranks))
         self._rebuild = rebuild  # StatLoggerManager's keyword arguments besides engine_idxs
         self.dropped = 0  # records of engine indexes outside the fleet
-        # Told of each rank's outputs (one record a step) and of its finished requests (vLLM's FinishedRequestStats,
-        # for their prefill cost): a rank's progress (`frontend.progress`).
-        self.outputs: Callable[[int], None] | None = None
+        # Told of each rank's finished requests (vLLM's FinishedRequestStats): their prefill cost, for the rank's stall
+        # bound (`frontend.progress`).
         self.finished: Callable[[int, list[Any]], None] | None = None
 
     @property
@@ -115,8 +114,6 @@ class FleetStatLoggers:
         if (engine_idx or 0) not in self._ranks:
             self.dropped += 1
             return
-        if self.outputs is not None:
-            self.outputs(engine_idx or 0)
         finished = getattr(iteration_stats, "finished_requests", None)
         if finished and self.finished is not None:
             self.finished(engine_idx or 0, finished)
