@@ -398,12 +398,13 @@ def routed(client: KubeDPLBClient, n: int) -> list[int]:
 _REQUEST_IDS = itertools.count()
 
 
-def pump_outputs(client: KubeDPLBClient, engines: Engines) -> asyncio.Task[None]:
-    """Each running engine sends a step's outputs every 5 ms (as vLLM's output handler tells `FleetStatLoggers`)."""
+def pump_outputs(client: KubeDPLBClient, silent: set[int]) -> asyncio.Task[None]:
+    """Each engine but the `silent` ones sends a step's outputs every 5 ms (as vLLM's output socket reader hands
+    them to `process_engine_outputs`)."""
     async def pump() -> None:
         while True:
             for rank in range(len(client.core_engines)):
-                if rank not in engines.stopped:
+                if rank not in silent:
                     client._liveness.outputs(rank)
             await asyncio.sleep(0.005)
 
@@ -416,7 +417,7 @@ def test_a_rank_that_ends_no_step_is_stalled_within_its_bound_and_routed_to_agai
     async def main() -> None:
         engines = Engines()
         client = make_client(2, engines, timeout=30.0, stall=StallPolicy(floor_s=0.1, step_factor=10))
-        pump = pump_outputs(client, engines)
+        pump = pump_outputs(client, engines.stopped)
         try:
             await until(lambda: engines.utility_calls(1, "is_sleeping") >= 3, "rank 1 to answer liveness calls")
             assert sorted(routed(client, 2)) == [0, 1]
@@ -461,7 +462,7 @@ def test_a_rank_prefilling_a_long_prompt_is_not_stalled_until_its_allowance_is_s
         engines = Engines()
         client = make_client(2, engines, timeout=30.0, stall=StallPolicy(floor_s=0.1, step_factor=10))
         requests = client._members.async_llm.output_processor
-        pump = pump_outputs(client, engines)
+        pump = pump_outputs(client, engines.stopped)
         try:
             await until(lambda: engines.utility_calls(1, "is_sleeping") >= 3, "rank 1 to answer liveness calls")
             # vLLM's stats of a finished request of rank 1: 64 prompt tokens prefilled in 8 ms (0.125 ms a token).
@@ -494,15 +495,7 @@ def test_a_rank_that_answers_but_sends_no_output_while_busy_is_stalled_until_it_
         engines = Engines()
         client = make_client(2, engines, timeout=30.0, stall=StallPolicy(floor_s=0.1, step_factor=10))
         silent: set[int] = set()
-
-        async def pump() -> None:
-            while True:
-                for rank in (0, 1):
-                    if rank not in silent:
-                        client._liveness.outputs(rank)
-                await asyncio.sleep(0.005)
-
-        task = asyncio.create_task(pump())
+        task = pump_outputs(client, silent)
         try:
             await until(lambda: engines.utility_calls(1, "is_sleeping") >= 3, "rank 1 to answer liveness calls")
             silent.add(1)
