@@ -145,6 +145,7 @@ class RankStatus:
     stalled: bool = False
     stalled_since: float | None = None  # when it last turned Stalled
     stalls_total: int = 0  # times it turned Stalled since the frontend started
+    moved_total: int = 0  # requests moved to other ranks while it was Stalled, before they started
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RankStatus:

@@ -71,6 +71,8 @@ def test_a_stalled_rank_shows_while_it_is_and_counts_each_stall() -> None:
     got = scrape(fleet)
     assert got[("corefleet_frontend_rank_stalled", (("engine", "1"),))] == 0
     assert got[("corefleet_frontend_rank_stalls_total", (("engine", "1"),))] == 2
+    fleet.record(1).moved_total = 3
+    assert scrape(fleet)[("corefleet_frontend_rank_requests_moved_total", (("engine", "1"),))] == 3
 
 
 def test_a_running_resize_shows_its_phase() -> None:

@@ -21,6 +21,7 @@ class Members:
     def __init__(self) -> None:
         self.client = SimpleNamespace(reqs_in_flight={}, engine_inflight=Counter())
         self.stalled: dict[int, str] = {}
+        self.records = {rank: SimpleNamespace(moved_total=0) for rank in (0, 1)}
         self.aborts: list[tuple[list[str], int]] = []
         self.failed: list[tuple[list[str], str]] = []
 
@@ -66,6 +67,7 @@ def test_only_requests_without_an_output_move_and_the_stalled_rank_is_not_heard_
         assert members.client.engine_inflight[identity(1)] == 2  # streaming and pinned stay
         assert rescue.moved == {"queued": 1}
         assert rescue.moved_total == 1
+        assert members.records[1].moved_total == 1
         # Continued, rank 1 ends the step it was in (a first token for the moved request) and then its abort.
         late = outputs(1, "queued", "streaming")
         rescue.engine_outputs(late)

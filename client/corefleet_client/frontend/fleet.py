@@ -84,6 +84,7 @@ class RankRecord:
     stalled: str = ""  # why it is Stalled (`frontend.progress`): "" while it makes progress
     stalled_since: float | None = None  # when it last turned Stalled (seconds since the epoch)
     stalls_total: int = 0  # times it turned Stalled
+    moved_total: int = 0  # requests moved away from it while Stalled, before they started (`frontend.rescue`)
 
 
 @dataclass
@@ -458,7 +459,7 @@ class Fleet:
                 running=int(running), kv_cache_usage=float(kv), in_flight=in_flight,
                 requests_total=rec.requests_total, aborts_total=rec.aborts_total, failed_total=rec.failed_total,
                 message=rec.message or rec.stalled, since=rec.since, stalled=bool(rec.stalled),
-                stalled_since=rec.stalled_since, stalls_total=rec.stalls_total,
+                stalled_since=rec.stalled_since, stalls_total=rec.stalls_total, moved_total=rec.moved_total,
             ))
         troubled = [r for r in ranks if r.state in (RankState.DEAD, RankState.UNRESPONSIVE)]
         if troubled:

@@ -53,6 +53,8 @@ class FleetCollector(Collector):
         stalled = GaugeMetricFamily(f"{PREFIX}rank_stalled", "1 while the rank is Stalled: it ended no step within "
                                     "its stall bound, new requests go to the other ranks", labels=engine)
         stalls = CounterMetricFamily(f"{PREFIX}rank_stalls", "Times the rank turned Stalled", labels=engine)
+        moved = CounterMetricFamily(f"{PREFIX}rank_requests_moved", "Requests moved to other ranks while the rank was "
+                                    "Stalled, before they started", labels=engine)
         for rank in snap.ranks:
             if rank.state in GONE:
                 continue
@@ -65,7 +67,8 @@ class FleetCollector(Collector):
             failed.add_metric([label], rank.failed_total)
             stalled.add_metric([label], 1.0 if rank.stalled else 0.0)
             stalls.add_metric([label], rank.stalls_total)
-        yield from (state, in_flight, routed, aborted, failed, stalled, stalls)
+            moved.add_metric([label], rank.moved_total)
+        yield from (state, in_flight, routed, aborted, failed, stalled, stalls, moved)
         yield GaugeMetricFamily(f"{PREFIX}ranks", "The committed data-parallel size", value=snap.data_parallel_size)
         op = snap.resize
         current = IDLE if op is None or op.phase.terminal else op.phase.value

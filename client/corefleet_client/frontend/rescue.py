@@ -106,6 +106,9 @@ class Rescue:
             count += 1
         if count:
             self.moved_total += count
+            record = members.records.get(rank)
+            if record is not None:
+                record.moved_total += count
             logger.warning("Moved %d request(s) that had not started from stalled rank %d to other ranks", count, rank)
         return count
 
