@@ -138,6 +138,15 @@ class Component:
         self._logfile.close()
 
 
+
+class KubectlError(subprocess.CalledProcessError):
+    """A kubectl that failed, saying what kubectl said (a bare CalledProcessError names only the command)."""
+
+    def __str__(self) -> str:
+        stderr, stdout = (self.stderr or "").strip(), (self.stdout or "").strip()[:2000]
+        return f"{super().__str__()}\nstderr: {stderr}\nstdout: {stdout}"
+
+
 @dataclass
 class LocalControlPlane:
     """etcd + kube-apiserver + kube-controller-manager + kube-scheduler on 127.0.0.1.
@@ -405,7 +414,7 @@ class LocalControlPlane:
         argv = [self.binary("kubectl"), f"--kubeconfig={kubeconfig or self.kubeconfig}", *args]
         r = subprocess.run(argv, input=input, capture_output=True, text=True, check=False, timeout=120)
         if check and r.returncode:
-            raise subprocess.CalledProcessError(r.returncode, argv, r.stdout, r.stderr)
+            raise KubectlError(r.returncode, argv, r.stdout, r.stderr)
         return r
 
     def env(self) -> dict[str, str]:
