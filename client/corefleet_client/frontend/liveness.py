@@ -33,8 +33,8 @@ detection never stops silently; exiting instead would fail every in-flight reque
 Long before the liveness timeout, a rank that makes no progress is Stalled (`frontend.progress`): no output for its
 output bound while it has requests in flight (checked every `OUTPUT_CHECK_S`), or its probe unanswered past its call
 bound. It stays Serving with its in-flight requests, new requests go to the other ranks, and its next output or
-answer ends it. The bounds are learned from its outputs' gaps and its answers' waits, with the prefill cost from
-vLLM's request stats (`outputs` and `prefilled`, told by `FleetStatLoggers`).
+answer ends it. The bounds are learned from its outputs' gaps and its answers' waits (`outputs`, told by the client's
+`process_engine_outputs`), with the prefill cost from vLLM's request stats (`prefilled`, told by `FleetStatLoggers`).
 
 vLLM's fan-out utilities (`call_utility_all`) go to the live ranks only, for the same reason.
 """
@@ -192,8 +192,7 @@ class Liveness:
         if self.probes.get(rank) is probe:
             del self.probes[rank]
         waited = self._loop.time() - probe.sent_at
-        if rank in self.call_stalls and self.members.stop_avoiding(rank):
-            self.fleet.set_stalled(rank, "")
+        if rank in self.call_stalls and self._end_stall(rank):
             logger.warning("Engine rank %d made progress again (its liveness call answered after %.1fs): new requests "
                            "go to it again", rank, waited)
         elif self.members.state(rank) == RankState.SERVING:
@@ -211,8 +210,7 @@ class Liveness:
         self.progress.pop(rank, None)
         if self.rescue is not None:
             self.rescue.forget_rank(rank)
-        if self.members.stop_avoiding(rank):
-            self.fleet.set_stalled(rank, "")
+        self._end_stall(rank)
 
     # ---- progress (`frontend.progress`) -----------------------------------------------------------
     def check_outputs(self, now: float) -> None:
@@ -232,18 +230,26 @@ class Liveness:
             progress = self._progress(rank)
             progress.work(members.client.engine_inflight[engine] > 0, now)
             quiet = progress.quiet_for(now)
-            if quiet is None or rank in members.stalled or quiet <= progress.output_bound_before_prefill(policy):
+            # The floor first: every bound is at least that, and the gaps' quantile sorts them.
+            if quiet is None or quiet <= policy.floor_s or rank in members.stalled \
+                    or quiet <= progress.output_bound_before_prefill(policy):
                 continue
             bound = progress.output_bound(policy, members.prefill_tokens_on(rank))
             if quiet > bound:
                 self._rank_stalled(rank, f"no output for {quiet:.1f}s (its stall bound: {bound:.1f}s)")
 
     def outputs(self, rank: int) -> None:
-        """The rank sent a step's outputs (`FleetStatLoggers`): progress."""
+        """The rank sent a step's outputs (the client's `process_engine_outputs`): progress."""
         self._progress(rank).output(self._loop.time())
-        if self.members.stop_avoiding(rank):
-            self.fleet.set_stalled(rank, "")
+        if self._end_stall(rank):
             logger.warning("Engine rank %d made progress again (an output): new requests go to it again", rank)
+
+    def _end_stall(self, rank: int) -> bool:
+        """The rank is no longer Stalled (it made progress, or its engine was replaced); whether it was."""
+        if not self.members.stop_avoiding(rank):
+            return False
+        self.fleet.set_stalled(rank, "")
+        return True
 
     def _progress(self, rank: int) -> RankProgress:
         progress = self.progress.get(rank)
