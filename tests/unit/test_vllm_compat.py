@@ -37,7 +37,8 @@ from corefleet_client.admin import FleetState, RankState
 from corefleet_client.frontend.client import KubeDPLBClient
 from corefleet_client.frontend.fleet import Fleet, identity
 from corefleet_client.frontend.handshake import Handshake
-from corefleet_client.frontend.types import FleetOptions, StallPolicy
+from corefleet_client.frontend.membership import rank_of
+from corefleet_client.frontend.types import AffinitySettings, FleetOptions, RoutingPolicy, StallPolicy
 from corefleet_harness.support import wait_until_async
 
 
@@ -209,14 +210,17 @@ class Requests:
 
 
 def make_client(ranks: int, engines: Engines, interval: float = 0.01, timeout: float = 0.2,
-                stall: StallPolicy | None = None) -> KubeDPLBClient:
+                stall: StallPolicy | None = None, routing: RoutingPolicy = RoutingPolicy.LEAST_LOADED,
+                affinity: AffinitySettings | None = None) -> KubeDPLBClient:
     """corefleet's client past its handshake (which needs engines), as `_serve` leaves it."""
     client = KubeDPLBClient.__new__(KubeDPLBClient)
     engines.client = client
     options = FleetOptions(coordinator_address="127.0.0.1", coordinator_front_publish_port=1,
                            coordinator_back_output_port=2, coordinator_back_publish_port=3,
-                           liveness_interval_s=interval, liveness_timeout_s=timeout, stall=stall or StallPolicy())
+                           liveness_interval_s=interval, liveness_timeout_s=timeout, stall=stall or StallPolicy(),
+                           routing=routing, affinity=affinity or AffinitySettings())
     fleet = Fleet("tiny", ranks)
+    client.vllm_config = SimpleNamespace(cache_config=SimpleNamespace(block_size=4))
     client.core_engines = [identity(r) for r in range(ranks)]
     client.lb_engines = [[0, 0, 0.0] for _ in range(ranks)]
     client.reqs_in_flight = {}
@@ -765,6 +769,50 @@ def test_vllms_output_hook_tells_progress_and_drops_what_a_stalled_rank_sends_fo
                 client, EngineCoreOutputs(engine_index=0, finished_requests={"moved"}))
             assert "moved" not in client.reqs_in_flight
             assert client.engine_inflight[identity(0)] == 0
+        finally:
+            stop_watching(client)
+
+    asyncio.run(main())
+
+
+def test_prefix_affinity_routes_a_shared_prefix_to_one_rank_avoids_stalled_ranks_and_counts_its_decisions() -> None:
+    """With `--routing prefix-affinity` the client routes by `frontend.affinity` and keeps vLLM's bookkeeping:
+    the request's engine for aborts, the in-flight count, the load the router sees until the next stats."""
+    async def main() -> None:
+        engines = Engines()
+        client = make_client(3, engines, timeout=30.0, routing=RoutingPolicy.PREFIX_AFFINITY,
+                             affinity=AffinitySettings(prefix_tokens=8, balance=100.0))
+        try:
+            shared = list(range(100, 108))
+
+            def request(rid: str, tokens: list[int], pinned: int | None = None) -> Any:
+                return SimpleNamespace(request_id=rid, data_parallel_rank=pinned, pooling_params=None,
+                                       prompt_token_ids=tokens)
+
+            picks = [client.get_core_engine_for_request(request(f"q{n}", shared + [n] * 5)) for n in range(6)]
+            assert len(set(picks)) == 1
+            home = rank_of(picks[0])
+            assert client.engine_inflight[picks[0]] == 6
+            assert all(client.reqs_in_flight[f"q{n}"] == picks[0] for n in range(6))
+            assert client.lb_engines[home][0] == 6  # counted until the coordinator's next stats
+            first = request("again", [*shared, 1, 2, 3, 4])
+            assert client.get_core_engine_for_request(first) == picks[0]
+            assert first.data_parallel_rank is None  # the pin was only for vLLM's router
+            # A request pinned by its client, and one too short for a block, are vLLM's to route.
+            assert client.get_core_engine_for_request(request("pinned", shared, pinned=(home + 1) % 3)) \
+                == identity((home + 1) % 3)
+            short = client.get_core_engine_for_request(request("short", [1, 2, 3]))
+            # The prefix's rank Stalled: its prefix goes to its next rank while it is, and back once it makes progress.
+            client._members.avoid(home, "no output")
+            moved = client.get_core_engine_for_request(request("while-stalled", shared + [9] * 5))
+            assert moved != picks[0]
+            client._members.stop_avoiding(home)
+            assert client.get_core_engine_for_request(request("after", shared + [8] * 5)) == picks[0]
+            snapshot = client._members.fleet.snapshot()
+            assert snapshot.rank(home).affinity_total == 8
+            assert snapshot.rank(rank_of(moved)).affinity_total + snapshot.rank(rank_of(moved)).spilled_total >= 1
+            assert sum(snapshot.rank(r).requests_total for r in range(3)) == 11
+            assert rank_of(short) in range(3)
         finally:
             stop_watching(client)
 

@@ -20,13 +20,21 @@ from collections.abc import Sequence
 
 from corefleet_client.admin import read_token
 from corefleet_client.argv import split_launcher_argv
-from corefleet_client.frontend.types import DEFAULT_STALL_STEP_FACTOR, DEFAULT_STALL_TIMEOUT_S
+from corefleet_client.frontend.types import (
+    DEFAULT_ROUTING,
+    DEFAULT_ROUTING_BALANCE,
+    DEFAULT_ROUTING_PREFIX_TOKENS,
+    DEFAULT_STALL_STEP_FACTOR,
+    DEFAULT_STALL_TIMEOUT_S,
+    RoutingPolicy,
+)
 from corefleet_client.process import configure_logging, exit_promptly
 
 EXIT_USAGE = 2
 # The default of --liveness-timeout where the command line is not one's own (local fleets in tests).
 ENV_LIVENESS_TIMEOUT = "COREFLEET_LIVENESS_TIMEOUT"
 ENV_STALL_TIMEOUT = "COREFLEET_STALL_TIMEOUT"
+ENV_ROUTING = "COREFLEET_ROUTING"
 
 
 def _env_float(name: str, default: float) -> float:
@@ -36,6 +44,15 @@ def _env_float(name: str, default: float) -> float:
     except ValueError:
         sys.stderr.write(f"corefleet frontend: ${name}={value!r} is not a number; using {default:g}\n")
         return default
+
+
+def _env_routing() -> str:
+    value = os.environ.get(ENV_ROUTING, "").strip()
+    if value and value not in tuple(RoutingPolicy):
+        sys.stderr.write(f"corefleet frontend: ${ENV_ROUTING}={value!r} is not one of "
+                         f"{', '.join(RoutingPolicy)}; using {DEFAULT_ROUTING}\n")
+        return DEFAULT_ROUTING.value
+    return value or DEFAULT_ROUTING.value
 
 
 def _addresses(value: str) -> tuple[str, ...]:
@@ -131,6 +148,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stall-step-factor", type=float, default=DEFAULT_STALL_STEP_FACTOR,
                    help="an engine is Stalled after no step for this many times its slowest recent step, if that "
                         f"is longer than --stall-timeout (default {DEFAULT_STALL_STEP_FACTOR:g})")
+    p.add_argument("--routing", choices=tuple(RoutingPolicy), default=_env_routing(),
+                   help="how a request not pinned to a rank finds one: least-loaded (vLLM's router) or "
+                        "prefix-affinity (the rank that holds the prompt's prefix in its cache, within "
+                        f"--routing-balance of the mean load) (default ${ENV_ROUTING}, else {DEFAULT_ROUTING})")
+    p.add_argument("--routing-prefix-tokens", type=int, default=DEFAULT_ROUTING_PREFIX_TOKENS,
+                   help="prefix-affinity: how many leading prompt tokens (whole KV blocks) pick a prompt's rank "
+                        f"(default {DEFAULT_ROUTING_PREFIX_TOKENS})")
+    p.add_argument("--routing-balance", type=float, default=DEFAULT_ROUTING_BALANCE,
+                   help="prefix-affinity: a rank takes a request while its load stays within this many times the "
+                        f"mean; past it the request spills to the prefix's next rank (default "
+                        f"{DEFAULT_ROUTING_BALANCE:g}, at least 1)")
     return p
 
 
@@ -144,6 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--liveness-interval and --liveness-timeout must be positive")
     if opts.stall_timeout < 0 or opts.stall_step_factor < 1:
         parser.error("--stall-timeout must be 0 (off) or positive, --stall-step-factor at least 1")
+    if opts.routing_prefix_tokens < 1 or opts.routing_balance < 1:
+        parser.error("--routing-prefix-tokens must be positive, --routing-balance at least 1")
     if opts.attach and (opts.engine_input_port is None or opts.engine_output_port is None):
         parser.error("--attach needs --engine-input-port and --engine-output-port: the running engines connect "
                      "to fixed ports")

@@ -39,6 +39,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 
 from corefleet_client import vllm_compat
 from corefleet_client.admin import RankState
+from corefleet_client.frontend.affinity import DEFAULT_BLOCK_SIZE, PrefixAffinity
 from corefleet_client.frontend.attach import announcer
 from corefleet_client.frontend.elastic import ElasticResize
 from corefleet_client.frontend.fleet import ExpertLayout, Fleet, describe, identity
@@ -51,7 +52,7 @@ from corefleet_client.frontend.replace import Replacement
 from corefleet_client.frontend.rescue import Rescue
 from corefleet_client.frontend.resize import DenseResize
 from corefleet_client.frontend.stats import FleetStatLoggers
-from corefleet_client.frontend.types import Cancels, FleetOptions
+from corefleet_client.frontend.types import Cancels, FleetOptions, RoutingPolicy
 
 logger = logging.getLogger("corefleet.frontend")
 
@@ -148,7 +149,11 @@ class KubeDPLBClient(DPLBAsyncMPClient):  # type: ignore[misc]  # vLLM is not ty
         self.input_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # A rank that rejoins (same identity) after it was retired takes over a stale connection.
         self.input_socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        members = self._members = Membership(self, fleet, joiner, vllm_abort=super()._abort_requests)
+        affinity = None
+        if options.routing == RoutingPolicy.PREFIX_AFFINITY:
+            affinity = PrefixAffinity(options.affinity, self.vllm_config.cache_config.block_size or DEFAULT_BLOCK_SIZE)
+        members = self._members = Membership(self, fleet, joiner, vllm_abort=super()._abort_requests,
+                                             affinity=affinity)
         liveness = self._liveness = Liveness(members, options)
         if options.stall.enabled:
             self._rescue = liveness.rescue = Rescue(members, self.add_request_async)
@@ -200,12 +205,27 @@ class KubeDPLBClient(DPLBAsyncMPClient):  # type: ignore[misc]  # vLLM is not ty
 
     # ---- routing -------------------------------------------------------------------------------
     def get_core_engine_for_request(self, request: Any) -> bytes:
-        # vLLM's router picks the least loaded of the ranks in `lb_engines` (membership.routing_counts).
-        self._members.before_routing()
+        # vLLM's router picks the least loaded of the ranks in `lb_engines` (membership.routing_counts), unless
+        # prefix affinity picks the rank (`frontend.affinity`).
+        members = self._members
+        members.before_routing()
         known = request.request_id in self.reqs_in_flight
-        engine: bytes = super().get_core_engine_for_request(request)
-        if not known:
-            self._members.routed(engine)
+        choice = members.choose_by_prefix(request)
+        if choice is None:
+            engine: bytes = super().get_core_engine_for_request(request)
+            if not known:
+                members.routed(engine)
+            return engine
+        rank, decision = choice
+        # vLLM's router records a pinned request's engine (for aborts, and its in-flight count) as an unpinned one's;
+        # the pin is the request's only for this call.
+        request.data_parallel_rank = rank
+        try:
+            engine = super().get_core_engine_for_request(request)
+        finally:
+            request.data_parallel_rank = None
+        self.lb_engines[rank][0] += self.client_count  # as vLLM's router counts its choice until the next stats
+        members.routed(engine, decision)
         return engine
 
     async def add_request_async(self, request: Any) -> None:

@@ -85,6 +85,8 @@ class RankRecord:
     stalled_since: float | None = None  # when it last turned Stalled (seconds since the epoch)
     stalls_total: int = 0  # times it turned Stalled
     moved_total: int = 0  # requests moved away from it while Stalled, before they started (`frontend.rescue`)
+    affinity_total: int = 0  # requests routed to it as their prefix's first choice (`frontend.affinity`)
+    spilled_total: int = 0  # requests routed to it because their prefix's first choice was over its load bound
 
 
 @dataclass
@@ -460,6 +462,7 @@ class Fleet:
                 requests_total=rec.requests_total, aborts_total=rec.aborts_total, failed_total=rec.failed_total,
                 message=rec.message or rec.stalled, since=rec.since, stalled=bool(rec.stalled),
                 stalled_since=rec.stalled_since, stalls_total=rec.stalls_total, moved_total=rec.moved_total,
+                affinity_total=rec.affinity_total, spilled_total=rec.spilled_total,
             ))
         troubled = [r for r in ranks if r.state in (RankState.DEAD, RankState.UNRESPONSIVE)]
         if troubled:

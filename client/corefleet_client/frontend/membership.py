@@ -37,9 +37,10 @@ from vllm.v1.engine import FinishReason as VllmFinishReason
 
 from corefleet_client import vllm_compat
 from corefleet_client.admin import RankState, ResizeOperation
+from corefleet_client.frontend.affinity import PrefixAffinity
 from corefleet_client.frontend.fleet import Fleet, RankRecord, identity
 from corefleet_client.frontend.stats import FleetStatLoggers
-from corefleet_client.frontend.types import STALLED_LOAD, UNROUTABLE, EngineClient, ResizeFailed
+from corefleet_client.frontend.types import STALLED_LOAD, UNROUTABLE, Decision, EngineClient, ResizeFailed
 
 logger = logging.getLogger("corefleet.frontend")
 
@@ -103,8 +104,10 @@ class Membership:
     """The fleet's members as vLLM's client routes to them (see the module docstring)."""
 
     def __init__(self, client: EngineClient, fleet: Fleet, joiner: Joiner,
-                 vllm_abort: Callable[[list[str], bytes], Awaitable[None]]) -> None:
+                 vllm_abort: Callable[[list[str], bytes], Awaitable[None]],
+                 affinity: PrefixAffinity | None = None) -> None:
         self.client = client
+        self.affinity = affinity  # prefix-affinity routing (None: vLLM's least-loaded router alone)
         self.fleet = fleet
         self.joiner = joiner
         self._vllm_abort = vllm_abort  # vLLM's own `_abort_requests` (not corefleet's override of it)
@@ -144,9 +147,36 @@ class Membership:
         client.lb_engines = routing_counts(client.lb_engines, len(client.core_engines), self.unroutable, self.stalled)
         self.ignore_stale_loads()
 
-    def routed(self, engine: bytes) -> None:
-        """A new request went to `engine`."""
-        self.records[rank_of(engine)].requests_total += 1
+    def routed(self, engine: bytes, decision: Decision | None = None) -> None:
+        """A new request went to `engine` (by prefix affinity: `decision`)."""
+        record = self.records[rank_of(engine)]
+        record.requests_total += 1
+        if decision == Decision.AFFINITY:
+            record.affinity_total += 1
+        elif decision == Decision.SPILL:
+            record.spilled_total += 1
+
+    def routing_loads(self) -> dict[int, float]:
+        """After `before_routing`: the ranks a new request may go to, with their loads as vLLM's router scores them
+        (the greater of the coordinator's waiting + running and this client's in-flight count times the clients).
+        Stalled ranks only where every rank that takes requests is stalled."""
+        client = self.client
+        open_ranks = [rank for rank in range(min(len(client.core_engines), len(client.lb_engines)))
+                      if rank not in self.unroutable]
+        ranks = [rank for rank in open_ranks if rank not in self.stalled] or open_ranks
+        loads: dict[int, float] = {}
+        for rank in ranks:
+            waiting, running, _ = client.lb_engines[rank]
+            loads[rank] = float(max(client.client_count * client.engine_inflight[identity(rank)], waiting + running))
+        return loads
+
+    def choose_by_prefix(self, request: Any) -> tuple[int, Decision] | None:
+        """Prefix-affinity's rank for a new request that is not pinned (`frontend.affinity`), after `before_routing`;
+        None where the policy is off or the prompt has no full block (vLLM's router picks by load)."""
+        if self.affinity is None or request.data_parallel_rank is not None \
+                or request.request_id in self.client.reqs_in_flight:
+            return None
+        return self.affinity.choose(request.prompt_token_ids, self.routing_loads())
 
     def refusal(self, request: Any) -> str | None:
         """Why a new request cannot be routed at all (pinned to a rank that takes none, or no rank takes any)."""
@@ -256,6 +286,8 @@ class Membership:
         self.stalled.pop(rank, None)
         self.records.pop(rank, None)
         self.client.engine_inflight.pop(identity(rank), None)
+        if self.affinity is not None:
+            self.affinity.forget(rank)
         return died
 
     async def announce_size(self, size: int, replaced: list[int] | None = None) -> None:

@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 
 from corefleet_client.admin import RankState, ResizePhase
 from corefleet_client.frontend.fleet import Fleet
+from corefleet_client.frontend.types import Decision
 
 PREFIX = "corefleet_frontend_"
 IDLE = "Idle"  # the resize phase when none runs
@@ -55,6 +56,9 @@ class FleetCollector(Collector):
         stalls = CounterMetricFamily(f"{PREFIX}rank_stalls", "Times the rank turned Stalled", labels=engine)
         moved = CounterMetricFamily(f"{PREFIX}rank_requests_moved", "Requests moved to other ranks while the rank was "
                                     "Stalled, before they started", labels=engine)
+        by_prefix = CounterMetricFamily(f"{PREFIX}rank_requests_routed_by_prefix", "Requests routed to the rank by "
+                                        "prefix affinity: as their prefix's first choice (affinity), or because that "
+                                        "rank was over its load bound (spill)", labels=[*engine, "decision"])
         for rank in snap.ranks:
             if rank.state in GONE:
                 continue
@@ -68,7 +72,9 @@ class FleetCollector(Collector):
             stalled.add_metric([label], 1.0 if rank.stalled else 0.0)
             stalls.add_metric([label], rank.stalls_total)
             moved.add_metric([label], rank.moved_total)
-        yield from (state, in_flight, routed, aborted, failed, stalled, stalls, moved)
+            by_prefix.add_metric([label, Decision.AFFINITY.value], rank.affinity_total)
+            by_prefix.add_metric([label, Decision.SPILL.value], rank.spilled_total)
+        yield from (state, in_flight, routed, aborted, failed, stalled, stalls, moved, by_prefix)
         yield GaugeMetricFamily(f"{PREFIX}ranks", "The committed data-parallel size", value=snap.data_parallel_size)
         op = snap.resize
         current = IDLE if op is None or op.phase.terminal else op.phase.value

@@ -32,7 +32,7 @@ from corefleet_client.frontend.client import client_factory
 from corefleet_client.frontend.fleet import Fleet
 from corefleet_client.frontend.followers import Followers
 from corefleet_client.frontend.metrics import FleetCollector
-from corefleet_client.frontend.types import FleetOptions, StallPolicy
+from corefleet_client.frontend.types import AffinitySettings, FleetOptions, RoutingPolicy, StallPolicy
 
 logger = logging.getLogger("corefleet.frontend")
 
@@ -73,6 +73,8 @@ def fleet_options(opts: argparse.Namespace) -> FleetOptions:
         liveness_interval_s=opts.liveness_interval,
         liveness_timeout_s=opts.liveness_timeout,
         stall=StallPolicy(floor_s=opts.stall_timeout, step_factor=opts.stall_step_factor),
+        routing=RoutingPolicy(opts.routing),
+        affinity=AffinitySettings(prefix_tokens=opts.routing_prefix_tokens, balance=opts.routing_balance),
         engine_input_port=opts.engine_input_port,
         engine_output_port=opts.engine_output_port,
         advertise_address=opts.advertise_address,

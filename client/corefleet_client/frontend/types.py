@@ -16,6 +16,7 @@ which are tested without vLLM, can use it too. Each error says who raises it and
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -51,6 +52,43 @@ class StallPolicy:
         return self.floor_s > 0
 
 
+class RoutingPolicy(enum.StrEnum):
+    """How the frontend picks a rank for a request not pinned to one (`--routing`)."""
+
+    LEAST_LOADED = "least-loaded"  # vLLM's own router: the least loaded rank, ties rotated
+    PREFIX_AFFINITY = "prefix-affinity"  # the rank holding the prompt's prefix, bounded by load (`frontend.affinity`)
+
+
+DEFAULT_ROUTING = RoutingPolicy.LEAST_LOADED
+DEFAULT_ROUTING_PREFIX_TOKENS = 256
+DEFAULT_ROUTING_BALANCE = 1.25
+DEFAULT_ROUTING_MEMORY = 65536  # prompts remembered for continuations (two 8-byte keys each)
+
+
+class Decision(enum.StrEnum):
+    """Why prefix-affinity routing sent a request to its rank."""
+
+    AFFINITY = "affinity"  # the prefix's first choice (a continuation's rank, else the key's first rank)
+    SPILL = "spill"  # the first choice was over its load bound: the key's next rank that had room
+
+
+@dataclass(frozen=True)
+class AffinitySettings:
+    """`--routing-prefix-tokens`, `--routing-balance`: see `frontend.affinity`."""
+
+    prefix_tokens: int = DEFAULT_ROUTING_PREFIX_TOKENS
+    balance: float = DEFAULT_ROUTING_BALANCE
+    memory: int = DEFAULT_ROUTING_MEMORY
+
+    def __post_init__(self) -> None:
+        if self.prefix_tokens < 1:
+            raise ValueError(f"the routing prefix must be at least one token, not {self.prefix_tokens}")
+        if self.balance < 1.0:
+            raise ValueError(f"the routing balance must be at least 1.0 (the mean load), not {self.balance}")
+        if self.memory < 0:
+            raise ValueError(f"the routing memory cannot be negative, not {self.memory}")
+
+
 @dataclass(frozen=True)
 class FleetOptions:
     """What the frontend knows about its fleet beyond vLLM's own flags (from the entrypoint's command line)."""
@@ -64,6 +102,8 @@ class FleetOptions:
     liveness_interval_s: float = 1.0
     liveness_timeout_s: float = 30.0
     stall: StallPolicy = field(default_factory=StallPolicy)  # when a rank that ends no step is Stalled (`.progress`)
+    routing: RoutingPolicy = DEFAULT_ROUTING
+    affinity: AffinitySettings = field(default_factory=AffinitySettings)  # with routing prefix-affinity
     engine_input_port: int | None = None  # fixed ports of the engines' sockets (None: ephemeral)
     engine_output_port: int | None = None
     advertise_address: str | None = None  # what the engines connect to (None: --data-parallel-address)
@@ -163,6 +203,7 @@ class EngineClient(Protocol):
     first_req_send_socket: Any  # to vLLM's stats task
     encoder: Any
     client_index: int
+    client_count: int  # vLLM's clients of every engine (the fleet's frontends)
 
     def _ensure_stats_update_task(self) -> None: ...
 
