@@ -99,6 +99,7 @@ def frontend_args(
     detached: Sequence[int] = (),
     frontend_addresses: Sequence[str] = (),
     client_index: int = 0,
+    routing: Sequence[str] = (),
     vllm_flags: Sequence[str] = (),
 ) -> list[str]:
     """Arguments of the frontend (`corefleet_client.frontend`): vLLM's API server with corefleet's
@@ -117,6 +118,7 @@ def frontend_args(
     ranks `detached` (their replacement was in flight when the lost frontend went): they start Dead.
     `frontend_addresses` (several frontends, all at `engine_ports`): every frontend's advertised address by
     client index, this one's (`client_index`) being its `advertise_address`; frontend 0 runs the handshake.
+    `routing`: the routing flags (`--routing POLICY` and its settings), as given.
     """
     if client_index and not frontend_addresses:
         raise ValueError(f"client index {client_index} without the frontend addresses")
@@ -137,6 +139,7 @@ def frontend_args(
         launcher += ["--engine-input-port", str(engine_ports[0]), "--engine-output-port", str(engine_ports[1])]
     if advertise_address is not None:
         launcher += ["--advertise-address", advertise_address]
+    launcher += routing
     if detached and not attach:
         raise ValueError("detached ranks without attach")
     if attach:

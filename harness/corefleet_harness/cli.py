@@ -32,6 +32,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import FrameType
 
+from corefleet_client.frontend.types import DEFAULT_ROUTING, ENV_ROUTING, RoutingPolicy
 from corefleet_harness import local
 from corefleet_harness.localcluster import ControlPlaneError, LocalControlPlane, add_gpu_node, resolve_bin_dir
 from corefleet_harness.support import free_port, http_get, tail, wait_until
@@ -130,6 +131,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     except local.LocalFleetError as e:
         print(f"corefleet up: {e}", file=sys.stderr)
         return 2
+    if args.routing is not None:  # the frontends read it, restarted ones too (the supervisor passes it on)
+        os.environ[ENV_ROUTING] = args.routing
     return local.up(opts, detach=args.detach)
 
 
@@ -204,6 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--detach", action="store_true", help="return once the fleet serves and leave it running")
     up.add_argument("--timeout", type=float, help="seconds to wait for the fleet to serve (default: "
                     + ", ".join(f"{k} {v:.0f}" for k, v in local.DEFAULT_READY_TIMEOUT.items()) + ")")
+    up.add_argument("--routing", choices=tuple(RoutingPolicy),
+                    help=f"how the frontends route requests to the ranks (default ${ENV_ROUTING}, else "
+                         f"{DEFAULT_ROUTING}): least-loaded, or prefix-affinity (a prompt's prefix to the rank that "
+                         "holds it, bounded by load)")
     up.add_argument("--token-delay-ms", type=int, help="the emulator's delay per generated token")
     up.add_argument("--elastic-ep-max", type=int, metavar="N",
                     help="MoE models: resize with vLLM's elastic EP up to N ranks (engine 0 serves the coordination "

@@ -330,6 +330,7 @@ def frontend_pod(fleet: FleetRef, *, dp_size: int, coordinator_address: str, fle
         advertise_address=addresses[index],
         frontend_addresses=addresses if count > 1 else (),
         client_index=index,
+        routing=routing_flags(spec),
         attach=attach,
         detached=sorted(detached) if attach else (),
         vllm_flags=[
@@ -370,6 +371,20 @@ def frontend_pod(fleet: FleetRef, *, dp_size: int, coordinator_address: str, fle
     }, *_storage_volumes(spec)]
     return _pod(fleet, name, constants.ROLE_FRONTEND, container, volumes, dp_size, fleet_generation,
                 template=spec.frontend.podTemplate)
+
+
+# spec.frontend.routing.policy -> the frontend's --routing.
+ROUTING_POLICY_FLAGS: Mapping[str, str] = {"LeastLoaded": "least-loaded", "PrefixAffinity": "prefix-affinity"}
+
+
+def routing_flags(spec: EngineCoreSetSpec) -> list[str]:
+    """The frontend's routing flags from `spec.frontend.routing` (the settings only with PrefixAffinity)."""
+    routing = spec.frontend.routing
+    flags = ["--routing", ROUTING_POLICY_FLAGS[routing.policy]]
+    if routing.policy == "PrefixAffinity":
+        flags += ["--routing-prefix-tokens", str(routing.prefixTokens),
+                  "--routing-balance", f"{routing.loadBoundPercent / 100:g}"]
+    return flags
 
 
 # ---- services, secret, network policy -----------------------------------------------------------

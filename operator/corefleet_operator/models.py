@@ -647,6 +647,24 @@ class ServiceSpec:
 
 
 @dataclass(frozen=True)
+class RoutingSpec:
+    policy: Literal["LeastLoaded", "PrefixAffinity"] = field(default="LeastLoaded", metadata=meta(
+        "How a frontend picks the rank for a request not pinned to one. LeastLoaded: vLLM's router (the least "
+        "loaded rank, ties rotated). PrefixAffinity: requests whose prompts share their leading prefixTokens go to "
+        "one rank, whose prefix cache then holds them (rendezvous hashing, the same on every frontend), and the next "
+        "turn of a conversation to the rank of the last; a rank takes them only while its load stays within "
+        "loadBoundPercent of the mean, past it they spill to the prefix's next rank. Applies to frontend pods "
+        "created after the change: delete a frontend pod to apply it now (it is replaced in place, the engines "
+        "serve on)."))
+    prefixTokens: int = field(default=256, metadata=meta(
+        "PrefixAffinity: how many leading prompt tokens (whole KV blocks) pick a prompt's rank.",
+        minimum=1, maximum=1 << 20))
+    loadBoundPercent: int = field(default=125, metadata=meta(
+        "PrefixAffinity: the most load a rank takes by affinity, in percent of the mean load over the ranks.",
+        minimum=100, maximum=1000))
+
+
+@dataclass(frozen=True)
 class FrontendSpec:
     port: int = field(default=8000, metadata=meta(
         "HTTP port of the OpenAI-compatible API.", minimum=1, maximum=65535))
@@ -656,6 +674,8 @@ class FrontendSpec:
         "without a CPU request it is starved on a shared node. No CPU limit by default (throttling "
         "stalls every stream)."))
     service: ServiceSpec = field(default_factory=ServiceSpec, metadata=meta("The frontend Service."))
+    routing: RoutingSpec = field(default_factory=RoutingSpec, metadata=meta(
+        "How the frontends route requests to the ranks."))
     podTemplate: PodTemplate | None = field(default=None, metadata=meta(_template_doc("frontend")))
     replicas: int = field(default=1, metadata=meta(
         f"Frontend pods, at most {C.MAX_FRONTENDS}, behind the fleet's Service: each one of vLLM's clients of every "

@@ -51,6 +51,10 @@ COREFLEET_METRICS = {
     "corefleet_frontend_rank_requests_routed": "counter",
     "corefleet_frontend_rank_requests_aborted": "counter",
     "corefleet_frontend_rank_requests_failed": "counter",
+    "corefleet_frontend_rank_stalled": "gauge",
+    "corefleet_frontend_rank_stalls": "counter",
+    "corefleet_frontend_rank_requests_moved": "counter",
+    "corefleet_frontend_rank_requests_routed_by_prefix": "counter",
     "corefleet_frontend_ranks": "gauge",
     "corefleet_frontend_resize_phase": "gauge",
 }
@@ -59,7 +63,8 @@ SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), 
 # Labels the expressions may group or match by: the scrape's, corefleet's, the rules' own, and
 # vLLM's (checked against its source below).
 SCRAPE_LABELS = {"namespace", "fleet", "pod", "job", "instance"}
-COREFLEET_LABELS = {"result", "verb", "resource", "code", "phase", "direction", "state", "engine", "le", "quantile"}
+COREFLEET_LABELS = {"result", "verb", "resource", "code", "phase", "direction", "state", "engine", "le", "quantile",
+                    "decision"}
 VLLM_LABELS = {"engine", "model_name", "finished_reason"}
 
 REQUIRED_RECORDS = {"corefleet:rank_in_flight_requests", "corefleet:fleet_in_flight_requests",

@@ -651,3 +651,27 @@ def test_several_frontends_each_know_every_frontends_address_and_their_own_index
     budgets = {o["metadata"]["name"]: o["spec"]["minAvailable"] for o in _children(fleet, 2)
                if o["kind"] == "PodDisruptionBudget"}
     assert budgets[constants.fleet_service_name("a")] == 4  # the coordinator and the 3 frontends: no disruption
+
+
+@pytest.mark.parametrize(("routing", "expected"), [
+    ({}, ["--routing", "least-loaded"]),
+    ({"policy": "PrefixAffinity"},
+     ["--routing", "prefix-affinity", "--routing-prefix-tokens", "256", "--routing-balance", "1.25"]),
+    ({"policy": "PrefixAffinity", "prefixTokens": 64, "loadBoundPercent": 150},
+     ["--routing", "prefix-affinity", "--routing-prefix-tokens", "64", "--routing-balance", "1.5"]),
+])
+def test_the_frontends_routing_comes_from_the_spec_and_its_parser_takes_it(routing: dict[str, Any],
+                                                                           expected: list[str]) -> None:
+    from corefleet_client.commands import LAUNCHER_ARGS_END
+    from corefleet_client.frontend import __main__ as frontend_main
+    from corefleet_client.frontend import serve
+
+    fleet = make_ecs("a").set("frontend", {"routing": routing}).obj()
+    args = _container(builders.frontend_pod(fleet, dp_size=2, coordinator_address="c"))["args"]
+    ours = args[:args.index(LAUNCHER_ARGS_END)]
+    start = ours.index("--routing")
+    assert ours[start:start + len(expected)] == expected
+    options = serve.fleet_options(frontend_main.build_parser().parse_args(ours))
+    assert options.routing.value == expected[1]
+    if len(expected) > 2:
+        assert (options.affinity.prefix_tokens, options.affinity.balance) == (int(expected[3]), float(expected[5]))

@@ -26,6 +26,7 @@ from corefleet_client.frontend.types import (
     DEFAULT_ROUTING_PREFIX_TOKENS,
     DEFAULT_STALL_STEP_FACTOR,
     DEFAULT_STALL_TIMEOUT_S,
+    ENV_ROUTING,
     RoutingPolicy,
 )
 from corefleet_client.process import configure_logging, exit_promptly
@@ -34,7 +35,6 @@ EXIT_USAGE = 2
 # The default of --liveness-timeout where the command line is not one's own (local fleets in tests).
 ENV_LIVENESS_TIMEOUT = "COREFLEET_LIVENESS_TIMEOUT"
 ENV_STALL_TIMEOUT = "COREFLEET_STALL_TIMEOUT"
-ENV_ROUTING = "COREFLEET_ROUTING"
 
 
 def _env_float(name: str, default: float) -> float:

@@ -60,6 +60,7 @@ class RoutingPolicy(enum.StrEnum):
 
 
 DEFAULT_ROUTING = RoutingPolicy.LEAST_LOADED
+ENV_ROUTING = "COREFLEET_ROUTING"  # the default of the frontend's --routing (local fleets: `corefleet up --routing`)
 DEFAULT_ROUTING_PREFIX_TOKENS = 256
 DEFAULT_ROUTING_BALANCE = 1.25
 DEFAULT_ROUTING_MEMORY = 65536  # prompts remembered for continuations (two 8-byte keys each)
