@@ -146,8 +146,10 @@ class RankStatus:
     stalled_since: float | None = None  # when it last turned Stalled
     stalls_total: int = 0  # times it turned Stalled since the frontend started
     moved_total: int = 0  # requests moved to other ranks while it was Stalled, before they started
-    # Prefix-affinity routing (`frontend.affinity`): requests routed to the rank as their prefix's first choice, and as
-    # a spill (their first choice was over its load bound). The rest of requests_total went by load.
+    # Prefix-affinity routing (`frontend.affinity`): requests routed to the rank with a prefix new to the frontend,
+    # because the rank holds their prefix, and as a spill (the rank holding it was over its load bound). The rest of
+    # requests_total went by load (no full block, pinned, or least-loaded routing).
+    new_prefix_total: int = 0
     affinity_total: int = 0
     spilled_total: int = 0
 

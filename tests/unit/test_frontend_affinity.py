@@ -45,14 +45,27 @@ def test_a_prompt_without_a_full_block_is_left_to_the_load_balancer() -> None:
 def test_prompts_sharing_the_key_prefix_go_to_one_rank_on_every_frontend() -> None:
     one, two = router(), router()  # two frontends: no shared state
     system = prompt(7, 8)  # the key: the first 8 tokens (2 blocks)
-    picks = {one.choose(system + prompt(q, 30), IDLE) for q in range(20)}
-    picks |= {two.choose(system + prompt(q + 100, 5), IDLE) for q in range(20)}
-    assert len(picks) == 1
-    pick = picks.pop()
-    assert pick is not None
-    rank, decision = pick
-    assert decision == Decision.AFFINITY
-    assert rank == rendezvous(block_hashes(system, BLOCK)[-1], IDLE)[0]
+    first = rendezvous(block_hashes(system, BLOCK)[-1], IDLE)[0]
+    assert one.choose(system + prompt(0, 30), IDLE) == (first, Decision.NEW)
+    assert {one.choose(system + prompt(q, 30), IDLE) for q in range(1, 20)} == {(first, Decision.AFFINITY)}
+    assert two.choose(system + prompt(100, 5), IDLE) == (first, Decision.NEW)  # the other frontend agrees
+
+
+def test_a_new_prefix_goes_to_its_first_rank_unless_that_has_more_than_one_request_over_the_least_loaded() -> None:
+    tokens = prompt(4, 12)
+    first, second, _, _ = rendezvous(block_hashes(tokens, BLOCK)[1], IDLE)
+    loads = dict.fromkeys(IDLE, 1.0)
+    assert router().choose(tokens, {**loads, first: 2.0}) == (first, Decision.NEW)
+    assert router().choose(tokens, {**loads, first: 3.0}) == (second, Decision.NEW)
+    # Random prompts: spread as by load, within one request of it.
+    r = router()
+    loads = dict.fromkeys(IDLE, 0.0)
+    for seed in range(200):
+        choice = r.choose(prompt(1000 + seed, 12), loads)
+        assert choice is not None
+        assert choice[1] == Decision.NEW
+        loads[choice[0]] += 1
+        assert max(loads.values()) - min(loads.values()) <= 2
 
 
 def test_different_prefixes_spread_over_the_ranks() -> None:
@@ -75,18 +88,26 @@ def test_a_rank_joining_takes_only_its_share_of_keys_and_one_leaving_gives_only_
     assert all(shrunk[key] == before[key] for key in keys if before[key] != 2)
 
 
-def test_a_rank_over_the_load_bound_spills_in_the_same_order_on_every_frontend() -> None:
+def test_a_rank_over_the_load_bound_spills_in_the_prefixs_order() -> None:
     tokens = prompt(3, 16)
     key = block_hashes(tokens, BLOCK)[1]
     first, second, third, _ = rendezvous(key, IDLE)
+
+    def held() -> PrefixAffinity:  # a frontend that routed the prefix to its first rank
+        r = router(balance=balance)
+        assert r.choose(tokens, IDLE) == (first, Decision.NEW)
+        return r
+
+    balance = 1.25
     loads = {rank: 1.0 for rank in IDLE}
     loads[first] = 2.0  # total 5: the bound is ceil(1.25 * 6 / 4) = 2, so the first choice is full
     assert capacity(loads, 1.25) == 2
-    assert router().choose(tokens, loads) == (second, Decision.SPILL)
+    assert held().choose(tokens, loads) == (second, Decision.SPILL)
     # Total 8: the bound is ceil(1.25 * 9 / 4) = 3; the first two are full.
-    assert router().choose(tokens, {**loads, first: 3.0, second: 3.0}) == (third, Decision.SPILL)
-    # A higher balance keeps it on its first choice.
-    assert router(balance=2.0).choose(tokens, loads) == (first, Decision.AFFINITY)
+    assert held().choose(tokens, {**loads, first: 3.0, second: 3.0}) == (third, Decision.SPILL)
+    # A higher balance keeps it on its rank.
+    balance = 2.0
+    assert held().choose(tokens, loads) == (first, Decision.AFFINITY)
 
 
 def test_a_hot_prefix_spreads_as_its_load_needs_and_no_rank_runs_past_the_bound() -> None:

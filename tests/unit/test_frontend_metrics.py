@@ -77,10 +77,12 @@ def test_a_stalled_rank_shows_while_it_is_and_counts_each_stall() -> None:
 
 def test_prefix_affinity_decisions_show_per_rank() -> None:
     fleet = serving_fleet(2)
+    fleet.record(0).new_prefix_total = 1
     fleet.record(0).affinity_total = 5
     fleet.record(0).spilled_total = 2
     got = scrape(fleet)
     by_prefix = "corefleet_frontend_rank_requests_routed_by_prefix_total"
+    assert got[(by_prefix, (("decision", "new"), ("engine", "0")))] == 1
     assert got[(by_prefix, (("decision", "affinity"), ("engine", "0")))] == 5
     assert got[(by_prefix, (("decision", "spill"), ("engine", "0")))] == 2
     assert got[(by_prefix, (("decision", "affinity"), ("engine", "1")))] == 0

@@ -8,21 +8,25 @@ misses the cache the previous one built. This router keeps them together, bounde
 * **The key.** The prompt's leading full blocks (the engines' KV block size), at most `prefix_tokens`
   tokens, hashed (BLAKE2b, so every frontend and every process computes the same key). A prompt
   shorter than one block has no useful prefix: the request goes by load (vLLM's own router).
-* **The rank for a key**: rendezvous (highest-random-weight) hashing over the ranks that take
-  requests. A function of the key and the ranks alone, so frontends agree without sharing state, and a
-  rank that joins takes only the keys it now wins (about 1/N), a rank that leaves gives away only its
-  own.
-* **Bounded loads** (consistent hashing with bounded loads): a rank takes a request only while its load
-  (vLLM's measure: the coordinator's waiting + running, or this client's in-flight count times the
-  clients) stays within `balance` times the mean load after it; otherwise the request spills to the
-  key's next rank in rendezvous order. A hot prefix spreads over as many ranks as its load needs, in
-  the same order on every frontend, and no rank runs past the bound while another has room.
-* **Continuations.** A prompt that extends one this frontend routed (the next turn of a conversation:
-  the whole conversation so far) goes to the rank that prompt went to, even where the key (say, a
-  system prompt that many conversations share) would pick another: each routed prompt's hash over all
-  its full blocks is remembered (a bounded LRU), and a new prompt's block-aligned prefixes are looked up,
-  longest first. This memory is per frontend; a turn that reaches another frontend falls back to the
-  key, which is where its conversation started unless that rank was over its bound then.
+* **Where a prefix goes first**: the first rank in the key's rendezvous (highest-random-weight) order
+  over the ranks that take requests, unless that rank has more than one request more than the least
+  loaded one; then the next in that order that has not. The order is a function of the key and the
+  ranks alone, so frontends agree without sharing state, and a rank that joins is first for only the
+  keys it now wins (about 1/N), a rank that leaves gives away only its own. Prompts that share nothing
+  are spread as by load (within one request of it).
+* **Then it stays there.** Each routed prompt's hash over all its full blocks, and a new prefix's key,
+  are remembered with their rank (a bounded LRU), and a request's block-aligned prefixes are looked up,
+  longest first: the next turn of a conversation (whose prompt is the whole conversation so far) goes
+  where the last turn went, and a shared system prompt to where it went first, even where the key's
+  order would now pick another rank.
+* **Bounded loads** (consistent hashing with bounded loads): that rank takes the request only while its
+  load stays within `balance` times the mean load after it; otherwise the request spills to the key's
+  next rank in rendezvous order that has room, which then holds the prompt too. A hot prefix spreads
+  over as many ranks as its load needs, and no rank runs past the bound while another has room.
+
+Loads are vLLM's measure (`Membership.routing_loads`). The memory is per frontend: with several
+frontends, a request that reaches a frontend which has not routed its prefix goes where a new prefix
+goes, the same rank as on the frontend that did unless load moved it then.
 
 Pure: no vLLM, no event loop, no clock. The client (`frontend.client`) asks `choose` for each new
 request that is not pinned to a rank, and counts the decision (`Decision`) per rank.
@@ -74,7 +78,8 @@ class PrefixAffinity:
         self.settings = settings
         self.block_size = block_size
         self._key_blocks = max(1, settings.prefix_tokens // block_size)
-        self._routed: OrderedDict[bytes, int] = OrderedDict()  # hash of a routed prompt's full blocks -> its rank
+        # The hash of a routed prompt's full blocks, and of a new prefix's key -> the rank it went to.
+        self._routed: OrderedDict[bytes, int] = OrderedDict()
 
     def choose(self, tokens: Sequence[int] | None, loads: Mapping[int, float]) -> tuple[int, Decision] | None:
         """The rank for a new request with prompt `tokens` among `loads` (the ranks that take requests, with their
@@ -84,24 +89,35 @@ class PrefixAffinity:
         hashes = block_hashes(tokens, self.block_size)
         if not hashes:
             return None
+        key = hashes[min(len(hashes), self._key_blocks) - 1]
+        order = rendezvous(key, loads)
+        held = self._held(hashes)
+        if held is None:
+            # A prefix this frontend has not routed (or whose rank left): the first rank in the key's order that is
+            # within one request of the least loaded (every frontend's first choice, unless it is busier than that);
+            # from now on the prefix and its continuations follow it.
+            low = min(loads.values())
+            rank = next(r for r in order if loads[r] <= low + 1)
+            self._remember(key, rank)
+            self._remember(hashes[-1], rank)
+            return rank, Decision.NEW
+        if held in loads:  # else it takes no requests now (stalled, say): the prompt spills, the prefix stays its
+            order.remove(held)
+            order.insert(0, held)
         bound = capacity(loads, self.settings.balance)
-        order = rendezvous(hashes[min(len(hashes), self._key_blocks) - 1], loads)
-        previous = self._continued(hashes)
-        if previous is not None and previous in loads:
-            order.remove(previous)
-            order.insert(0, previous)
-        rank = next((r for r in order if loads[r] + 1 <= bound), None)
-        if rank is None:  # cannot happen with balance >= 1 (the least loaded rank is within the mean + 1)
-            rank = min(order, key=lambda r: loads[r])
-        self._remember(hashes[-1], rank)
-        return rank, Decision.AFFINITY if rank == order[0] else Decision.SPILL
+        # Some rank has room with balance >= 1 (the least loaded is within the mean + 1); the minimum is a safeguard.
+        chosen = next((r for r in order if loads[r] + 1 <= bound), None)
+        chosen = min(order, key=lambda r: loads[r]) if chosen is None else chosen
+        self._remember(hashes[-1], chosen)
+        return chosen, Decision.AFFINITY if chosen == held else Decision.SPILL
 
     def forget(self, rank: int) -> None:
         """`rank` left the fleet: its prompts are no longer continued there (rendezvous picks again)."""
         for key in [k for k, r in self._routed.items() if r == rank]:
             del self._routed[key]
 
-    def _continued(self, hashes: list[bytes]) -> int | None:
+    def _held(self, hashes: list[bytes]) -> int | None:
+        """The rank of the longest block-aligned prefix of the prompt that this frontend routed."""
         for digest in reversed(hashes):
             rank = self._routed.get(digest)
             if rank is not None:

@@ -85,8 +85,9 @@ class RankRecord:
     stalled_since: float | None = None  # when it last turned Stalled (seconds since the epoch)
     stalls_total: int = 0  # times it turned Stalled
     moved_total: int = 0  # requests moved away from it while Stalled, before they started (`frontend.rescue`)
-    affinity_total: int = 0  # requests routed to it as their prefix's first choice (`frontend.affinity`)
-    spilled_total: int = 0  # requests routed to it because their prefix's first choice was over its load bound
+    new_prefix_total: int = 0  # requests with a prefix new to the frontend routed to it (`frontend.affinity`)
+    affinity_total: int = 0  # requests routed to it because it holds their prefix
+    spilled_total: int = 0  # requests routed to it because the rank holding their prefix was over its load bound
 
 
 @dataclass
@@ -462,7 +463,8 @@ class Fleet:
                 requests_total=rec.requests_total, aborts_total=rec.aborts_total, failed_total=rec.failed_total,
                 message=rec.message or rec.stalled, since=rec.since, stalled=bool(rec.stalled),
                 stalled_since=rec.stalled_since, stalls_total=rec.stalls_total, moved_total=rec.moved_total,
-                affinity_total=rec.affinity_total, spilled_total=rec.spilled_total,
+                new_prefix_total=rec.new_prefix_total, affinity_total=rec.affinity_total,
+                spilled_total=rec.spilled_total,
             ))
         troubled = [r for r in ranks if r.state in (RankState.DEAD, RankState.UNRESPONSIVE)]
         if troubled:

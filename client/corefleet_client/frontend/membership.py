@@ -151,23 +151,31 @@ class Membership:
         """A new request went to `engine` (by prefix affinity: `decision`)."""
         record = self.records[rank_of(engine)]
         record.requests_total += 1
-        if decision == Decision.AFFINITY:
+        if decision == Decision.NEW:
+            record.new_prefix_total += 1
+        elif decision == Decision.AFFINITY:
             record.affinity_total += 1
         elif decision == Decision.SPILL:
             record.spilled_total += 1
 
     def routing_loads(self) -> dict[int, float]:
-        """After `before_routing`: the ranks a new request may go to, with their loads as vLLM's router scores them
-        (the greater of the coordinator's waiting + running and this client's in-flight count times the clients).
-        Stalled ranks only where every rank that takes requests is stalled."""
+        """After `before_routing`: the ranks a new request may go to, with their loads: this client's requests in
+        flight on each, exact, where it is the fleet's only client; with several frontends, as vLLM's router scores
+        them (the greater of the coordinator's waiting + running and this client's in-flight count times the
+        clients): the coordinator's counts lag by up to its publish interval, so a rank whose request just finished
+        still looks busy for that long. Stalled ranks only where every rank that takes requests is stalled."""
         client = self.client
         open_ranks = [rank for rank in range(min(len(client.core_engines), len(client.lb_engines)))
                       if rank not in self.unroutable]
         ranks = [rank for rank in open_ranks if rank not in self.stalled] or open_ranks
         loads: dict[int, float] = {}
         for rank in ranks:
-            waiting, running, _ = client.lb_engines[rank]
-            loads[rank] = float(max(client.client_count * client.engine_inflight[identity(rank)], waiting + running))
+            in_flight = client.engine_inflight[identity(rank)]
+            if client.client_count == 1:
+                loads[rank] = float(in_flight)
+            else:
+                waiting, running, _ = client.lb_engines[rank]
+                loads[rank] = float(max(client.client_count * in_flight, waiting + running))
         return loads
 
     def choose_by_prefix(self, request: Any) -> tuple[int, Decision] | None:

@@ -57,8 +57,9 @@ class FleetCollector(Collector):
         moved = CounterMetricFamily(f"{PREFIX}rank_requests_moved", "Requests moved to other ranks while the rank was "
                                     "Stalled, before they started", labels=engine)
         by_prefix = CounterMetricFamily(f"{PREFIX}rank_requests_routed_by_prefix", "Requests routed to the rank by "
-                                        "prefix affinity: as their prefix's first choice (affinity), or because that "
-                                        "rank was over its load bound (spill)", labels=[*engine, "decision"])
+                                        "prefix affinity: a prefix new to the frontend (new), to the rank holding "
+                                        "their prefix (affinity), or because that rank was over its load bound (spill)",
+                                        labels=[*engine, "decision"])
         for rank in snap.ranks:
             if rank.state in GONE:
                 continue
@@ -72,6 +73,7 @@ class FleetCollector(Collector):
             stalled.add_metric([label], 1.0 if rank.stalled else 0.0)
             stalls.add_metric([label], rank.stalls_total)
             moved.add_metric([label], rank.moved_total)
+            by_prefix.add_metric([label, Decision.NEW.value], rank.new_prefix_total)
             by_prefix.add_metric([label, Decision.AFFINITY.value], rank.affinity_total)
             by_prefix.add_metric([label, Decision.SPILL.value], rank.spilled_total)
         yield from (state, in_flight, routed, aborted, failed, stalled, stalls, moved, by_prefix)

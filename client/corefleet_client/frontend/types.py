@@ -63,14 +63,15 @@ DEFAULT_ROUTING = RoutingPolicy.LEAST_LOADED
 ENV_ROUTING = "COREFLEET_ROUTING"  # the default of the frontend's --routing (local fleets: `corefleet up --routing`)
 DEFAULT_ROUTING_PREFIX_TOKENS = 256
 DEFAULT_ROUTING_BALANCE = 1.25
-DEFAULT_ROUTING_MEMORY = 65536  # prompts remembered for continuations (two 8-byte keys each)
+DEFAULT_ROUTING_MEMORY = 65536  # prefixes remembered (an 8-byte hash and a rank each)
 
 
 class Decision(enum.StrEnum):
     """Why prefix-affinity routing sent a request to its rank."""
 
-    AFFINITY = "affinity"  # the prefix's first choice (a continuation's rank, else the key's first rank)
-    SPILL = "spill"  # the first choice was over its load bound: the key's next rank that had room
+    NEW = "new"  # a prefix the frontend had not routed: the least loaded rank, which holds it from now on
+    AFFINITY = "affinity"  # the rank holding the prompt's prefix (where its longest routed prefix went)
+    SPILL = "spill"  # that rank was over its load bound: the prefix's next rank (rendezvous order) that had room
 
 
 @dataclass(frozen=True)
