@@ -409,8 +409,10 @@ def stock_fleet(args: argparse.Namespace, work: Path, model: str, flags: tuple[s
 
 
 @contextlib.contextmanager
-def corefleet_fleet(args: argparse.Namespace, state: Path, model: str, round_no: int) -> Iterator[Side]:
-    """`corefleet up --detach` in a new session; `corefleet down` on the way out."""
+def corefleet_fleet(args: argparse.Namespace, state: Path, model: str, round_no: int,
+                    flags: tuple[str, ...] | None = None, env: dict[str, str] | None = None) -> Iterator[Side]:
+    """`corefleet up --detach` in a new session; `corefleet down` on the way out. With `flags`, the fleet
+    serves `model` (`--model`) with exactly those vLLM flags (after `--`); `env` is added to its environment."""
     port = free_ports(1)[0]
     argv = [str(BIN / "corefleet"), "up", "--detach", "--replicas", str(args.ranks), "--engine", args.engine,
             "--port", str(port), "--state-dir", str(state)]
@@ -418,10 +420,12 @@ def corefleet_fleet(args: argparse.Namespace, state: Path, model: str, round_no:
         argv += ["--token-delay-ms", str(args.token_delay_ms)]
     if args.ready_timeout:
         argv += ["--timeout", str(args.ready_timeout)]
+    if flags is not None:
+        argv += ["--model", model, "--", *flags]
     up_log = state.parent / f"corefleet-up-{round_no}.log"
     t0 = time.monotonic()
     failing = False
-    up = _popen_session(argv, up_log, dict(os.environ))
+    up = _popen_session(argv, up_log, {**os.environ, **(env or {})})
     not_before = _start_ticks(up.pid)
     side = Side(name="corefleet", engine=args.engine, ranks=args.ranks, base=f"http://{LOCALHOST}:{port}",
                 sid=up.pid, not_before=not_before, logs=[up_log], health_ports=(), state_dir=state)
@@ -524,13 +528,16 @@ class LoadResult:
 
 
 def run_loadgen(side: Side, args: argparse.Namespace, model: str, concurrency: int, prompts: int,
-                out: Path, tag: str) -> LoadResult:
+                out: Path, tag: str, dataset: list[str] | None = None) -> LoadResult:
     """One `vllm bench serve` run against the side, in its own session; the side's CPU per process
-    is sampled when its main run starts and when its result is printed."""
+    is sampled when its main run starts and when its result is printed. `dataset`: its dataset arguments
+    (default: the random dataset, `args.input_len` in / `args.output_len` out)."""
     result_file = out / f"bench-{tag}.json"
+    if dataset is None:
+        dataset = ["--dataset-name", "random", "--random-input-len", str(args.input_len), "--random-output-len",
+                   str(args.output_len)]
     argv = [str(BIN / "vllm"), "bench", "serve", "--backend", "openai", "--endpoint", "/v1/completions",
-            "--base-url", side.base, "--model", SERVED_NAME, "--tokenizer", model, "--dataset-name", "random",
-            "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+            "--base-url", side.base, "--model", SERVED_NAME, "--tokenizer", model, *dataset,
             "--max-concurrency", str(concurrency), "--num-prompts", str(prompts), "--ignore-eos", "--seed", "0",
             "--disable-tqdm", "--save-result", "--save-detailed", "--result-dir", str(out),
             "--result-filename", result_file.name]
