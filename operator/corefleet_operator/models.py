@@ -648,7 +648,7 @@ class ServiceSpec:
 
 @dataclass(frozen=True)
 class RoutingSpec:
-    policy: Literal["LeastLoaded", "PrefixAffinity"] = field(default="LeastLoaded", metadata=meta(
+    policy: Literal["LeastLoaded", "PrefixAffinity"] = field(default="PrefixAffinity", metadata=meta(
         "How a frontend picks the rank for a request not pinned to one. LeastLoaded: vLLM's router (the least "
         "loaded rank, ties rotated). PrefixAffinity: requests whose prompts share their leading prefixTokens go to "
         "one rank, whose prefix cache then holds them (rendezvous hashing, the same on every frontend), and the next "

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import subprocess
@@ -416,6 +417,52 @@ def test_text_and_chat_completions_through_the_openai_endpoint(vllm_fleet: Fleet
                 {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
     assert chat["choices"][0]["message"]["role"] == "assistant", chat
     assert chat["usage"]["completion_tokens"] >= 1, chat
+
+
+def _engine_counter(fleet: Fleet, metric: str) -> dict[str, float]:
+    """vLLM's per-engine counter `metric` on the frontend's /metrics, by engine label."""
+    code, body = http_get(f"{fleet.url}/metrics")
+    assert code == 200, body
+    text = body.decode()
+    return {m.group(1): float(m.group(2))
+            for m in re.finditer(rf'^{re.escape(metric)}{{[^}}]*engine="(\d+)"[^}}]*}} (\S+)$', text, re.MULTILINE)}
+
+
+def test_prompts_that_share_a_prefix_go_to_the_rank_whose_prefix_cache_holds_it(vllm_fleet: Fleet) -> None:
+    """Prefix-affinity routing (the default) over real vLLM engines: a conversation's next turn, and requests that
+    share its opening, go where its first turn went, and that rank's prefix cache serves their shared blocks
+    (vLLM's own counter); the other rank gets none of them."""
+    fleet = vllm_fleet
+    _, body = http_get(f"{fleet.url}/metrics")
+    found = re.search(r'vllm:cache_config_info{[^}]*block_size="(\d+)"', body.decode())
+    assert found is not None, body[:2000]
+    block = int(found.group(1))
+    rng = random.Random(time.time_ns())  # an opening no earlier request had: no rank holds it yet
+    opening = [rng.randrange(3, 512) for _ in range(2 * block + 44)]
+    before = {r.rank: r for r in fleet.status().ranks}
+    hits_before = _engine_counter(fleet, "vllm:prefix_cache_hits_total")
+    endpoint = f"{fleet.url}/v1/completions"
+
+    def complete(prompt: list[int]) -> list[int]:
+        out = post(endpoint, {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 8, "ignore_eos": True,
+                              "return_token_ids": True})
+        ids: list[int] = out["choices"][0]["token_ids"]
+        assert len(ids) == 8, out
+        return ids
+
+    reply = complete(opening)
+    complete([*opening, *reply, *(rng.randrange(3, 512) for _ in range(50))])  # the next turn
+    for _ in range(3):  # other questions after the same opening (a shared system prompt)
+        complete([*opening, *(rng.randrange(3, 512) for _ in range(20))])
+    after = {r.rank: r for r in fleet.status().ranks}
+    served = {rank: after[rank].requests_total - before[rank].requests_total for rank in after}
+    home = max(served, key=lambda rank: served[rank])
+    assert served == {rank: 5 if rank == home else 0 for rank in served}, served
+    assert after[home].new_prefix_total - before[home].new_prefix_total == 1
+    assert after[home].affinity_total - before[home].affinity_total == 4
+    hits = {e: v - hits_before.get(e, 0.0) for e, v in _engine_counter(fleet, "vllm:prefix_cache_hits_total").items()}
+    assert hits[str(home)] >= 4 * 2 * block, hits  # the opening's two full blocks, for each of the later four
+    assert all(v == 0 for e, v in hits.items() if e != str(home)), hits
 
 
 def test_each_launcher_parents_its_engine_core_and_maps_no_vllm_or_torch(vllm_fleet: Fleet) -> None:

@@ -654,9 +654,8 @@ def test_several_frontends_each_know_every_frontends_address_and_their_own_index
 
 
 @pytest.mark.parametrize(("routing", "expected"), [
-    ({}, ["--routing", "least-loaded"]),
-    ({"policy": "PrefixAffinity"},
-     ["--routing", "prefix-affinity", "--routing-prefix-tokens", "256", "--routing-balance", "1.25"]),
+    ({}, ["--routing", "prefix-affinity", "--routing-prefix-tokens", "256", "--routing-balance", "1.25"]),
+    ({"policy": "LeastLoaded"}, ["--routing", "least-loaded"]),
     ({"policy": "PrefixAffinity", "prefixTokens": 64, "loadBoundPercent": 150},
      ["--routing", "prefix-affinity", "--routing-prefix-tokens", "64", "--routing-balance", "1.5"]),
 ])

@@ -231,7 +231,8 @@ def test_pods_and_local_mode_build_their_command_lines_with_commands(moe: bool) 
         coord_store_port=store,
         engine_ports=(constants.FRONTEND_ENGINE_INPUT_PORT, constants.FRONTEND_ENGINE_OUTPUT_PORT),
         advertise_address=constants.pod_dns("a", constants.frontend_name("a"), "ns"),
-        routing=["--routing", "least-loaded"], vllm_flags=[*tp, *ep, *user])
+        routing=["--routing", "prefix-affinity", "--routing-prefix-tokens", "256", "--routing-balance", "1.25"],
+        vllm_flags=[*tp, *ep, *user])
     assert engine["command"] == ["python", "-m", commands.ENGINE_MODULE]
     assert engine["args"] == commands.engine_args(
         model=spec.model, dp_size=2, rank=1, dp_address="f", rpc_port=constants.DP_RPC_PORT,

@@ -279,12 +279,13 @@ def test_vllms_engine_sends_each_clients_outputs_on_that_clients_socket() -> Non
 
 def test_the_routing_policy_comes_from_its_flag_else_the_environment(monkeypatch: pytest.MonkeyPatch,
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    assert serve.fleet_options(parse()).routing == "least-loaded"
-    monkeypatch.setenv("COREFLEET_ROUTING", "prefix-affinity")
+    monkeypatch.delenv("COREFLEET_ROUTING", raising=False)
     assert serve.fleet_options(parse()).routing == "prefix-affinity"
-    assert serve.fleet_options(parse("--routing", "least-loaded")).routing == "least-loaded"
-    monkeypatch.setenv("COREFLEET_ROUTING", "round-robin")
+    monkeypatch.setenv("COREFLEET_ROUTING", "least-loaded")
     assert serve.fleet_options(parse()).routing == "least-loaded"
+    assert serve.fleet_options(parse("--routing", "prefix-affinity")).routing == "prefix-affinity"
+    monkeypatch.setenv("COREFLEET_ROUTING", "round-robin")
+    assert serve.fleet_options(parse()).routing == "prefix-affinity"
     assert "$COREFLEET_ROUTING='round-robin' is not one of least-loaded, prefix-affinity" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         frontend_main.main(["--coordinator-address", "c", "--routing-balance", "0.5", "--", "m"])

@@ -59,7 +59,7 @@ class RoutingPolicy(enum.StrEnum):
     PREFIX_AFFINITY = "prefix-affinity"  # the rank holding the prompt's prefix, bounded by load (`frontend.affinity`)
 
 
-DEFAULT_ROUTING = RoutingPolicy.LEAST_LOADED
+DEFAULT_ROUTING = RoutingPolicy.PREFIX_AFFINITY  # bench/bench_routing.py: better or even on every workload
 ENV_ROUTING = "COREFLEET_ROUTING"  # the default of the frontend's --routing (local fleets: `corefleet up --routing`)
 DEFAULT_ROUTING_PREFIX_TOKENS = 256
 DEFAULT_ROUTING_BALANCE = 1.25
