@@ -174,28 +174,26 @@ def scrape(base: str) -> str:
     return body.decode(errors="replace")
 
 
-def per_engine(text: str, metric: str) -> dict[int, float]:
-    """engine index -> value of `metric` (summed over its other labels)."""
-    out: dict[int, float] = {}
-    for line in text.splitlines():
-        m = _SERIES.match(line)
-        if m and m.group(1) == metric:
-            e = re.search(r'engine="(\d+)"', m.group(2))
-            if e:
-                out[int(e.group(1))] = out.get(int(e.group(1)), 0.0) + float(m.group(3))
-    return out
-
-
-def decisions(text: str) -> dict[str, float]:
-    """corefleet's prefix-affinity decisions (affinity, spill), all ranks; empty on stock."""
+def _by_label(text: str, metric: str, label: str) -> dict[str, float]:
+    """value of `label` -> `metric` summed over its other labels."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         m = _SERIES.match(line)
-        if m and m.group(1) == DECISIONS:
-            d = re.search(r'decision="(\w+)"', m.group(2))
-            if d:
-                out[d.group(1)] = out.get(d.group(1), 0.0) + float(m.group(3))
+        if m and m.group(1) == metric:
+            found = re.search(rf'{label}="([^"]*)"', m.group(2))
+            if found:
+                out[found.group(1)] = out.get(found.group(1), 0.0) + float(m.group(3))
     return out
+
+
+def per_engine(text: str, metric: str) -> dict[int, float]:
+    """engine index -> value of `metric` (summed over its other labels)."""
+    return {int(engine): value for engine, value in _by_label(text, metric, "engine").items()}
+
+
+def decisions(text: str) -> dict[str, float]:
+    """corefleet's prefix-affinity decisions (new, affinity, spill), all ranks; empty on stock."""
+    return _by_label(text, DECISIONS, "decision")
 
 
 def cache_info(text: str) -> dict[str, str]:
@@ -688,6 +686,21 @@ def kv_tokens_per_rank(args: argparse.Namespace, ranks: int, block: int) -> int:
                block_floor(args.context + block - 1, block))
 
 
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model's shape and the engines' batch (`shape_of`)."""
+    p.add_argument("--hidden", type=int, default=768, help="hidden size (default 768)")
+    p.add_argument("--layers", type=int, default=6, help="layers (default 6)")
+    p.add_argument("--intermediate", type=int, default=2048, help="MLP size (default 2048)")
+    p.add_argument("--head-dim", type=int, default=64, help="head_dim (default 64; the CPU attention needs >= 32)")
+    p.add_argument("--context", type=int, default=2048, help="max_position_embeddings and --max-model-len")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="vLLM --max-num-seqs (default 16)")
+
+
+def shape_of(args: argparse.Namespace) -> Shape:
+    return Shape(hidden=args.hidden, layers=args.layers, intermediate=args.intermediate, head_dim=args.head_dim,
+                 context=args.context)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--ranks", default="2,4", help="data-parallel sizes to run, comma-separated (default 2,4)")
@@ -695,13 +708,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"sides, comma-separated, of {', '.join(ALL_SIDES)} (default all)")
     p.add_argument("--workloads", default="a,b,c", help="of a, b, c (default all)")
     p.add_argument("--rounds", type=int, default=1, help="fresh fleets per side and N (default 1)")
-    # the model
-    p.add_argument("--hidden", type=int, default=768, help="hidden size (default 768)")
-    p.add_argument("--layers", type=int, default=6, help="layers (default 6)")
-    p.add_argument("--intermediate", type=int, default=2048, help="MLP size (default 2048)")
-    p.add_argument("--head-dim", type=int, default=64, help="head_dim (default 64; the CPU attention needs >= 32)")
-    p.add_argument("--context", type=int, default=2048, help="max_position_embeddings and --max-model-len")
-    p.add_argument("--max-num-seqs", type=int, default=16, help="vLLM --max-num-seqs (default 16)")
+    add_model_args(p)
     p.add_argument("--kv-share-factor", type=float, default=1.5,
                    help="KV cache per rank = this x the working set / ranks (default 1.5)")
     p.add_argument("--block-size", type=int, default=128,
@@ -756,8 +763,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, state: Path, started: float) -> int:
-    shape = Shape(hidden=args.hidden, layers=args.layers, intermediate=args.intermediate, head_dim=args.head_dim,
-                  context=args.context)
+    shape = shape_of(args)
     model = str(write_model(state / "models" / "routing-llama", shape).absolute())
     commit = routing_commit()
     ws = working_set(args)
