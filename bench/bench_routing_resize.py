@@ -187,10 +187,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--turns", type=int, default=8, help="turns per conversation (default 8)")
     p.add_argument("--user-tokens", type=int, default=128, help="new tokens a turn (default 128)")
     p.add_argument("--output-tokens", type=int, default=32, help="reply tokens a turn (default 32)")
-    p.add_argument("--think-ms", type=float, default=1000.0,
-                   help="mean pause before each turn (default 1000): with 2 cores and every rank's OpenMP threads "
-                        "on core 0 (local mode's binding), a fleet busy without pause starves a new engine's start "
-                        "past its join timeout (seen: 420 s)")
+    p.add_argument("--think-ms", type=float, default=500.0, help="mean pause before each turn (default 500)")
+    p.add_argument("--omp-bind", default="nobind",
+                   help="VLLM_CPU_OMP_THREADS_BIND of every rank (default nobind: the OS places the OpenMP threads). "
+                        "'' keeps local mode's binding (every rank on core 0 of 2 cores): there, the new rank's "
+                        "engine core sat for minutes in sched_setaffinity onto core 0, where the serving ranks' "
+                        "workers spin, and the scale-up failed at its 420 s join timeout (2026-12-05)")
     p.add_argument("--steady", type=int, default=200, help="requests before, between and after the steps (200)")
     p.add_argument("--bucket", type=int, default=25, help="requests per bucket after a step (default 25)")
     p.add_argument("--deadline", type=float, default=600.0, help="seconds each phase may take (default 600)")
@@ -216,8 +218,10 @@ def _run(args: argparse.Namespace, state: Path) -> int:
         f"x {args.turns} turns of {args.user_tokens} + {args.output_tokens} tokens, {args.think_ms:g} ms pauses")
     fleet_args = argparse.Namespace(ranks=2, engine=local.ENGINE_VLLM, ready_timeout=args.ready_timeout,
                                     token_delay_ms=0)
-    with bench_fleet.corefleet_fleet(fleet_args, state / "corefleet", model, 1, flags,
-                                     {bench_routing.ROUTING_ENV: "prefix-affinity"}) as side:
+    env = {bench_routing.ROUTING_ENV: "prefix-affinity"}
+    if args.omp_bind:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = args.omp_bind
+    with bench_fleet.corefleet_fleet(fleet_args, state / "corefleet", model, 1, flags, env) as side:
         block = int(bench_routing.cache_info(bench_routing.scrape(side.base)).get("block_size", 0) or 0)
         if block <= 0:
             raise BenchError("the fleet's /metrics has no vllm:cache_config_info block_size")
