@@ -24,7 +24,8 @@ misses the cache the previous one built. This router keeps them together, bounde
   next rank in rendezvous order that has room, which then holds the prompt too. A hot prefix spreads
   over as many ranks as its load needs, and no rank runs past the bound while another has room.
 
-Loads are vLLM's measure (`Membership.routing_loads`). The memory is per frontend: with several
+Loads are the client's (`Membership.routing_loads`: its exact in-flight count per rank when it is the
+fleet's only frontend, else vLLM's measure). The memory is per frontend: with several
 frontends, a request that reaches a frontend which has not routed its prefix goes where a new prefix
 goes, the same rank as on the frontend that did unless load moved it then.
 
@@ -45,16 +46,21 @@ from corefleet_client.frontend.types import AffinitySettings, Decision
 # The key's block where vLLM's cache config has none yet (the engines pick theirs): the key needs no exact match.
 DEFAULT_BLOCK_SIZE = 16
 
+TOKEN_BYTES = array("q").itemsize  # a token id as the key hashes it (signed 64-bit)
+
+
 def _digest(data: bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=8).digest()
 
 
 def block_hashes(tokens: Sequence[int], block_size: int) -> list[bytes]:
     """The chained hash of each block-aligned prefix of `tokens` (full blocks only): entry i covers i + 1 blocks."""
+    data = array("q", tokens).tobytes()  # once: slicing bytes is cheaper than converting each block
+    step = block_size * TOKEN_BYTES
     hashes: list[bytes] = []
     previous = b""
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        previous = _digest(previous + array("q", tokens[start:start + block_size]).tobytes())
+    for start in range(0, len(data) - step + 1, step):
+        previous = _digest(previous + data[start:start + step])
         hashes.append(previous)
     return hashes
 
