@@ -96,24 +96,25 @@ class PrefixAffinity:
         if not hashes:
             return None
         key = hashes[min(len(hashes), self._key_blocks) - 1]
-        order = rendezvous(key, loads)
         held = self._held(hashes)
         if held is None:
             # A prefix this frontend has not routed (or whose rank left): the first rank in the key's order that is
             # within one request of the least loaded (every frontend's first choice, unless it is busier than that);
             # from now on the prefix and its continuations follow it.
             low = min(loads.values())
-            rank = next(r for r in order if loads[r] <= low + 1)
+            rank = next(r for r in rendezvous(key, loads) if loads[r] <= low + 1)
             self._remember(key, rank)
             self._remember(hashes[-1], rank)
             return rank, Decision.NEW
-        if held in loads:  # else it takes no requests now (stalled, say): the prompt spills, the prefix stays its
-            order.remove(held)
-            order.insert(0, held)
         bound = capacity(loads, self.settings.balance)
-        # Some rank has room with balance >= 1 (the least loaded is within the mean + 1); the minimum is a safeguard.
-        chosen = next((r for r in order if loads[r] + 1 <= bound), None)
-        chosen = min(order, key=lambda r: loads[r]) if chosen is None else chosen
+        if held in loads and loads[held] + 1 <= bound:
+            chosen = held  # the common case: no rendezvous order needed
+        else:  # over its bound, or it takes no requests now (stalled, say): the prompt spills, the prefix stays its
+            order = rendezvous(key, loads)
+            # Some rank has room with balance >= 1 (the least loaded is within the mean + 1); the minimum is a
+            # safeguard.
+            found = next((r for r in order if loads[r] + 1 <= bound), None)
+            chosen = min(order, key=lambda r: loads[r]) if found is None else found
         self._remember(hashes[-1], chosen)
         return chosen, Decision.AFFINITY if chosen == held else Decision.SPILL
 

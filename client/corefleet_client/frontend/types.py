@@ -69,7 +69,7 @@ DEFAULT_ROUTING_MEMORY = 65536  # prefixes remembered (an 8-byte hash and a rank
 class Decision(enum.StrEnum):
     """Why prefix-affinity routing sent a request to its rank."""
 
-    NEW = "new"  # a prefix the frontend had not routed: the least loaded rank, which holds it from now on
+    NEW = "new"  # a prefix the frontend had not routed: its first rank near the least loaded, which then holds it
     AFFINITY = "affinity"  # the rank holding the prompt's prefix (where its longest routed prefix went)
     SPILL = "spill"  # that rank was over its load bound: the prefix's next rank (rendezvous order) that had room
 
