@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Final
 
 from corefleet_client import commands
+from corefleet_client.frontend import types as frontend_types
 
 # --- API -------------------------------------------------------------------------------------
 GROUP: Final = "corefleet.io"
@@ -20,6 +21,10 @@ PLURAL: Final = "enginecoresets"
 SINGULAR: Final = "enginecoreset"
 SHORT_NAMES: Final = ("ecs",)
 CRD_NAME: Final = f"{PLURAL}.{GROUP}"
+
+# --- Routing: spec.frontend.routing's defaults are the frontend's own --------------------------
+ROUTING_PREFIX_TOKENS: Final = frontend_types.DEFAULT_ROUTING_PREFIX_TOKENS
+ROUTING_LOAD_BOUND_PERCENT: Final = round(frontend_types.DEFAULT_ROUTING_BALANCE * 100)
 
 # --- Labels and annotations (users cannot override selector labels) ---------------------------
 LABEL_PREFIX: Final = f"{GROUP}/"

@@ -656,10 +656,10 @@ class RoutingSpec:
         "loadBoundPercent of the mean, past it they spill to the prefix's next rank. Applies to frontend pods "
         "created after the change: delete a frontend pod to apply it now (it is replaced in place, the engines "
         "serve on)."))
-    prefixTokens: int = field(default=256, metadata=meta(
+    prefixTokens: int = field(default=C.ROUTING_PREFIX_TOKENS, metadata=meta(
         "PrefixAffinity: how many leading prompt tokens (whole KV blocks) pick a prompt's rank.",
         minimum=1, maximum=1 << 20))
-    loadBoundPercent: int = field(default=125, metadata=meta(
+    loadBoundPercent: int = field(default=C.ROUTING_LOAD_BOUND_PERCENT, metadata=meta(
         "PrefixAffinity: the most load a rank takes by affinity, in percent of the mean load over the ranks.",
         minimum=100, maximum=1000))
 
