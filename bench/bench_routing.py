@@ -249,16 +249,30 @@ def block_floor(n: int, block: int) -> int:
     return max(0, n) // block * block
 
 
-async def _stream(session: Any, url: str, prompt: list[int], max_tokens: int) -> tuple[float, float, list[int], int]:
-    """One streamed completion (token ids returned, `return_token_ids`): (TTFT s, TPOT s, the token ids, how many)."""
+@dataclass
+class Streamed:
+    """One streamed completion as the client saw it."""
+
+    ttft: float  # seconds
+    tpot: float  # seconds (nan with fewer than 2 tokens)
+    ids: list[int]  # the generated token ids (`return_token_ids`)
+    cached: int | None = None  # prompt tokens the rank's prefix cache served (with `usage`; vLLM's
+    # `--enable-prompt-tokens-details`), None where the stream said nothing of it
+
+
+async def stream_completion(session: Any, url: str, prompt: list[int], max_tokens: int,
+                            usage: bool = False) -> Streamed:
+    """One streamed completion (token ids returned); with `usage`, the server's usage chunk is asked for too."""
     import aiohttp  # installed with vLLM
 
     body: dict[str, Any] = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
                             "stream": True, "temperature": 0.0, "return_token_ids": True}
+    if usage:
+        body["stream_options"] = {"include_usage": True}
     t0 = time.monotonic()
     first = last = float("nan")
     ids: list[int] = []
-    count = 0
+    cached: int | None = None
     async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT)) as resp:
         if resp.status != 200:
             raise BenchError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
@@ -276,13 +290,15 @@ async def _stream(session: Any, url: str, prompt: list[int], max_tokens: int) ->
                 got = choice.get("token_ids") or []
                 if got:
                     now = time.monotonic()
-                    if count == 0:
+                    if not ids:
                         first = now
                     last = now
-                    count += len(got)
                     ids.extend(got)
-    tpot = (last - first) / (count - 1) if count > 1 else float("nan")
-    return first - t0, tpot, ids, count
+            details = (chunk.get("usage") or {}).get("prompt_tokens_details")
+            if details is not None:
+                cached = int(details.get("cached_tokens") or 0)
+    tpot = (last - first) / (len(ids) - 1) if len(ids) > 1 else float("nan")
+    return Streamed(first - t0, tpot, ids, cached)
 
 
 async def _chat(base: str, conversations: int, turns: int, user_tokens: int, output_tokens: int, block: int,
@@ -305,9 +321,11 @@ async def _chat(base: str, conversations: int, turns: int, user_tokens: int, out
             r = Req(conv=conv, turn=turn, prompt_len=len(prompt), ideal_hit=ideal)
             reqs.append(r)
             try:
-                r.ttft, r.tpot, ids, r.out_tokens = await _stream(session, url, prompt, output_tokens)
-                if r.out_tokens != output_tokens or len(ids) != output_tokens:
-                    raise BenchError(f"{r.out_tokens} tokens ({len(ids)} ids), expected {output_tokens}")
+                streamed = await stream_completion(session, url, prompt, output_tokens)
+                r.ttft, r.tpot, ids = streamed.ttft, streamed.tpot, streamed.ids
+                r.out_tokens = len(ids)
+                if r.out_tokens != output_tokens:
+                    raise BenchError(f"{r.out_tokens} tokens, expected {output_tokens}")
             except (TimeoutError, aiohttp.ClientError, BenchError, ValueError, KeyError) as e:
                 r.error = f"{type(e).__name__}: {e}"
                 ids = _rand_tokens(rng, output_tokens)  # the conversation goes on; nothing of this turn is cached
@@ -387,12 +405,13 @@ def calibrate(base: str, lengths: tuple[int, int], output_tokens: int, reps: int
         ttft: dict[int, list[float]] = {n: [] for n in lengths}
         tpot: list[float] = []
         async with aiohttp.ClientSession() as session:
-            await _stream(session, f"{base}/v1/completions", _rand_tokens(rng, 32), 4)  # first-call costs
+            await stream_completion(session, f"{base}/v1/completions", _rand_tokens(rng, 32), 4)  # first-call costs
             for _ in range(reps):
                 for n in lengths:
-                    t, p, _, _ = await _stream(session, f"{base}/v1/completions", _rand_tokens(rng, n), output_tokens)
-                    ttft[n].append(t)
-                    tpot.append(p)
+                    streamed = await stream_completion(session, f"{base}/v1/completions", _rand_tokens(rng, n),
+                                                       output_tokens)
+                    ttft[n].append(streamed.ttft)
+                    tpot.append(streamed.tpot)
         short, long_ = lengths
         m_short, m_long = statistics.median(ttft[short]), statistics.median(ttft[long_])
         per_token = (m_long - m_short) / (long_ - short)

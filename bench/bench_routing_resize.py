@@ -53,35 +53,6 @@ class Done:
     error: str = ""
 
 
-async def _one(session: Any, url: str, prompt: list[int], max_tokens: int) -> tuple[list[int], int]:
-    """A streamed completion with its usage: (the reply's token ids, cached prompt tokens)."""
-    import aiohttp  # installed with vLLM
-
-    body = {"model": bench_fleet.SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
-            "stream": True, "temperature": 0.0, "return_token_ids": True,
-            "stream_options": {"include_usage": True}}
-    ids: list[int] = []
-    cached: int | None = None
-    async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=bench_routing.REQUEST_TIMEOUT)) as r:
-        if r.status != 200:
-            raise BenchError(f"HTTP {r.status}: {(await r.text())[:200]}")
-        async for raw in r.content:
-            line = raw.strip()
-            if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            if chunk.get("error"):
-                raise BenchError(f"stream error: {chunk['error']}")
-            for choice in chunk.get("choices") or []:
-                ids.extend(choice.get("token_ids") or [])
-            usage = chunk.get("usage")
-            if usage:
-                cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-    if cached is None:
-        raise BenchError("no usage in the stream (is --enable-prompt-tokens-details set?)")
-    return ids, cached
-
-
 class Driver:
     """Conversations until `stop`; every completed request in `done`, in completion order."""
 
@@ -114,7 +85,11 @@ class Driver:
                 ideal = 0 if turn == 1 else min(bench_routing.block_floor(computed, self.block),
                                                 bench_routing.block_floor(len(prompt) - 1, self.block))
                 try:
-                    ids, cached = await _one(session, self.url, prompt, args.output_tokens)
+                    streamed = await bench_routing.stream_completion(session, self.url, prompt, args.output_tokens,
+                                                                     usage=True)
+                    if streamed.cached is None:
+                        raise BenchError("no prompt token details in the usage (--enable-prompt-tokens-details?)")
+                    ids, cached = streamed.ids, streamed.cached
                 except (TimeoutError, BenchError, ValueError, OSError) as e:
                     self.done.append(Done(conv, turn, len(prompt), ideal, 0, self.ranks, f"{type(e).__name__}: {e}"))
                     break  # the conversation ends; nothing of it is known to be cached
