@@ -13,7 +13,8 @@ where the processes are placed. Issue 10 was of that kind: local mode started ea
 in its own session, and with `kernel.sched_autogroup_enabled=1` the kernel shares the cores
 between sessions (autogroups) before threads, so the frontend got one share against every
 spinning engine worker's and the fleet served at about half of stock. This benchmark reports how
-many autogroups each side's processes occupy (1 on both sides is the fix) and would show that
+many autogroups each side's processes occupy (1 on both sides is the fix; a NOTE when more) and,
+with `--keep-autogroups` (the kernel's autogroup scheduling left on, see below), would show that
 regression as a throughput ratio of about 0.5.
 
 The sides, one at a time, alternately (stock, corefleet, stock, corefleet, ... for `--rounds`),
@@ -32,9 +33,10 @@ each round on a freshly started fleet that is stopped before the next one starts
 
 Each side's top process (`corefleet up`, `vllm serve`) starts in its own session, and everything
 it starts stays in that session, as when a user runs it from a terminal: each side is one
-autogroup, and so is the load generator (a second terminal). Everything of a side is found by its
-session id; stock is stopped by signalling its process group (SIGTERM, SIGKILL after 20 s), and
-both sides are checked to leave no process behind.
+autogroup, and so is the load generator (a second terminal); the kernel's autogroup scheduling is
+off while they run (below). Everything of a side is found by its session id; stock is stopped by
+signalling its process group (SIGTERM, SIGKILL after 20 s), and both sides are checked to leave no
+process behind.
 
 CPU placement: local mode binds rank r's OpenMP threads to a core (`local.engine_cpu`: the usable
 cores but the last, round, as vLLM's own "auto" binding leaves the last core to the other processes)
@@ -49,7 +51,21 @@ dataset, `--random-input-len 32 --random-output-len 32 --ignore-eos`, seed 0, so
 the same prompts), run in its own process and session against each fleet: after a warm-up
 (`--warmup-prompts` concurrent completions of the same lengths, not counted), once at
 `--concurrency` 16 with `--prompts` 300 (throughput and TTFT under load) and once at concurrency 1
-with `--floor-prompts` 40 (the latency floor: TTFT and TPOT of a lone request). The load
+with `--floor-prompts` 40 of `--floor-output-len` 224 tokens (the latency floor: TTFT and TPOT of a
+lone request; a 32-token stream lasts about 35 ms at c=1, too short for a per-token figure). Beside
+the mean TPOT the run reports the median TPOT and the mean latency per output token (a request's
+latency over its tokens, which a late first read cannot shrink).
+
+The kernel's autogroup scheduling is switched off while the fleets run (`autogroups_off`; restored
+afterwards; `--keep-autogroups` leaves it): with it on, the load generator's session gets an equal
+share against a fleet's session, and on 2 cores (kernel 6.18, 2026-12-05) it was left unscheduled
+while a fleet decoded: it read a request's first chunk late and the rest at once (a raw-socket
+client after a c=16 run: median TTFT 247 ms, the whole 224-token request, against 6.5 ms in the
+fleet's own session), on both sides, so TTFT up to the whole request and TPOT near 0. Until then the
+c=1 TPOT ratios measured that, not the fleets. With it off every thread is scheduled on its own, as
+when the load generator and the fleet share a session, and a client's reads keep up (TTFT p99 10-16
+ms at c=1 on both sides). Each side still occupies one session, and the run still counts them. The
+load
 generator imports vLLM (~12 s of one core); the fleet's CPU is sampled only between its "Starting
 main benchmark run" and its result, so its start-up counts nowhere (its time is reported).
 
@@ -134,6 +150,7 @@ _TITLE = re.compile(r"\bVLLM::([A-Za-z]+)(?:_DP(\d+))?")
 _TITLE_ROLES = {"EngineCore": "EngineCore", "Worker": "worker", "DPCoordinator": "coordinator",
                 "APIServer": "frontend"}
 STALL_S = 0.5  # a wait for a token this long is a stall (a step of the tiny model takes ~10-60 ms)
+AUTOGROUP_SWITCH = Path("/proc/sys/kernel/sched_autogroup_enabled")
 GOALS = {"throughput": 1.00, "ttft": 1.10, "tpot": 1.05, "c1_ttft_ms": 2.0, "rss": 1.10}
 
 
@@ -511,6 +528,14 @@ class LoadResult:
         return 1000 * self.hops.get(name, float("nan"))
 
     @property
+    def latency_per_token_ms(self) -> float:
+        """Mean over requests of its latency over its output tokens: unlike TPOT, which subtracts the TTFT, a first
+        chunk read late with the rest at once leaves it as it is."""
+        pairs = [(lat, n) for lat, n in zip(self.result.get("latencies") or [], self.result.get("output_lens") or [],
+                                           strict=False) if lat is not None and n]
+        return 1000 * statistics.mean(lat / n for lat, n in pairs) if pairs else float("nan")
+
+    @property
     def median_itl_ms(self) -> float:
         """The client's median wait between two tokens: unlike the mean TPOT, a few stalls do not move it."""
         itls = [x for itl in self.result.get("itls") or [] for x in itl if x is not None]
@@ -525,6 +550,29 @@ class LoadResult:
         ttfts = self.result.get("ttfts") or []
         itls = [x for itl in self.result.get("itls") or [] for x in itl]
         return sum(1 for x in (*ttfts, *itls) if x is not None and x > STALL_S)
+
+
+@contextlib.contextmanager
+def autogroups_off(switch_off: bool = True) -> Iterator[str]:
+    """`kernel.sched_autogroup_enabled` 0 inside (when `switch_off` and it was 1), restored on the way out; yields
+    what the scheduling is inside, for the report. Why: the module's docstring (the load generator's reads)."""
+    try:
+        before = AUTOGROUP_SWITCH.read_text().strip()
+    except OSError:
+        yield "no autogroup scheduling in this kernel"
+        return
+    if not switch_off or before != "1":
+        yield f"kernel.sched_autogroup_enabled={before}, left as it is"
+        return
+    try:
+        AUTOGROUP_SWITCH.write_text("0")
+    except OSError as e:
+        yield f"kernel.sched_autogroup_enabled=1, left as it is (cannot switch it off: {e.strerror})"
+        return
+    try:
+        yield "off (kernel.sched_autogroup_enabled=0, 1 again afterwards)"
+    finally:
+        AUTOGROUP_SWITCH.write_text(before)
 
 
 def run_loadgen(side: Side, args: argparse.Namespace, model: str, concurrency: int, prompts: int,
@@ -745,7 +793,9 @@ def measure(side: Side, args: argparse.Namespace, model: str, out: Path, rnd: in
     after = rank_counters(side) if side.engine == local.ENGINE_EMULATOR else {}
     log(f"{side.name}: c={args.concurrency}: {c16.get('request_throughput'):.2f} req/s; load c=1 x "
         f"{args.floor_prompts} prompts")
-    c1 = run_loadgen(side, args, model, 1, args.floor_prompts, out, "c1")
+    c1 = run_loadgen(side, args, model, 1, args.floor_prompts, out, "c1",
+                     ["--dataset-name", "random", "--random-input-len", str(args.input_len), "--random-output-len",
+                      str(args.floor_output_len)])
     per_rank = {k: [a - b for a, b in zip(after[k], before[k], strict=True)] for k in after}
     return RoundResult(side=side.name, round=rnd, up_s=side.started_in, warmup_s=warmup_s, c16=c16, c1=c1, rest=rest,
                        autogroups=groups, bindings=bindings, per_rank=per_rank)
@@ -823,6 +873,8 @@ def report(results: list[RoundResult], args: argparse.Namespace, started: float)
         ("c=1 TTFT p99 ms", lambda r: r.c1.get("p99_ttft_ms"), "{:.2f}"),
         ("c=1 TPOT mean ms", lambda r: r.c1.get("mean_tpot_ms"), "{:.2f}"),
         ("c=1 TPOT p99 ms", lambda r: r.c1.get("p99_tpot_ms"), "{:.2f}"),
+        ("c=1 TPOT median ms", lambda r: r.c1.get("median_tpot_ms"), "{:.2f}"),
+        ("c=1 latency/token ms", lambda r: r.c1.latency_per_token_ms, "{:.3f}"),
         ("c=1 ITL median ms", lambda r: r.c1.median_itl_ms, "{:.2f}"),
         ("c=1 requests/s", lambda r: r.c1.get("request_throughput"), "{:.2f}"),
         (f"c={c} waits > {STALL_S:g} s", lambda r: r.c16.stalls, "{:.0f}"),
@@ -920,6 +972,9 @@ def figures(results: list[RoundResult], concurrency: int) -> list[str]:
     tpot = med("corefleet", lambda r: r.c16.get("mean_tpot_ms")) / med("stock", lambda r: r.c16.get("mean_tpot_ms"))
     tpot1 = med("corefleet", lambda r: r.c1.get("mean_tpot_ms")) / med("stock", lambda r: r.c1.get("mean_tpot_ms"))
     itl1 = med("corefleet", lambda r: r.c1.median_itl_ms) / med("stock", lambda r: r.c1.median_itl_ms)
+    tpot1_med = med("corefleet", lambda r: r.c1.get("median_tpot_ms")) / med(
+        "stock", lambda r: r.c1.get("median_tpot_ms"))
+    lpt1 = med("corefleet", lambda r: r.c1.latency_per_token_ms) / med("stock", lambda r: r.c1.latency_per_token_ms)
     floor = med("corefleet", lambda r: r.c1.get("median_ttft_ms")) - med("stock", lambda r: r.c1.get("median_ttft_ms"))
     floor_mean = med("corefleet", lambda r: r.c1.get("mean_ttft_ms")) - med("stock", lambda r: r.c1.get("mean_ttft_ms"))
     rss = med("corefleet", RoundResult.rss_total) / med("stock", RoundResult.rss_total)
@@ -933,7 +988,8 @@ def figures(results: list[RoundResult], concurrency: int) -> list[str]:
         f"RATIO corefleet/stock mean TPOT c={concurrency} = {tpot:.2f} (goal <= {GOALS['tpot']:.2f}): "
         f"{verdict(tpot <= GOALS['tpot'])}",
         f"RATIO corefleet/stock mean TPOT c=1 = {tpot1:.2f} (goal <= {GOALS['tpot']:.2f}): "
-        f"{verdict(tpot1 <= GOALS['tpot'])}  [median ITL: {itl1:.2f}]",
+        f"{verdict(tpot1 <= GOALS['tpot'])}  [median TPOT: {tpot1_med:.2f}, median ITL: {itl1:.2f}, "
+        f"latency per output token: {lpt1:.2f}]",
         f"DIFF corefleet-stock median TTFT c=1 = {floor:+.2f} ms (goal within {GOALS['c1_ttft_ms']:.0f} ms): "
         f"{verdict(abs(floor) <= GOALS['c1_ttft_ms'])}  [mean: {floor_mean:+.2f} ms]",
         f"RATIO corefleet/stock RSS at rest = {rss:.2f} (goal <= {GOALS['rss']:.2f}): {verdict(rss <= GOALS['rss'])}",
@@ -955,19 +1011,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-prompts", type=int, default=16, help="concurrent warm-up completions (default 16)")
     p.add_argument("--input-len", type=int, default=32, help="prompt tokens (default 32)")
     p.add_argument("--output-len", type=int, default=32, help="generated tokens, ignore_eos (default 32)")
+    p.add_argument("--floor-output-len", type=int, default=224,
+                   help="generated tokens of the concurrency-1 run (default 224: the per-token latency floor)")
     p.add_argument("--ready-timeout", type=float, help="seconds for a fleet to serve (default: corefleet up's)")
     p.add_argument("--state-dir", help="keep the model, the fleets' logs and the load generator's results here")
+    p.add_argument("--keep-autogroups", action="store_true",
+                   help="leave kernel.sched_autogroup_enabled as it is (default: 0 while the fleets run, restored)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if min(args.ranks, args.rounds, args.concurrency, args.prompts, args.floor_prompts, args.warmup_prompts,
-           args.input_len, args.output_len) < 1 or args.token_delay_ms < 0:
+           args.input_len, args.output_len, args.floor_output_len) < 1 or args.token_delay_ms < 0:
         print("--ranks, --rounds, --concurrency, the prompt counts and lengths must be positive", file=sys.stderr)
         return 2
-    if args.input_len + args.output_len > 256:
-        print("--input-len + --output-len must fit the tiny model's 256 tokens", file=sys.stderr)
+    if args.input_len + max(args.output_len, args.floor_output_len) > 256:
+        print("--input-len + --output-len (and --floor-output-len) must fit the tiny model's 256 tokens",
+              file=sys.stderr)
         return 2
     return run_in_state_dir("bench_fleet", args.state_dir, lambda state, started: _run(args, state, started))
 
@@ -983,20 +1044,22 @@ def _run(args: argparse.Namespace, state: Path, started: float) -> int:
     what = (f"{args.ranks} real vLLM CPU engines" if args.engine == local.ENGINE_VLLM else
             f"{args.ranks} emulated engines (--token-delay-ms {args.token_delay_ms})")
     log(f"{what} per side on {cores} CPU cores (sched_autogroup_enabled={autogroup_on}); {args.rounds} round(s) per "
-        f"side; vllm bench serve c={args.concurrency} x {args.prompts} and c=1 x {args.floor_prompts}, "
-        f"{args.input_len} in / {args.output_len} out tokens; model {model}")
+        f"side; vllm bench serve c={args.concurrency} x {args.prompts} ({args.input_len} in / {args.output_len} out "
+        f"tokens) and c=1 x {args.floor_prompts} ({args.input_len} in / {args.floor_output_len} out); model {model}")
     results: list[RoundResult] = []
-    for rnd in range(1, args.rounds + 1):
-        for side_name in SIDES:
-            out = state / f"{side_name}-{rnd}"
-            out.mkdir(parents=True, exist_ok=True)
-            log(f"round {rnd}: starting the {side_name} fleet (load average {os.getloadavg()[0]:.2f})")
-            fleet = (stock_fleet(args, out, model, flags) if side_name == "stock" else
-                     corefleet_fleet(args, cf_state, model, rnd))
-            with fleet as side:
-                res = measure(side, args, model, out, rnd)
-            results.append(res)
-            log(describe(res, args.concurrency))
+    with autogroups_off(not args.keep_autogroups) as scheduling:
+        log(f"autogroup scheduling while the fleets run: {scheduling}")
+        for rnd in range(1, args.rounds + 1):
+            for side_name in SIDES:
+                out = state / f"{side_name}-{rnd}"
+                out.mkdir(parents=True, exist_ok=True)
+                log(f"round {rnd}: starting the {side_name} fleet (load average {os.getloadavg()[0]:.2f})")
+                fleet = (stock_fleet(args, out, model, flags) if side_name == "stock" else
+                         corefleet_fleet(args, cf_state, model, rnd))
+                with fleet as side:
+                    res = measure(side, args, model, out, rnd)
+                results.append(res)
+                log(describe(res, args.concurrency))
 
     print()
     print("details:")
@@ -1020,8 +1083,9 @@ def _run(args: argparse.Namespace, state: Path, started: float) -> int:
     for line in report(results, args, started):
         print(line)
     print()
-    print(f"corefleet fleet benchmark: {what}, vllm bench serve random {args.input_len}/{args.output_len} tokens, "
-          f"c={args.concurrency} x {args.prompts} and c=1 x {args.floor_prompts}, {args.rounds} round(s) per side")
+    print(f"corefleet fleet benchmark: {what}, vllm bench serve random, c={args.concurrency} x {args.prompts} of "
+          f"{args.input_len}/{args.output_len} tokens and c=1 x {args.floor_prompts} of "
+          f"{args.input_len}/{args.floor_output_len}, {args.rounds} round(s) per side")
     for line in figures(results, args.concurrency):
         print(line, flush=True)
     return 0
