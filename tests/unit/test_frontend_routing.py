@@ -18,7 +18,7 @@ from vllm.v1.engine.core_client import DPLBAsyncMPClient
 
 from corefleet_client.frontend.fleet import identity
 from corefleet_client.frontend.membership import routing_counts
-from corefleet_client.frontend.progress import HISTORY, RankProgress
+from corefleet_client.frontend.progress import HISTORY, RankProgress, fleet_prefill_cost
 from corefleet_client.frontend.types import STALLED_LOAD, UNROUTABLE, StallPolicy
 
 
@@ -88,4 +88,19 @@ def test_a_ranks_stall_bound_follows_its_slowest_recent_step_and_its_prompts_sti
     progress.prefilled(0.032, 64)  # 0.5 ms a prompt token
     progress.prefilled(0.1, 0)  # no prompt tokens: no sample
     assert progress.bound(policy, 8000) == pytest.approx(3.0 + 2 * 8000 * 0.0005)
+    assert progress.bound(policy, 8000, fleet_cost=0.01) == pytest.approx(3.0 + 2 * 8000 * 0.0005)  # its own counts
+
+
+def test_a_rank_that_showed_no_prefill_cost_is_allowed_the_slowest_any_rank_of_the_fleet_showed() -> None:
+    policy = StallPolicy(floor_s=1.0, step_factor=10.0)
+    shown, slower, new = RankProgress(), RankProgress(), RankProgress()
+    assert fleet_prefill_cost([shown, slower, new]) == 0.0  # a fleet that prefilled nothing yet: no allowance
+    assert new.bound(policy, 8000, fleet_prefill_cost([new])) == 1.0
+    shown.prefilled(0.032, 64)  # 0.5 ms a prompt token
+    slower.prefilled(0.064, 64)  # 1 ms
+    cost = fleet_prefill_cost([shown, slower, new])
+    assert cost == pytest.approx(0.001)
+    assert new.bound(policy, 8000, cost) == pytest.approx(1.0 + 2 * 8000 * 0.001)
+    assert new.output_bound(policy, 8000, cost) == pytest.approx(1.0 + 2 * 8000 * 0.001)
+    assert new.output_bound(policy, 0, cost) == 1.0  # nothing prefilling: nothing allowed
     assert not StallPolicy(floor_s=0).enabled

@@ -38,6 +38,7 @@ from corefleet_client.frontend.client import KubeDPLBClient
 from corefleet_client.frontend.fleet import Fleet, identity
 from corefleet_client.frontend.handshake import Handshake
 from corefleet_client.frontend.membership import rank_of
+from corefleet_client.frontend.progress import fleet_prefill_cost
 from corefleet_client.frontend.types import AffinitySettings, FleetOptions, RoutingPolicy, StallPolicy
 from corefleet_harness.support import wait_until_async
 
@@ -459,9 +460,12 @@ def test_a_rank_that_ends_no_step_is_stalled_within_its_bound_and_routed_to_agai
     asyncio.run(main())
 
 
-def test_a_rank_prefilling_a_long_prompt_is_not_stalled_until_its_allowance_is_spent() -> None:
+@pytest.mark.parametrize("shown_by", [1, 0], ids=["its-own-cost", "a-new-rank-takes-the-fleets"])
+def test_a_rank_prefilling_a_long_prompt_is_not_stalled_until_its_allowance_is_spent(shown_by: int) -> None:
     """A step that is long for a reason the frontend knows: its requests' prompt tokens still prefilling, at the cost
-    per prompt token the rank showed, twice over. The same silence with nothing prefilling is a stall."""
+    per prompt token the rank showed, twice over; a rank that has shown none yet (one that joined or replaced a
+    lost one) is allowed the cost another rank of the fleet showed. The same silence with nothing prefilling is a
+    stall."""
     async def main() -> None:
         engines = Engines()
         client = make_client(2, engines, timeout=30.0, stall=StallPolicy(floor_s=0.1, step_factor=10))
@@ -469,13 +473,16 @@ def test_a_rank_prefilling_a_long_prompt_is_not_stalled_until_its_allowance_is_s
         pump = pump_outputs(client, engines.stopped)
         try:
             await until(lambda: engines.utility_calls(1, "is_sleeping") >= 3, "rank 1 to answer liveness calls")
-            # vLLM's stats of a finished request of rank 1: 64 prompt tokens prefilled in 8 ms (0.125 ms a token).
-            client._liveness.prefilled(1, [SimpleNamespace(prefill_time=0.008, num_prompt_tokens=64)])
+            # vLLM's stats of a finished request of rank `shown_by`: 64 prompt tokens prefilled in 8 ms (0.125 ms a
+            # token).
+            client._liveness.prefilled(shown_by, [SimpleNamespace(prefill_time=0.008, num_prompt_tokens=64)])
             long_prompt = SimpleNamespace(request_id="long", data_parallel_rank=1, pooling_params=None)
             assert client.get_core_engine_for_request(long_prompt) == identity(1)
             requests.request_states["long"] = SimpleNamespace(is_prefilling=True, prompt_len=4000, queue=None)
             assert client._members.prefill_tokens_on(1) == 4000
-            bound = client._liveness.progress[1].bound(client._liveness.options.stall, 4000)
+            liveness = client._liveness
+            bound = liveness.progress[1].bound(liveness.options.stall, 4000, fleet_prefill_cost(
+                liveness.progress.values()))
             assert 1.0 <= bound < 1.2  # 0.1 s + 2 x 4000 x 0.125 ms
             engines.stopped.add(1)  # one long step
             await asyncio.sleep(0.6)  # six stall floors: still within the allowance

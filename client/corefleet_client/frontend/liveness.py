@@ -54,7 +54,7 @@ from vllm.exceptions import GracefulHTTPError
 from corefleet_client.admin import RankState
 from corefleet_client.frontend.fleet import describe
 from corefleet_client.frontend.membership import Membership
-from corefleet_client.frontend.progress import RankProgress
+from corefleet_client.frontend.progress import RankProgress, fleet_prefill_cost
 from corefleet_client.frontend.rescue import Rescue
 from corefleet_client.frontend.types import FleetOptions
 
@@ -169,7 +169,8 @@ class Liveness:
                 if record.state == RankState.SERVING and now - probe.sent_at > options.liveness_timeout_s:
                     self._rank_unresponsive(rank, probe)
                 elif record.state == RankState.SERVING and options.stall.enabled and rank not in self.members.stalled:
-                    bound = self._progress(rank).bound(options.stall, self.members.prefill_tokens_on(rank))
+                    bound = self._progress(rank).bound(options.stall, self.members.prefill_tokens_on(rank),
+                                                       fleet_prefill_cost(self.progress.values()))
                     if now - probe.sent_at > bound:
                         self._rank_stalled(rank, f"no step ended for {now - probe.sent_at:.1f}s (its stall bound: "
                                                  f"{bound:.1f}s)", by_call=True)
@@ -234,7 +235,8 @@ class Liveness:
             if quiet is None or quiet <= policy.floor_s or rank in members.stalled \
                     or quiet <= progress.output_bound_before_prefill(policy):
                 continue
-            bound = progress.output_bound(policy, members.prefill_tokens_on(rank))
+            bound = progress.output_bound(policy, members.prefill_tokens_on(rank),
+                                          fleet_prefill_cost(self.progress.values()))
             if quiet > bound:
                 self._rank_stalled(rank, f"no output for {quiet:.1f}s (its stall bound: {bound:.1f}s)")
 

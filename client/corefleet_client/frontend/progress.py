@@ -30,7 +30,10 @@ Each bound comes from what the rank showed:
   for their first token (a long prompt prefills in one step where chunked prefill is off, or in long chunks)
   x the rank's cost of a prompt token, the slowest it showed (`prefilled`: each finished request's prefill
   time over its prompt tokens, from vLLM's request stats; it counts the steps of other requests that ran
-  meanwhile, an overestimate, which is safe), twice over;
+  meanwhile, an overestimate, which is safe), twice over. A rank that has finished no request yet (one that
+  joined in a scale-up, or replaced a lost one) takes the slowest cost any rank of the fleet showed
+  (`fleet_prefill_cost`): the ranks run the same model with the same flags, and without it the new rank's
+  first long prompt would be taken for a stall, and moved;
 * `floor` (the frontend's `--stall-timeout`, 1 s; 0 turns all of this off) keeps a rank that has shown no
   history yet, or only very fast steps, from being judged on noise. The prefill cost needs vLLM's request stats
   (on unless the frontend runs with `--disable-log-stats`); without them there is no prefill allowance.
@@ -39,6 +42,7 @@ Each bound comes from what the rank showed:
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from corefleet_client.frontend.types import StallPolicy
@@ -93,24 +97,37 @@ class RankProgress:
         if self.last_output is not None:
             self.last_output = max(self.last_output, now)
 
-    def _allowance(self, prefill_tokens: int) -> float:
-        per_token = max(self.prefill_s_per_token, default=0.0)
-        return PREFILL_MARGIN * per_token * max(0, prefill_tokens)
+    @property
+    def prefill_cost(self) -> float | None:
+        """The slowest cost of a prompt token it showed (seconds); None before any."""
+        return max(self.prefill_s_per_token, default=None)
 
-    def bound(self, policy: StallPolicy, prefill_tokens: int) -> float:
+    def _allowance(self, prefill_tokens: int, fleet_cost: float) -> float:
+        per_token = self.prefill_cost
+        return PREFILL_MARGIN * (fleet_cost if per_token is None else per_token) * max(0, prefill_tokens)
+
+    def bound(self, policy: StallPolicy, prefill_tokens: int, fleet_cost: float = 0.0) -> float:
         """Seconds a liveness call may stay unanswered before the rank is Stalled, with `prefill_tokens` prompt
-        tokens of its requests still waiting for their first token."""
+        tokens of its requests still waiting for their first token; `fleet_cost` (`fleet_prefill_cost`) stands for
+        its own cost of a prompt token until it showed one."""
         step = max(self.answers, default=0.0)
-        return max(policy.floor_s, policy.step_factor * step) + self._allowance(prefill_tokens)
+        return max(policy.floor_s, policy.step_factor * step) + self._allowance(prefill_tokens, fleet_cost)
 
     def output_bound_before_prefill(self, policy: StallPolicy) -> float:
         """The output bound without the prefill allowance (computing that reads every request of the rank)."""
         gap = quantile(self.gaps, GAP_QUANTILE)
         return max(policy.floor_s, policy.step_factor * gap)
 
-    def output_bound(self, policy: StallPolicy, prefill_tokens: int) -> float:
-        """Seconds a rank with requests in flight may send no output before it is Stalled."""
-        return self.output_bound_before_prefill(policy) + self._allowance(prefill_tokens)
+    def output_bound(self, policy: StallPolicy, prefill_tokens: int, fleet_cost: float = 0.0) -> float:
+        """Seconds a rank with requests in flight may send no output before it is Stalled (`fleet_cost`: as for
+        `bound`)."""
+        return self.output_bound_before_prefill(policy) + self._allowance(prefill_tokens, fleet_cost)
+
+
+def fleet_prefill_cost(ranks: Iterable[RankProgress]) -> float:
+    """The slowest cost of a prompt token any of the ranks showed (seconds; 0 where none showed one): what a rank
+    without its own is allowed."""
+    return max((c for r in ranks if (c := r.prefill_cost) is not None), default=0.0)
 
 
 def quantile(values: deque[float], q: float) -> float:
