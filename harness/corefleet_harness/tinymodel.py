@@ -34,7 +34,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -108,11 +108,14 @@ _CORPUS = (
 )
 
 
-def model_config(moe: bool = False, context: int | None = None) -> dict[str, Any]:
-    """The model's config.json as a dict (a fresh copy); `context` replaces its max_position_embeddings."""
+def model_config(moe: bool = False, context: int | None = None, shape: Mapping[str, int] | None = None
+                 ) -> dict[str, Any]:
+    """The model's config.json as a dict (a fresh copy); `context` replaces its max_position_embeddings, `shape`
+    (config.json keys: hidden_size, num_hidden_layers, ...) its size, for a model whose steps cost more."""
     config = copy.deepcopy(_MOE_CONFIG if moe else _DENSE_CONFIG)
     if context is not None:
         config["max_position_embeddings"] = context
+    config.update(shape or {})
     return config
 
 
@@ -153,9 +156,10 @@ def _dump(data: dict[str, Any]) -> str:
     return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
 
-def model_files(moe: bool = False, context: int | None = None) -> dict[str, str]:
-    """File name -> content of the tiny model directory (`context`: its max_position_embeddings, if not the
-    default's)."""
+def model_files(moe: bool = False, context: int | None = None, shape: Mapping[str, int] | None = None
+                ) -> dict[str, str]:
+    """File name -> content of the tiny model directory (`context`: its max_position_embeddings, and its tokenizer's
+    model_max_length, if not the default's; `shape`: as for `model_config`)."""
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS,
@@ -163,12 +167,12 @@ def model_files(moe: bool = False, context: int | None = None) -> dict[str, str]
         "unk_token": UNK,
         "add_bos_token": True,
         "add_eos_token": False,
-        "model_max_length": MAX_MODEL_LEN,
+        "model_max_length": context or MAX_MODEL_LEN,
         "clean_up_tokenization_spaces": False,
         "chat_template": CHAT_TEMPLATE,
     }
     return {
-        "config.json": _dump(model_config(moe, context)),
+        "config.json": _dump(model_config(moe, context, shape)),
         "generation_config.json": _dump({"bos_token_id": 1, "eos_token_id": 2}),
         "tokenizer.json": _tokenizer_json(),
         "tokenizer_config.json": _dump(tokenizer_config),
@@ -184,10 +188,12 @@ def _holds(path: Path, files: dict[str, str]) -> bool:
         return False
 
 
-def write_tiny_model(path: str | os.PathLike[str], moe: bool = False, context: int | None = None) -> Path:
+def write_tiny_model(path: str | os.PathLike[str], moe: bool = False, context: int | None = None,
+                     shape: Mapping[str, int] | None = None) -> Path:
     """Write the tiny model to `path` (created with its parents) unless it already holds it; `context`
     widens (or narrows) its max_position_embeddings (requests that stay in flight for seconds need more
-    than the default's).
+    than the default's); `shape` makes it bigger (`model_config`), its weights still dummy and its tokenizer the
+    same.
 
     1. Build every file in memory and return at once if `path` already holds exactly those.
     2. Write them into a temporary sibling directory.
@@ -196,7 +202,7 @@ def write_tiny_model(path: str | os.PathLike[str], moe: bool = False, context: i
        won the race with the same content, its directory stays and ours is dropped.
     """
     path = Path(path).absolute()
-    files = model_files(moe, context)
+    files = model_files(moe, context, shape)
     if _holds(path, files):
         return path
     path.parent.mkdir(parents=True, exist_ok=True)

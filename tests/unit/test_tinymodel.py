@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from corefleet_harness.tinymodel import VLLM_CPU_FLAGS, VOCAB_SIZE, write_tiny_model
+from corefleet_harness.tinymodel import MAX_MODEL_LEN, VLLM_CPU_FLAGS, VOCAB_SIZE, write_tiny_model
 
 
 def test_dense_model_directory(tmp_path: Path) -> None:
@@ -37,6 +37,17 @@ def test_moe_variant(tmp_path: Path) -> None:
 
     assert config["architectures"] == ["MixtralForCausalLM"]
     assert (config["num_local_experts"], config["num_experts_per_tok"]) == (4, 2)
+
+
+def test_a_longer_context_and_a_bigger_shape_change_the_config_and_the_tokenizers_limit_only(tmp_path: Path) -> None:
+    path = write_tiny_model(tmp_path / "m", context=8192, shape={"hidden_size": 768, "num_hidden_layers": 6})
+    config = json.loads((path / "config.json").read_text())
+    assert (config["max_position_embeddings"], config["hidden_size"], config["num_hidden_layers"]) == (8192, 768, 6)
+    assert config["vocab_size"] == VOCAB_SIZE
+    assert json.loads((path / "tokenizer_config.json").read_text())["model_max_length"] == 8192
+    plain = write_tiny_model(tmp_path / "plain")
+    assert (path / "tokenizer.json").read_text() == (plain / "tokenizer.json").read_text()
+    assert json.loads((plain / "tokenizer_config.json").read_text())["model_max_length"] == MAX_MODEL_LEN
 
 
 def test_tokenizer_has_exactly_the_model_vocab_and_round_trips_text(tmp_path: Path) -> None:
