@@ -36,6 +36,9 @@ starts. Each fleet runs the three workloads in turn:
     prefill step, and TTFT measures the burst, not the request. The ideal hit for turn t > 1 is the
     block-aligned length of what the previous turn computed (its prompt and all but its last output token), at
     most the block-aligned length of the prompt minus one token (vLLM always computes a prompt's last token).
+    The kernel's autogroup scheduling is off while the fleets run (`--keep-autogroups` leaves it on), as in
+    bench_fleet: with it on, a client in a session of its own (this driver, `vllm bench serve`) was left
+    unscheduled while a fleet decoded and read its tokens late, on every side. Runs before 2026-12-05 had it on.
 (b) shared system prompts: `vllm bench serve --dataset-name prefix_repetition` (the independent load generator,
     `bench_fleet.run_loadgen`): `--prefixes` P prefixes of `--prefix-len` tokens, each with
     `--prompts-per-prefix` different suffixes of `--suffix-len` tokens, shuffled, `--output-tokens` out, at
@@ -74,7 +77,6 @@ import math
 import os
 import random
 import re
-import shutil
 import statistics
 import subprocess
 import sys
@@ -90,7 +92,7 @@ from bench_fleet import SERVED_NAME, Side, corefleet_fleet, run_loadgen, stock_f
 from bench_frontend import BenchError, _cpu_model, _vllm_version, log, run_in_state_dir
 from corefleet_harness import local
 from corefleet_harness.support import http_get
-from corefleet_harness.tinymodel import VLLM_CPU_FLAGS, VOCAB_SIZE, model_config, write_tiny_model
+from corefleet_harness.tinymodel import VLLM_CPU_FLAGS, VOCAB_SIZE, write_tiny_model
 
 STOCK = "stock"
 ROUTINGS = ("prefix-affinity", "least-loaded")
@@ -136,20 +138,10 @@ class Shape:
 
 
 def write_model(path: Path, shape: Shape) -> Path:
-    """A dummy-weight llama of `shape` at `path`, with the tiny model's tokenizer (copied from a tiny model
-    written beside it); its tokenizer's model_max_length widened to the context."""
-    tiny = write_tiny_model(path.parent / f".tokenizer-of-{path.name}", context=shape.context)
-    path.mkdir(parents=True, exist_ok=True)
-    for name in ("tokenizer.json", "generation_config.json"):
-        shutil.copyfile(tiny / name, path / name)
-    tok = json.loads((tiny / "tokenizer_config.json").read_text())
-    tok["model_max_length"] = shape.context
-    (path / "tokenizer_config.json").write_text(json.dumps(tok, indent=2, sort_keys=True) + "\n")
-    config = model_config(context=shape.context)
-    config.update(hidden_size=shape.hidden, num_hidden_layers=shape.layers, intermediate_size=shape.intermediate,
-                  num_attention_heads=shape.heads, num_key_value_heads=shape.heads, head_dim=shape.head_dim)
-    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return path
+    """A dummy-weight llama of `shape` at `path`, with the tiny model's tokenizer."""
+    return write_tiny_model(path, context=shape.context, shape={
+        "hidden_size": shape.hidden, "num_hidden_layers": shape.layers, "intermediate_size": shape.intermediate,
+        "num_attention_heads": shape.heads, "num_key_value_heads": shape.heads, "head_dim": shape.head_dim})
 
 
 def vllm_flags(shape: Shape, kv_bytes: int, max_num_seqs: int) -> tuple[str, ...]:
@@ -753,6 +745,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--calib-long", type=int, default=1024, help="calibration: long prompt (default 1024)")
     p.add_argument("--calib-reps", type=int, default=3, help="calibration: requests per length (default 3)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--keep-autogroups", action="store_true",
+                   help="leave kernel.sched_autogroup_enabled as it is (default: 0 while the fleets run, restored; "
+                        "bench_fleet.autogroups_off)")
     p.add_argument("--ready-timeout", type=float, help="seconds for a fleet to serve (default: corefleet up's)")
     p.add_argument("--state-dir", help="keep the model, the fleets' logs, the load generator's and this "
                                        "benchmark's results (bench_routing.json) here")
@@ -781,27 +776,10 @@ def main(argv: list[str] | None = None) -> int:
     return run_in_state_dir("bench_routing", args.state_dir, lambda state, started: _run(args, state, started))
 
 
-def _run(args: argparse.Namespace, state: Path, started: float) -> int:
-    shape = shape_of(args)
-    model = str(write_model(state / "models" / "routing-llama", shape).absolute())
-    commit = routing_commit()
-    ws = working_set(args)
-    cores = len(os.sched_getaffinity(0))
-    none = "NONE (COREFLEET_ROUTING is ignored by this checkout: both corefleet sides route as before)"
-    log(f"routing commit: {commit or none}")
-    log(f"model {model}: {shape.describe()}")
-    log("working sets (tokens, all ranks): " + ", ".join(f"({w}) {ws[w]}" for w in args.workloads))
-    log("the load generator's prompts for (b) and (c), as it makes them (vLLM's get_samples, same seed), for "
-        "their ideal hit rates")
-    prompts = {w: dataset_prompts(model, dataset_argv(args, w), n_prompts(args, w), args.seed)
-               for w in ("b", "c") if w in args.workloads}
-    plan: list[tuple[int, int, str]] = []
-    for i, n in enumerate(args.ranks_list):
-        for rnd in range(1, args.rounds + 1):
-            order = args.sides_list if (i + rnd) % 2 == 1 else list(reversed(args.sides_list))
-            plan += [(n, rnd, s) for s in order]
-    results: list[FleetResult] = []
-    sizing: dict[int, dict[str, Any]] = {}
+def _run_plan(args: argparse.Namespace, state: Path, model: str, shape: Shape, plan: list[tuple[int, int, str]],
+              ws: dict[str, int], prompts: dict[str, list[list[int]]], results: list[FleetResult],
+              sizing: dict[int, dict[str, Any]]) -> int:
+    """Every fleet of the plan in turn, its workloads run; `results` and `sizing` filled in; the failed requests."""
     errors = 0
     for run_no, (n, rnd, side_name) in enumerate(plan, start=1):
         tokens = kv_tokens_per_rank(args, n, args.block_size)
@@ -825,7 +803,33 @@ def _run(args: argparse.Namespace, state: Path, started: float) -> int:
         errors += sum(w.errors for w in res.workloads.values())
         (state / "bench_routing.json").write_text(json.dumps(
             {"partial": True, "results": [r.to_json() for r in results]}, indent=1, default=str))
+    return errors
 
+
+def _run(args: argparse.Namespace, state: Path, started: float) -> int:
+    shape = shape_of(args)
+    model = str(write_model(state / "models" / "routing-llama", shape).absolute())
+    commit = routing_commit()
+    ws = working_set(args)
+    cores = len(os.sched_getaffinity(0))
+    none = "NONE (COREFLEET_ROUTING is ignored by this checkout: both corefleet sides route as before)"
+    log(f"routing commit: {commit or none}")
+    log(f"model {model}: {shape.describe()}")
+    log("working sets (tokens, all ranks): " + ", ".join(f"({w}) {ws[w]}" for w in args.workloads))
+    log("the load generator's prompts for (b) and (c), as it makes them (vLLM's get_samples, same seed), for "
+        "their ideal hit rates")
+    prompts = {w: dataset_prompts(model, dataset_argv(args, w), n_prompts(args, w), args.seed)
+               for w in ("b", "c") if w in args.workloads}
+    plan: list[tuple[int, int, str]] = []
+    for i, n in enumerate(args.ranks_list):
+        for rnd in range(1, args.rounds + 1):
+            order = args.sides_list if (i + rnd) % 2 == 1 else list(reversed(args.sides_list))
+            plan += [(n, rnd, s) for s in order]
+    results: list[FleetResult] = []
+    sizing: dict[int, dict[str, Any]] = {}
+    with bench_fleet.autogroups_off(not args.keep_autogroups) as scheduling:
+        log(f"autogroup scheduling while the fleets run: {scheduling}")
+        errors = _run_plan(args, state, model, shape, plan, ws, prompts, results, sizing)
     print()
     print("details:")
     print(f"  machine: {cores} CPU cores ({_cpu_model()}), "
