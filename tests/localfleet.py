@@ -74,7 +74,7 @@ class Fleet:
     def health(self) -> int:
         return http_get(f"{self.url}/health")[0]
 
-    def complete(self, prompt: str, max_tokens: int = 8, rank: int | None = None,
+    def complete(self, prompt: str | list[int], max_tokens: int = 8, rank: int | None = None,
                  ignore_eos: bool = False) -> tuple[int, dict[str, Any]]:
         body: dict[str, Any] = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens}
         if ignore_eos:

@@ -35,7 +35,9 @@ On the real-vLLM fleet (README's main job):
   exiting 0.
 
 And a single-rank emulated fleet (vLLM's plain async client under corefleet's) serves, aborts and reports
-its dead engine.
+its dead engine; and a 2-rank real-vLLM fleet of a model whose prefill is slow (bench_routing's: 43 M
+parameters, ~0.3 ms a prompt token on 2 vCPUs) keeps routing to a rank that sends nothing for seconds while it
+prefills a long prompt: not Stalled, not avoided (issue 26).
 
 Heavy (real vLLM, up to 3 engines, ~8 GiB): on shared machines run the e2e tier under
 `flock /tmp/corefleet-heavy.lock`.
@@ -64,7 +66,7 @@ import pytest
 from corefleet_client.admin import AdminClient, AdminError, FleetState, RankState, ResizePhase, ResizeRequest
 from corefleet_harness import local
 from corefleet_harness.support import free_port, http_get, wait_until
-from corefleet_harness.tinymodel import write_tiny_model
+from corefleet_harness.tinymodel import VOCAB_SIZE, write_tiny_model
 from fleettest import Load, PinnedStream
 from localfleet import (
     MODEL_NAME,
@@ -90,6 +92,14 @@ VICTIM = 1
 DOOMED = 3  # requests on the victim when it dies: its stale load outweighs a local routing increment on rank 0
 JOIN_TIMEOUT = 420.0  # a new real vLLM engine starting and handshaking on 2 busy cores
 POLL = 0.05
+# A model whose prefill of one long prompt takes seconds (bench_routing's shape, its context 8192), in chunked-prefill
+# steps of about a second each: longer than the frontend's stall floor (1 s), so what keeps the rank from being taken
+# for a stalled one is the bound it learned from its own steps and prompts (`frontend.progress`).
+PREFILL_HEAVY = {"hidden_size": 768, "num_hidden_layers": 6, "intermediate_size": 2048, "num_attention_heads": 12,
+                 "num_key_value_heads": 12, "head_dim": 64}
+PREFILL_CONTEXT = 8192
+PREFILL_KV_BYTES = 192 * 2**20  # 10922 tokens of 18 KiB a rank: one long prompt and a short one
+STALL_FLOOR_S = 1.0  # the frontend's --stall-timeout default (local mode passes none)
 
 
 def _long_context_model(tmp: Path) -> str:
@@ -700,6 +710,85 @@ def single_rank_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Flee
     tmp = tmp_path_factory.mktemp("fleet-single")
     yield from start(tmp, local.ENGINE_EMULATOR, 1, _long_context_model(tmp), flags(LONG_CONTEXT),
                      max_tokens_long=1000, token_delay_ms=20, ready_timeout=180)
+
+
+@pytest.fixture(scope="module")
+def prefill_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """2 real vLLM ranks of the prefill-heavy model (`PREFILL_HEAVY`), the frontend's stall detection as shipped."""
+    tmp = tmp_path_factory.mktemp("fleet-prefill")
+    model = str(write_tiny_model(tmp / "prefill-heavy", context=PREFILL_CONTEXT, shape=PREFILL_HEAVY))
+    vflags = list(flags(PREFILL_CONTEXT))
+    vflags[vflags.index("--kv-cache-memory-bytes") + 1] = str(PREFILL_KV_BYTES)
+    yield from start(tmp, local.ENGINE_VLLM, 2, model, tuple(vflags), max_tokens_long=64, token_delay_ms=None,
+                     ready_timeout=600)
+
+
+def test_a_rank_prefilling_a_long_prompt_is_not_taken_for_stalled_and_keeps_its_prompts_prefix(
+        prefill_fleet: Fleet) -> None:
+    """Issue 26: a rank that is merely busy with a long prefill is not mistaken for a stalled one. With real vLLM
+    engines of a model whose prefill takes seconds: once each rank finished one long prompt (the frontend learns its
+    step times and its cost of a prompt token from it), a new long prompt keeps its rank from sending a token for
+    several times the stall floor, in steps longer than the floor, yet the rank is never Stalled, and a request
+    sharing the prompt's opening still goes to it (prefix affinity: a Stalled rank's prefixes spill to another).
+    The ranks' very first long prompts are taken for stalls (nothing is known of them yet): the test counts those
+    and does not judge them."""
+    fleet = prefill_fleet
+    rng = random.Random(time.time_ns())  # prompts no rank has cached
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(3, VOCAB_SIZE) for _ in range(n)]
+
+    long_len = PREFILL_CONTEXT - 192
+    warm: dict[int, tuple[int, dict[str, Any]]] = {}
+    # The cold ranks' first long prompts, pinned (a Stalled rank's pinned requests stay): the frontend has no
+    # prefill cost yet, so these may be taken for stalls; what they teach is what the rest of the test relies on.
+    threads = [threading.Thread(target=lambda r=r: warm.__setitem__(r, fleet.complete(prompt(long_len), 1, rank=r)))
+               for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert [warm[r][0] for r in range(2)] == [200, 200], warm
+    before = {r.rank: r for r in fleet.status().ranks}
+    assert not any(r.stalled for r in before.values()), before
+
+    long_prompt = prompt(long_len)
+    outcome: dict[str, Any] = {}
+
+    def send_long() -> None:
+        t0 = time.monotonic()
+        outcome["result"] = fleet.complete(long_prompt, 1)
+        outcome["seconds"] = time.monotonic() - t0
+
+    sender = threading.Thread(target=send_long)
+    sender.start()
+    home = fleet.in_flight_rank()
+    # A request that shares the long prompt's opening (its first 512 tokens: the routing key's blocks) goes where
+    # the prompt went, for its prefix cache, unless that rank is Stalled (then it spills).
+    follower: dict[str, Any] = {}
+    follower_thread = threading.Thread(
+        target=lambda: follower.__setitem__("result", fleet.complete([*long_prompt[:512], *prompt(64)], 1)))
+    follower_thread.start()
+    polls = 0
+    while sender.is_alive():
+        status = fleet.status()
+        assert not any(r.stalled for r in status.ranks), (time.monotonic(), status)
+        polls += 1
+        time.sleep(POLL)
+    sender.join()
+    follower_thread.join(120)
+    assert outcome["result"][0] == 200, outcome
+    assert follower["result"][0] == 200, follower
+    after = {r.rank: r for r in fleet.status().ranks}
+    print(f"\nprefill of {long_len} tokens on rank {home}: {outcome['seconds']:.1f} s (first token), {polls} status "
+          f"polls, stalls {[after[r].stalls_total - before[r].stalls_total for r in after]}, warm-up: "
+          f"{[before[r].stalls_total for r in before]} stall(s) of the cold ranks")
+    # No token for several floors: judged by the floor alone, the rank would have been Stalled.
+    assert outcome["seconds"] > 1.5 * STALL_FLOOR_S, outcome
+    assert all(after[r].stalls_total == before[r].stalls_total for r in after), (before, after)
+    assert after[home].affinity_total - before[home].affinity_total == 1, (before[home], after[home])
+    assert all(after[r].spilled_total == before[r].spilled_total for r in after), (before, after)
+    assert after[home].requests_total - before[home].requests_total == 2
 
 
 def test_single_rank_fleet_serves_aborts_and_reports_its_dead_engine(single_rank_fleet: Fleet) -> None:
