@@ -218,8 +218,10 @@ def test_a_leaving_rank_killed_before_shutdown_complete_fails_the_resize_and_the
     op = s.fleet.status()["operation"]
     assert op["phase"] == "Failed", op
     assert "rank 2" in op["message"], op
-    lost = [m for r, m in s.fleet.events() if r == "RankLost"]
-    assert any("left the fleet unusable: rank 2 died" in m for m in lost), lost
+    # Events are posted after the status write that the recovery shows (kopf's queue, best effort): wait for it.
+    wait_until(lambda: any(r == "RankLost" and "left the fleet unusable: rank 2 died" in m
+                           for r, m in s.fleet.events()), 30, "the RankLost event", interval=0.2,
+               diagnose=lambda: str(s.fleet.events()[-5:]))
     s.settle(2)  # recovered at the committed 3 ranks, then resized in place to 2
     st = s.fleet.status()
     assert (st["recoveries"], st["replicas"]) == (before["recoveries"] + 1, 2), st
