@@ -554,8 +554,9 @@ class LoadResult:
 
 @contextlib.contextmanager
 def autogroups_off(switch_off: bool = True) -> Iterator[str]:
-    """`kernel.sched_autogroup_enabled` 0 inside (when `switch_off` and it was 1), restored on the way out; yields
-    what the scheduling is inside, for the report. Why: the module's docstring (the load generator's reads)."""
+    """`kernel.sched_autogroup_enabled` 0 inside (when `switch_off` and it was 1), restored on the way out, a SIGTERM
+    included (it raises SystemExit inside); yields what the scheduling is inside, for the report. Why: the module's
+    docstring (the load generator's reads)."""
     try:
         before = AUTOGROUP_SWITCH.read_text().strip()
     except OSError:
@@ -569,10 +570,15 @@ def autogroups_off(switch_off: bool = True) -> Iterator[str]:
     except OSError as e:
         yield f"kernel.sched_autogroup_enabled=1, left as it is (cannot switch it off: {e.strerror})"
         return
+    def terminated(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, terminated)
     try:
         yield "off (kernel.sched_autogroup_enabled=0, 1 again afterwards)"
     finally:
         AUTOGROUP_SWITCH.write_text(before)
+        signal.signal(signal.SIGTERM, previous)
 
 
 def run_loadgen(side: Side, args: argparse.Namespace, model: str, concurrency: int, prompts: int,
