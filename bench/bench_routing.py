@@ -776,36 +776,6 @@ def main(argv: list[str] | None = None) -> int:
     return run_in_state_dir("bench_routing", args.state_dir, lambda state, started: _run(args, state, started))
 
 
-def _run_plan(args: argparse.Namespace, state: Path, model: str, shape: Shape, plan: list[tuple[int, int, str]],
-              ws: dict[str, int], prompts: dict[str, list[list[int]]], results: list[FleetResult],
-              sizing: dict[int, dict[str, Any]]) -> int:
-    """Every fleet of the plan in turn, its workloads run; `results` and `sizing` filled in; the failed requests."""
-    errors = 0
-    for run_no, (n, rnd, side_name) in enumerate(plan, start=1):
-        tokens = kv_tokens_per_rank(args, n, args.block_size)
-        kv_bytes = tokens * shape.kv_bytes_per_token()
-        flags = vllm_flags(shape, kv_bytes, args.max_num_seqs)
-        if n not in sizing:
-            share = {w: ws[w] / n for w in args.workloads}
-            sizing[n] = {"kv_tokens_per_rank": tokens, "kv_bytes_per_rank": kv_bytes, "flags": list(flags),
-                         "working_set": {w: ws[w] for w in args.workloads}, "share_per_rank": share}
-            log(f"N={n}: KV cache {kv_bytes / 2**20:.0f} MiB a rank = {tokens} tokens "
-                f"({shape.kv_bytes_per_token()} B/token): " + ", ".join(
-                    f"({w}) {tokens / ws[w]:.0%} of the working set, {tokens / share[w]:.1f}x a rank's share"
-                    for w in args.workloads))
-        out = state / f"n{n}-{side_name}-{rnd}"
-        out.mkdir(parents=True, exist_ok=True)
-        log(f"[{run_no}/{len(plan)}] N={n} round {rnd}: starting {side_name} (load average "
-            f"{os.getloadavg()[0]:.2f})")
-        with fleet(side_name, args, state, model, flags, n, run_no) as side:
-            res = run_workloads(side, args, model, out, rnd, prompts)
-        results.append(res)
-        errors += sum(w.errors for w in res.workloads.values())
-        (state / "bench_routing.json").write_text(json.dumps(
-            {"partial": True, "results": [r.to_json() for r in results]}, indent=1, default=str))
-    return errors
-
-
 def _run(args: argparse.Namespace, state: Path, started: float) -> int:
     shape = shape_of(args)
     model = str(write_model(state / "models" / "routing-llama", shape).absolute())
@@ -829,7 +799,29 @@ def _run(args: argparse.Namespace, state: Path, started: float) -> int:
     sizing: dict[int, dict[str, Any]] = {}
     with bench_fleet.autogroups_off(not args.keep_autogroups) as scheduling:
         log(f"autogroup scheduling while the fleets run: {scheduling}")
-        errors = _run_plan(args, state, model, shape, plan, ws, prompts, results, sizing)
+        errors = 0
+        for run_no, (n, rnd, side_name) in enumerate(plan, start=1):
+            tokens = kv_tokens_per_rank(args, n, args.block_size)
+            kv_bytes = tokens * shape.kv_bytes_per_token()
+            flags = vllm_flags(shape, kv_bytes, args.max_num_seqs)
+            if n not in sizing:
+                share = {w: ws[w] / n for w in args.workloads}
+                sizing[n] = {"kv_tokens_per_rank": tokens, "kv_bytes_per_rank": kv_bytes, "flags": list(flags),
+                             "working_set": {w: ws[w] for w in args.workloads}, "share_per_rank": share}
+                log(f"N={n}: KV cache {kv_bytes / 2**20:.0f} MiB a rank = {tokens} tokens "
+                    f"({shape.kv_bytes_per_token()} B/token): " + ", ".join(
+                        f"({w}) {tokens / ws[w]:.0%} of the working set, {tokens / share[w]:.1f}x a rank's share"
+                        for w in args.workloads))
+            out = state / f"n{n}-{side_name}-{rnd}"
+            out.mkdir(parents=True, exist_ok=True)
+            log(f"[{run_no}/{len(plan)}] N={n} round {rnd}: starting {side_name} (load average "
+                f"{os.getloadavg()[0]:.2f})")
+            with fleet(side_name, args, state, model, flags, n, run_no) as side:
+                res = run_workloads(side, args, model, out, rnd, prompts)
+            results.append(res)
+            errors += sum(w.errors for w in res.workloads.values())
+            (state / "bench_routing.json").write_text(json.dumps(
+                {"partial": True, "results": [r.to_json() for r in results]}, indent=1, default=str))
     print()
     print("details:")
     print(f"  machine: {cores} CPU cores ({_cpu_model()}), "
