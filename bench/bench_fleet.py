@@ -129,7 +129,15 @@ from typing import Any
 
 import psutil
 
-from bench_frontend import BenchError, _cpu_model, _vllm_version, log, machine_busy_seconds, run_in_state_dir
+from bench_frontend import (
+    BenchError,
+    _cpu_model,
+    _vllm_version,
+    autogroups_off,
+    log,
+    machine_busy_seconds,
+    run_in_state_dir,
+)
 from corefleet_client.admin import AdminError
 from corefleet_harness import local
 from corefleet_harness.local import LOCALHOST
@@ -150,7 +158,6 @@ _TITLE = re.compile(r"\bVLLM::([A-Za-z]+)(?:_DP(\d+))?")
 _TITLE_ROLES = {"EngineCore": "EngineCore", "Worker": "worker", "DPCoordinator": "coordinator",
                 "APIServer": "frontend"}
 STALL_S = 0.5  # a wait for a token this long is a stall (a step of the tiny model takes ~10-60 ms)
-AUTOGROUP_SWITCH = Path("/proc/sys/kernel/sched_autogroup_enabled")
 GOALS = {"throughput": 1.00, "ttft": 1.10, "tpot": 1.05, "c1_ttft_ms": 2.0, "rss": 1.10}
 
 
@@ -550,35 +557,6 @@ class LoadResult:
         ttfts = self.result.get("ttfts") or []
         itls = [x for itl in self.result.get("itls") or [] for x in itl]
         return sum(1 for x in (*ttfts, *itls) if x is not None and x > STALL_S)
-
-
-@contextlib.contextmanager
-def autogroups_off(switch_off: bool = True) -> Iterator[str]:
-    """`kernel.sched_autogroup_enabled` 0 inside (when `switch_off` and it was 1), restored on the way out, a SIGTERM
-    included (it raises SystemExit inside); yields what the scheduling is inside, for the report. Why: the module's
-    docstring (the load generator's reads)."""
-    try:
-        before = AUTOGROUP_SWITCH.read_text().strip()
-    except OSError:
-        yield "no autogroup scheduling in this kernel"
-        return
-    if not switch_off or before != "1":
-        yield f"kernel.sched_autogroup_enabled={before}, left as it is"
-        return
-    try:
-        AUTOGROUP_SWITCH.write_text("0")
-    except OSError as e:
-        yield f"kernel.sched_autogroup_enabled=1, left as it is (cannot switch it off: {e.strerror})"
-        return
-    def terminated(signum: int, _frame: object) -> None:
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, terminated)
-    try:
-        yield "off (kernel.sched_autogroup_enabled=0, 1 again afterwards)"
-    finally:
-        AUTOGROUP_SWITCH.write_text(before)
-        signal.signal(signal.SIGTERM, previous)
 
 
 def run_loadgen(side: Side, args: argparse.Namespace, model: str, concurrency: int, prompts: int,

@@ -33,6 +33,9 @@ than every later one of either side), each round on a freshly started fleet that
 the next one starts. Both sides' fleet processes lead their own process groups in the benchmark's session (the
 stock processes once had sessions of their own, corefleet's `local` ones shared the benchmark's: with the
 kernel's autogroups that is not the same CPU scheduling); the load generator has its own session on both sides.
+The kernel's autogroup scheduling is off while the fleets run (`autogroups_off`, restored afterwards;
+`--keep-autogroups` leaves it on): with it on, the load generator's session gets as much CPU as the whole fleet's
+on 2 busy cores, whatever either needs (bench_fleet.py's docstring has what that did to a client's reads).
 Besides requests/s, each round samples
 CPU time per process over the measured window: the frontend's CPU milliseconds per request are
 the least noisy figure on a shared machine.
@@ -81,6 +84,7 @@ STOP_GRACE = 20.0
 REQUEST_TIMEOUT = 60.0
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 SIDES = ("stock", "corefleet")
+AUTOGROUP_SWITCH = Path("/proc/sys/kernel/sched_autogroup_enabled")
 
 
 def side_order(rnd: int) -> tuple[str, ...]:
@@ -564,6 +568,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "K against corefleet --frontends K (default 1)")
     p.add_argument("--stream", action="store_true",
                    help="streamed completions: TTFT and TPOT are measured too (default: non-streaming)")
+    p.add_argument("--keep-autogroups", action="store_true",
+                   help="leave the kernel's autogroup scheduling on while the fleets run (default: off, see "
+                        "autogroups_off)")
     p.add_argument("--loadgen", metavar="URL", help=argparse.SUPPRESS)  # internal: run the load generator
     return p.parse_args(argv)
 
@@ -583,6 +590,35 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--frontends must list counts in 1..{local.MAX_FRONTENDS}, not {args.frontends!r}", file=sys.stderr)
         return 2
     return run_in_state_dir("bench_frontend", args.state_dir, lambda state, started: _run(args, state, started))
+
+
+@contextlib.contextmanager
+def autogroups_off(switch_off: bool = True) -> Iterator[str]:
+    """`kernel.sched_autogroup_enabled` 0 inside (when `switch_off` and it was 1), restored on the way out, a SIGTERM
+    included (it raises SystemExit inside); yields what the scheduling is inside, for the report. Why: bench_fleet's
+    module docstring (the load generator's reads)."""
+    try:
+        before = AUTOGROUP_SWITCH.read_text().strip()
+    except OSError:
+        yield "no autogroup scheduling in this kernel"
+        return
+    if not switch_off or before != "1":
+        yield f"kernel.sched_autogroup_enabled={before}, left as it is"
+        return
+    try:
+        AUTOGROUP_SWITCH.write_text("0")
+    except OSError as e:
+        yield f"kernel.sched_autogroup_enabled=1, left as it is (cannot switch it off: {e.strerror})"
+        return
+    def terminated(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield "off (kernel.sched_autogroup_enabled=0, 1 again afterwards)"
+    finally:
+        AUTOGROUP_SWITCH.write_text(before)
+        signal.signal(signal.SIGTERM, previous)
 
 
 def run_in_state_dir(prog: str, state_dir: str | None, run: Callable[[Path, float], int]) -> int:
@@ -609,16 +645,19 @@ def _run(args: argparse.Namespace, state: Path, started: float) -> int:
         f"{args.rounds} round(s) per side, {args.warmup:g} s warm-up + {args.duration:g} s measured, "
         f"{args.concurrency} workers, max_tokens {args.max_tokens}")
     results: list[RoundResult] = []
-    for rnd in range(1, args.rounds + 1):
-        for k in args.frontend_counts:
-            for side in side_order(rnd):
-                work = state / f"{side}-k{k}-{rnd}"
-                log(f"round {rnd}: starting the {side} fleet with {k} frontend(s) (load average "
-                    f"{os.getloadavg()[0]:.2f})")
-                with running(side, work, model, flags, args.token_delay_ms, frontends=k) as fleet:
-                    res = run_load(fleet, args, rnd, work)
-                results.append(res)
-                log(describe(res, args.duration))
+    with autogroups_off(not args.keep_autogroups) as scheduling:
+        log(f"the kernel's autogroup scheduling: {scheduling}")
+        for rnd in range(1, args.rounds + 1):
+            for k in args.frontend_counts:
+                for side in side_order(rnd):
+                    work = state / f"{side}-k{k}-{rnd}"
+                    log(f"round {rnd}: starting the {side} fleet with {k} frontend(s) (load average "
+                        f"{os.getloadavg()[0]:.2f})")
+                    with running(side, work, model, flags, args.token_delay_ms, frontends=k) as fleet:
+                        res = run_load(fleet, args, rnd, work)
+                    results.append(res)
+                    log(describe(res, args.duration))
+    args.scheduling = scheduling
     if args.frontend_counts != [1]:
         return _report_frontends(args, results, cores, started)
 
@@ -643,6 +682,7 @@ def _run(args: argparse.Namespace, state: Path, started: float) -> int:
           "its CPU and the engines' are listed per round")
     print(f"  sides run alternately ({', '.join(f'{r.side} {r.round}' for r in results)}), one fleet at a time, "
           "each round on a freshly started fleet")
+    print(f"  the kernel's autogroup scheduling: {args.scheduling}")
     for r in results:
         print("  " + describe(r, args.duration))
     if errors:
@@ -650,7 +690,8 @@ def _run(args: argparse.Namespace, state: Path, started: float) -> int:
             if r.errors:
                 print(f"  {r.side} round {r.round} error samples: {r.error_samples}")
     print()
-    print(f"corefleet frontend benchmark: {args.concurrency} closed-loop workers, /v1/completions non-streaming, "
+    stream = "streamed" if args.stream else "non-streaming"
+    print(f"corefleet frontend benchmark: {args.concurrency} closed-loop workers, /v1/completions {stream}, "
           f"max_tokens {args.max_tokens}, {args.duration:g} s x {args.rounds} rounds per side")
     for side in SIDES:
         rs = by_side[side]
@@ -680,6 +721,7 @@ def _report_frontends(args: argparse.Namespace, results: list[RoundResult], core
           "--api-server-count K (its API servers share one port, vLLM's DP coordinator beside them); corefleet: "
           "corefleet up --frontends K (K frontend processes sharing the port with SO_REUSEPORT, the standalone "
           "coordinator); one fleet at a time, fresh per round, sides and K alternating")
+    print(f"  the kernel's autogroup scheduling: {args.scheduling}")
     for r in results:
         print("  " + describe(r, args.duration))
     print()
