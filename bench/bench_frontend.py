@@ -111,29 +111,32 @@ async def _load(url: str, model: str, concurrency: int, warmup: float, duration:
     latencies: list[float] = []
     ttfts: list[float] = []  # streaming: time to the first token
     tpots: list[float] = []  # streaming: time per output token after the first
+    events: list[int] = []  # streaming: the token events (SSE chunks with a choice) of each request
     errors: list[str] = []
     counter = 0
     headers = {"Content-Type": "application/json"}
 
-    async def streamed(resp: Any, t0: float) -> tuple[str | None, float, float]:
+    async def streamed(resp: Any, t0: float) -> tuple[str | None, float, float, int]:
         """Read an SSE completion; (error, TTFT, TPOT) as `vllm bench serve` defines them: the first chunk with a
         choice (the tiny model's tokens may decode to no text), and (end - first) / (max_tokens - 1)."""
         first = None
         finish = None
+        chunks = 0
         async for raw in resp.content:
             line = raw.strip()
             if not line.startswith(b"data:") or line == b"data: [DONE]":
                 continue
             event = json.loads(line[5:])
             if "error" in event:
-                return f"error event: {event['error']}", 0.0, 0.0
+                return f"error event: {event['error']}", 0.0, 0.0, 0
+            chunks += 1 if event.get("choices") else 0
             for choice in event.get("choices", ()):
                 first = first if first is not None else loop.time()
                 finish = choice.get("finish_reason") or finish
         end = loop.time()
         if first is None or finish != "length":
-            return f"stream ended without its tokens (finish_reason {finish})", 0.0, 0.0
-        return None, first - t0, (end - first) / max(1, max_tokens - 1)
+            return f"stream ended without its tokens (finish_reason {finish})", 0.0, 0.0, 0
+        return None, first - t0, (end - first) / max(1, max_tokens - 1), chunks
 
     async def worker(session: aiohttp.ClientSession) -> None:
         nonlocal counter
@@ -143,12 +146,13 @@ async def _load(url: str, model: str, concurrency: int, warmup: float, duration:
                                "ignore_eos": True, "temperature": 0.0, "stream": stream}).encode()
             error = None
             ttft = tpot = 0.0
+            chunks = 0
             try:
                 async with session.post(url, data=body, headers=headers) as resp:
                     if resp.status != 200:
                         error = f"HTTP {resp.status}: {(await resp.read())[:200]!r}"
                     elif stream:
-                        error, ttft, tpot = await streamed(resp, t0)
+                        error, ttft, tpot, chunks = await streamed(resp, t0)
                     else:
                         got = json.loads(await resp.read())["usage"]["completion_tokens"]
                         if got != max_tokens:
@@ -162,6 +166,7 @@ async def _load(url: str, model: str, concurrency: int, warmup: float, duration:
                     if stream:
                         ttfts.append(ttft)
                         tpots.append(tpot)
+                        events.append(chunks)
                 else:
                     errors.append(error)
 
@@ -189,6 +194,7 @@ async def _load(url: str, model: str, concurrency: int, warmup: float, duration:
         "ttft_p99_ms": 1000 * _quantile(ttfts, 0.99),
         "tpot_p50_ms": 1000 * _quantile(tpots, 0.50),
         "tpot_p99_ms": 1000 * _quantile(tpots, 0.99),
+        "events_per_request": statistics.fmean(events) if events else float("nan"),
         "sent": counter,
     }
 
@@ -471,6 +477,7 @@ class RoundResult:
     p99_ms: float
     ttft: tuple[float, float]  # streaming: p50, p99 ms (NaN without --stream)
     tpot: tuple[float, float]
+    events: float  # streaming: the mean token events (SSE chunks) per request; fewer, larger ones cost less CPU
     cpu: dict[str, float]  # role -> CPU seconds in the window
     other_cpu: float  # CPU seconds of every other process on the machine in the window
     rss: tuple[float, float]  # the frontend process: (VmRSS, VmHWM) MiB after the load
@@ -535,7 +542,8 @@ def run_load(fleet: Fleet, args: argparse.Namespace, rnd: int, logs: Path) -> Ro
         side=fleet.side, round=rnd, frontends=fleet.frontends, rps=result["completed"] / result["seconds"],
         completed=result["completed"], errors=result["errors"], error_samples=result["error_samples"],
         p50_ms=result["p50_ms"], p99_ms=result["p99_ms"], ttft=(result["ttft_p50_ms"], result["ttft_p99_ms"]),
-        tpot=(result["tpot_p50_ms"], result["tpot_p99_ms"]), cpu=cpu, other_cpu=max(0.0, other), rss=fe_rss,
+        tpot=(result["tpot_p50_ms"], result["tpot_p99_ms"]), events=result["events_per_request"], cpu=cpu,
+        other_cpu=max(0.0, other), rss=fe_rss,
         coordinator_rss=coord_rss,
         per_rank=[a - b for a, b in zip(after_ranks, before_ranks, strict=True)],
     )
@@ -544,7 +552,7 @@ def run_load(fleet: Fleet, args: argparse.Namespace, rnd: int, logs: Path) -> Ro
 def describe(r: RoundResult, duration: float) -> str:
     cores = ", ".join(f"{role} {sec / duration:.2f}" for role, sec in r.cpu.items() if sec > 0.005)
     streamed = f"TTFT p50/p99 {r.ttft[0]:.0f}/{r.ttft[1]:.0f} ms  TPOT p50/p99 {r.tpot[0]:.1f}/{r.tpot[1]:.1f} ms  " \
-        if r.ttft[0] == r.ttft[0] else ""
+        f"{r.events:.2f} token events/request  " if r.ttft[0] == r.ttft[0] else ""
     return (f"{r.side:<10} K={r.frontends} round {r.round}: {r.rps:7.1f} req/s  ({r.completed} ok, {r.errors} "
             f"errors)  p50 {r.p50_ms:.0f} ms  p99 {r.p99_ms:.0f} ms  {streamed}frontend CPU {r.fe_ms_per_req:.2f} "
             f"ms/req ({r.req_per_fe_cpu_s:.0f} req per frontend CPU-s)  "
