@@ -353,3 +353,44 @@ def test_a_frontend_killed_mid_scale_up_is_replaced_in_place_and_the_resize_roll
         name = constants.engine_name(NAME, rank)
         assert after[name] == uids[name], f"{name} was recreated"
     assert after[constants.frontend_name(NAME)] != uids[constants.frontend_name(NAME)]
+
+
+def test_a_coordinator_killed_mid_scale_up_is_replaced_in_place_once_the_resize_ended(setup: Setup) -> None:
+    """The coordinator SIGKILLed under load while a scale-up 2 -> 3 waits for rank 2 (Preparing). The frontend's
+    resize needs no coordinator, but rank 2's engine waits for the coordinator's READY before its handshake ends:
+    the operator cancels the scale-up (rank 2's pod goes; had rank 2 joined first, the resize completes instead),
+    replaces the coordinator in place once the resize ended, and the scale-up runs again, as `replicas` still asks.
+    No request fails; one recovery, the same incarnation; the frontend and ranks 0 and 1 are never recreated."""
+    s = setup
+    s.fleet.at(2, SETTLE)
+    before = s.fleet.status()
+    uids = s.fleet.uids()
+    events = len(s.fleet.events())
+    load = s.load()
+    try:
+        s.fleet.scale(3)
+        s.fleet.wait_operation("Preparing", timeout=SETTLE)
+        coordinator = s.runner.pod(constants.coordinator_name(NAME))
+        os.killpg(coordinator.popen.pid, signal.SIGKILL)  # type: ignore[union-attr]
+        wait_until(lambda: "CoordinatorReplaced" in {r for r, _ in s.fleet.events()[events:]}, 2 * SETTLE,
+                   "the coordinator replaced in place", diagnose=s.fleet.describe)
+        s.settle(3, timeout=2 * SETTLE)  # the scale-up run again (or completed) once the coordinator was back
+    finally:
+        load.stop()
+    story = s.fleet.events()[events:]
+    told = {reason: message for reason, message in story}
+    print(f"coordinator killed mid scale-up: {story}; {load.summary()}")
+    assert "MemberLost" in told, story
+    assert not {"Recovering", "Restarting", "RankLost"} & set(told), story
+    if "ResizeCancelling" in told:  # rank 2 had not joined: rolled back, then run again
+        assert "a new rank cannot join without it" in told["ResizeCancelling"], story
+        assert "retried once the coordinator is replaced in place" in told.get("ResizeFailed", ""), story
+    assert "the fleet serves at 3 ranks" in told.get("ResizeCompleted", ""), story
+    assert load.outcomes, "the load sent nothing"
+    assert not load.failures(), load.summary()
+    st = s.fleet.status()
+    assert (st["fleetGeneration"], st["recoveries"]) == (before["fleetGeneration"], before["recoveries"] + 1), st
+    after = s.fleet.uids()
+    for name in (constants.engine_name(NAME, 0), constants.engine_name(NAME, 1), constants.frontend_name(NAME)):
+        assert after[name] == uids[name], f"{name} was recreated"
+    assert after[constants.coordinator_name(NAME)] != uids[constants.coordinator_name(NAME)]

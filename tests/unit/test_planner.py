@@ -223,7 +223,8 @@ class World:
                 new = [self.pods.get(f"{self.fleet.name}-engine-{r}") for r in op.replace]
                 if op.cancel:
                     op.phase, op.error = "Failed", f"cancelled: {op.cancel}"
-                elif op.age >= 2 and all(p is not None and p.ready and not p.terminating for p in new):
+                elif op.age >= 2 and all(p is not None and p.ready and not p.terminating for p in new) \
+                        and self.coordinator_runs():
                     op.phase = "Completed"
                     op.ranks = {r: ("Serving", "") for r in op.replace}
                     f.dead -= set(op.replace)
@@ -238,7 +239,8 @@ class World:
                     continue
                 op.phase = "Preparing"
                 new = [self.pods.get(f"{self.fleet.name}-engine-{r}") for r in range(op.frm, op.to)]
-                if op.age >= 3 and all(p is not None and p.ready and not p.terminating for p in new):
+                if op.age >= 3 and all(p is not None and p.ready and not p.terminating for p in new) \
+                        and self.coordinator_runs():
                     op.phase, f.size = "Completed", op.to
                     f.redundant = op.redundant if op.redundant is not None else f.redundant
                     f.engines = {r: uid for r, uid in f.engines.items() if r not in op.ranks}
@@ -256,6 +258,11 @@ class World:
                 f.redundant = op.redundant if op.redundant is not None else f.redundant
                 f.engines = {r: uid for r, uid in f.engines.items() if r not in op.ranks}
                 op.ranks = {r: ("Retired", "") for r in op.ranks}
+
+    def coordinator_runs(self) -> bool:
+        """A new engine's handshake ends only once the coordinator said READY (vLLM's EngineCoreProc): its pod runs."""
+        pod = self.pods.get(f"{self.fleet.name}-coordinator")
+        return pod is not None and pod.phase == "Running"
 
     def engine_runs(self, rank: int) -> bool:
         engine = self.pods.get(f"{self.fleet.name}-engine-{rank}")
@@ -1213,9 +1220,65 @@ def test_a_frontend_lost_during_a_replacement_with_another_loss_recreates_the_fl
     assert "RankLost" in [e.reason for e in p.events]
 
 
-def test_a_coordinator_lost_during_a_resize_still_recreates_the_fleet() -> None:
-    """The frontend runs on with its resize; a coordinator lost meanwhile is not replaced in place (yet)."""
-    w = running(2)
+@pytest.mark.parametrize("restart", [False, True], ids=["", "operator restarted"])
+@pytest.mark.parametrize("how", ["failed", "vanished", "terminating"])
+@pytest.mark.parametrize("direction", ["up", "down"])
+def test_a_coordinator_lost_during_a_dense_resize_is_replaced_in_place_once_the_resize_ended(
+        direction: str, how: str, restart: bool) -> None:
+    """The frontend needs no coordinator to finish its resize, but a new engine does (it waits for the coordinator's
+    READY before its handshake ends): a scale-up 2 -> 3 still joining is cancelled (rank 2's pod goes), a scale-down
+    3 -> 2 runs on. Meanwhile the loss is not counted and no coordinator pod is created; once the resize ended, the
+    coordinator is replaced in place at the size it left, and the scale-up runs again, as `replicas` still asks. No
+    pod that stays is touched, one recovery, no new incarnation. `restart`: the operator dies after the status write
+    of the pass that sees the loss, before its actions."""
+    up = direction == "up"
+    w = running(2 if up else 3)
+    w.scale(3 if up else 2)
+    step_until(w, lambda p: w.status.operation is not None and w.status.operation.phase in ("Preparing", "Draining"),
+               max_steps=10, what="the resize under way")
+    resize = w.status.operation
+    assert resize is not None
+    stays = {n: q.uid for n, q in w.pods.items() if n in ("a-engine-0", "a-engine-1", "a-frontend")}
+    mark = len(w.log)
+    lose_member(w, how, "a-coordinator")
+    w.drop_actions = restart
+
+    w.step()
+
+    assert (w.status.recoveries, w.status.fleetGeneration) == (0, 1)  # not a loss while the resize runs
+    step_until(w, lambda p: w.status.operation is not None and w.status.operation.id != resize.id, max_steps=60,
+               what="the resize ended and the coordinator's replacement started")
+    op = w.status.operation
+    assert op is not None
+    assert (op.members, op.fromReplicas, op.toReplicas) == (("coordinator",), 2, 2)
+    cancels = {a.resize_id for p in w.log[mark:] for a in p.actions if isinstance(a, CancelResize)}
+    told = {e.reason: e.message for p in w.log[mark:] for e in p.events}
+    for q in w.log[mark:]:  # no coordinator pod created while the resize ran
+        if any(isinstance(a, Apply) and a.obj["metadata"]["name"] == "a-coordinator" for a in q.actions):
+            assert q.status.operation is not None
+            assert q.status.operation.members == ("coordinator",)
+    if up:
+        assert cancels == {resize.id}
+        assert "a new rank cannot join without it" in told["ResizeCancelling"]
+        assert "the fleet serves on at 2 ranks; retried once the coordinator is replaced in place" \
+            in told["ResizeFailed"]
+    else:
+        assert not cancels
+        assert f"resize {resize.id}: the fleet serves at 2 ranks" in told["ResizeCompleted"]
+    step_until(w, member_replaced, max_steps=40, what="the coordinator replaced")
+    assert w.built_size["a-coordinator"] == 2
+    w.converge(max_steps=100)
+    assert (w.status.replicas, w.status.fleetGeneration, w.status.recoveries) == (w.fleet.spec.replicas, 1, 1)
+    assert {n: q.uid for n, q in w.pods.items() if n in stays} == stays
+    assert not w.events("Recovering")
+    assert not w.events("RankLost")
+    if up:
+        assert [m for m in w.events("ResizeCompleted") if "the fleet serves at 3 ranks" in m]
+
+
+def test_a_coordinator_lost_during_an_moe_resize_recreates_the_fleet() -> None:
+    """Elastic EP's coordinator holds the wave state that the resize runs through: its loss is a recovery."""
+    w = running(2, moe=True)
     w.scale(3)
     w.step()
     w.step()
@@ -1228,8 +1291,6 @@ def test_a_coordinator_lost_during_a_resize_still_recreates_the_fleet() -> None:
     assert w.status.operation is not None
     assert w.status.operation.phase == "Failed"
     assert "RankLost" in [e.reason for e in p.events]
-    w.converge(max_steps=100)
-    assert w.status.replicas == 3  # recovered at 2, then resized to the desired 3
 
 
 def test_an_operator_that_dies_between_status_and_actions_resumes_the_same_resize() -> None:

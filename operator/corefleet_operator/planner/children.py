@@ -32,7 +32,7 @@ from corefleet_operator.observe import Observed, PodObs
 from corefleet_operator.planner.basis import Basis
 from corefleet_operator.planner.common import delete_pod, desired_pod_names
 from corefleet_operator.planner.follow import Flight
-from corefleet_operator.planner.members import followers, member_name
+from corefleet_operator.planner.members import after_resize, followers, member_name
 from corefleet_operator.planner.step import Step
 
 # Children the spec may switch off: deleted when observed but no longer desired (kind -> apiVersion).
@@ -108,10 +108,14 @@ def held_pods(fleet: FleetRef, step: Step, awaiting_experts: bool) -> frozenset[
     if awaiting_experts:
         held |= {constants.engine_name(fleet.name, rank) for rank in step.joining}
     ranks_replaced = step.replacing is not None and bool(step.replacing.operation.replace)
-    if (step.resize is not None or ranks_replaced) and not step.new_incarnation:
+    if not step.new_incarnation:
         # A frontend other than frontend 0 lost during a resize or a replacement of ranks (ending this pass or not)
-        # is replaced in place, attaching, once it ended (`planner.follow`).
-        held |= followers(fleet)
+        # is replaced in place, attaching, once it ended; so is a dense fleet's coordinator lost during a resize
+        # (`planner.follow`).
+        if step.resize is not None:
+            held |= after_resize(fleet)
+        elif ranks_replaced:
+            held |= followers(fleet)
     return frozenset(held)
 
 

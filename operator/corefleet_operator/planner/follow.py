@@ -22,7 +22,7 @@ from corefleet_operator.actions import Event
 from corefleet_operator.models import FleetRef, OperationStatus
 from corefleet_operator.observe import Observed
 from corefleet_operator.planner.basis import Basis
-from corefleet_operator.planner.members import continue_members, followers, member_name
+from corefleet_operator.planner.members import after_resize, continue_members, followers, member_name
 from corefleet_operator.planner.replace import ReplaceStep, continue_replace
 from corefleet_operator.planner.resize import ResizeStep, continue_resize
 
@@ -70,9 +70,10 @@ def follow_operation(fleet: FleetRef, observed: Observed, basis: Basis, now: str
                        moving_members=followers(fleet))
     resize = continue_resize(fleet, observed, running, basis.committed, basis.current, now)
     # Several frontends: one other than frontend 0 lost during the resize is frontend 0's to pass over or fail the
-    # resize for; its loss is seen (and it is replaced in place) once the resize ended.
+    # resize for; a dense fleet's coordinator lost meanwhile is not needed to finish it (a scale-up is cancelled);
+    # their loss is seen (and they are replaced in place) once the resize ended.
     flight = replace(still, operation=resize.operation, committed=resize.committed, resize=resize,
-                     moving=resize.joining | resize.leaving, moving_members=followers(fleet))
+                     moving=resize.joining | resize.leaving, moving_members=after_resize(fleet))
     if resize.operation.phase == "Completed" and resize.committed != old.replicas:
         flight = replace(flight, redundant_size=resize.committed, redundant_experts=resize.redundant_experts)
     return flight

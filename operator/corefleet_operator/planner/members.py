@@ -96,6 +96,15 @@ def followers(fleet: FleetRef) -> frozenset[str]:
     return frozenset(constants.frontend_names(fleet.name, fleet.spec.frontend.replicas)[1:])
 
 
+def after_resize(fleet: FleetRef) -> frozenset[str]:
+    """The member pods whose loss during a resize is seen (and that are replaced in place) only once it ended: the
+    frontends other than frontend 0 (it passes over them, or fails the resize for them), and a dense fleet's
+    coordinator (the frontend's resize runs without it; a scale-up, whose new engines wait for its READY, is
+    cancelled: `planner.resize`). An MoE fleet's coordinator holds the elastic-EP wave: its loss is a recovery."""
+    coordinator = frozenset() if fleet.spec.expertParallel else {constants.coordinator_name(fleet.name)}
+    return followers(fleet) | coordinator
+
+
 def member_role(fleet: str, name: str) -> MemberRole | None:
     """The member whose pod `name` is (None: an engine's, or another pod's)."""
     prefix = f"{fleet}-"

@@ -8,7 +8,11 @@ frontend as an operation with an id (`status.operation`), at most one at a time.
 * Scale-up N -> M: the operation is started on the frontend (`StartResize`) and exactly the pods of
   ranks N..M-1 are created; once the frontend reports it Completed, and the new pods are Ready
   (Committing meanwhile: the kubelet's readiness probe lags the handshake), the committed size is M.
-  A new rank's pod that fails makes the operator cancel the operation (`CancelResize`).
+  A new rank's pod that fails makes the operator cancel the operation (`CancelResize`); so does a dense fleet's
+  coordinator pod that failed, went or is going while the new ranks join (`_cancel_without_coordinator`: a new
+  engine waits for the coordinator's READY before it completes its handshake, so it could not join before the
+  resize's timeout). The coordinator is replaced in place once the resize ended (`planner.follow`), and the
+  resize runs again then, as `replicas` still asks.
 * Scale-down M -> N: the operation is started; each leaving rank's pod is deleted only once the
   frontend reports that rank Retired; once Completed, the committed size is N.
 * A Failed (or refused) operation after which the frontend still serves at the old size
@@ -115,10 +119,12 @@ def continue_resize(fleet: FleetRef, observed: Observed, op: OperationStatus, co
         if step.lost or step.operation.done:
             return step
     else:
-        step = _with_account(fleet, step, seen, current, elapsed, timeout, now)
+        step = _with_account(fleet, step, seen, current, elapsed, timeout, now, coordinator_gone(fleet, current))
         if seen.phase in ("Completed", "Failed"):
             return step
     step = _cancel_failed_joiner(fleet, step, op, current)
+    if seen is not None:
+        step = _cancel_without_coordinator(fleet, step, op, current)
     if seen is not None and elapsed > timeout:
         cancel = CancelResize(op.id, f"it ran {elapsed:.0f}s, past its timeout of {timeout:.0f}s")
         step = replace(step, actions=(*step.actions, cancel))
@@ -165,9 +171,10 @@ def _without_account(spec: EngineCoreSetSpec, step: ResizeStep, frontend: Fronte
 
 
 def _with_account(fleet: FleetRef, step: ResizeStep, seen: ResizeObs, current: Mapping[str, PodObs],
-                  elapsed: float, timeout: float, now: str) -> ResizeStep:
+                  elapsed: float, timeout: float, now: str, no_coordinator: str = "") -> ResizeStep:
     """The frontend's account of the operation: Completed (Committing until the new pods are Ready, unless
-    past the timeout), Failed, or still on its way (its phase, and the leaving ranks it has retired)."""
+    past the timeout), Failed, or still on its way (its phase, and the leaving ranks it has retired).
+    `no_coordinator`: why the dense fleet's coordinator is gone (a failed resize is retried once it is replaced)."""
     op = step.operation
     states = {rank: (cast(RankPhase, state), message) for rank, (state, message) in seen.ranks.items()
               if state in SHOWN_RANK_STATES}
@@ -179,7 +186,7 @@ def _with_account(fleet: FleetRef, step: ResizeStep, seen: ResizeObs, current: M
             return _committing(step, unready)
         return _completed(fleet, step, seen, elapsed, now)
     if seen.phase == "Failed":
-        return _failed(step, seen, now)
+        return _failed(step, seen, now, no_coordinator)
     phase: OperationPhase = seen.phase if seen.phase in OPERATION_PHASES else op.phase
     events = (Event("Normal", f"Resize{phase}", f"resize {op.id}: {seen.message}"),) if phase != op.phase else ()
     retired = frozenset(rank for rank, (state, _) in seen.ranks.items()
@@ -210,17 +217,19 @@ def _completed(fleet: FleetRef, step: ResizeStep, seen: ResizeObs, elapsed: floa
                    operation=replace(op, phase="Completed", finishedAt=now, message=seen.message))
 
 
-def _failed(step: ResizeStep, seen: ResizeObs, now: str) -> ResizeStep:
-    """A failed resize: the fleet serves on at the old size (the new ranks' pods go, it is retried later),
-    or, when the frontend says it cannot (`fleet_intact` false), the fleet is lost."""
+def _failed(step: ResizeStep, seen: ResizeObs, now: str, no_coordinator: str = "") -> ResizeStep:
+    """A failed resize: the fleet serves on at the old size (the new ranks' pods go, it is retried later: once the
+    coordinator is replaced, where it is gone), or, when the frontend says it cannot (`fleet_intact` false), the
+    fleet is lost."""
     op = step.operation
     step = replace(step, operation=replace(op, phase="Failed", finishedAt=now, message=seen.error or seen.message))
     if not seen.fleet_intact:
         return replace(step, lost=f"resize {op.id} failed and left the fleet unusable: {seen.error}")
+    retry = "retried once the coordinator is replaced in place" if no_coordinator else \
+        f"retrying in {RESIZE_RETRY_SECONDS:.0f}s unless replicas changes"
     return replace(step, retired=step.joining, events=(Event(
         "Warning", "ResizeFailed", f"resize {op.id} ({op.fromReplicas} -> {op.toReplicas}) failed: {seen.error}; "
-                                   f"the fleet serves on at {op.fromReplicas} ranks; retrying in "
-                                   f"{RESIZE_RETRY_SECONDS:.0f}s unless replicas changes"),))
+                                   f"the fleet serves on at {op.fromReplicas} ranks; {retry}"),))
 
 
 def _cancel_failed_joiner(fleet: FleetRef, step: ResizeStep, op: OperationStatus,
@@ -240,3 +249,35 @@ def _cancel_failed_joiner(fleet: FleetRef, step: ResizeStep, op: OperationStatus
                            events=(*step.events, *events),
                            operation=replace(step.operation, message=f"cancelling: {reason}"))
     return step
+
+
+def coordinator_gone(fleet: FleetRef, current: Mapping[str, PodObs]) -> str:
+    """Why a dense fleet's coordinator pod (of the current incarnation) is gone or going: failed, vanished or being
+    deleted; "" while it runs (or for an MoE fleet, whose resize needs it: its loss is a recovery)."""
+    if fleet.spec.expertParallel:
+        return ""
+    name = constants.coordinator_name(fleet.name)
+    pod = current.get(name)
+    if pod is None:
+        return f"the coordinator's pod {name} is gone"
+    if pod.phase in POD_TERMINAL:
+        return f"the coordinator's pod {name} {pod.phase.lower()}" + (f": {pod.message}" if pod.message else "")
+    if pod.terminating:
+        return f"the coordinator's pod {name} is being deleted"
+    return ""
+
+
+def _cancel_without_coordinator(fleet: FleetRef, step: ResizeStep, op: OperationStatus,
+                                current: Mapping[str, PodObs]) -> ResizeStep:
+    """A dense scale-up whose new ranks still join while the coordinator is gone: cancelled (see the module); asked
+    on every pass until the frontend reports it ended, told once (the stored operation's message). A scale-down needs
+    no coordinator to finish: it runs on."""
+    gone = coordinator_gone(fleet, current)
+    if not gone or not op.scale_up or step.operation.phase not in ("Pending", "Preparing") \
+            or any(isinstance(a, CancelResize) for a in step.actions):
+        return step
+    reason = f"{gone}: a new rank cannot join without it (it is replaced in place once the resize ended)"
+    events = () if op.message.startswith("cancelling") else (
+        Event("Warning", "ResizeCancelling", f"resize {op.id}: {reason}: cancelling it"),)
+    return replace(step, actions=(*step.actions, CancelResize(op.id, reason)), events=(*step.events, *events),
+                   operation=replace(step.operation, message=f"cancelling: {reason}"))
