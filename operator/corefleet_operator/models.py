@@ -969,9 +969,13 @@ class OperationStatus:
         "coordinator, frontend, frontend-1, ...; fromReplicas == toReplicas): new pods, the engines serve on; "
         "empty otherwise.", maxItems=1 + C.MAX_FRONTENDS, items={"pattern": MEMBER_PATTERN}))
     detached: tuple[int, ...] = field(default=(), metadata=meta(
-        "A replacement of the frontend in place that interrupted a replacement of ranks: those ranks. Their new pods "
-        "are deleted, the new frontend attaches to the other engines and starts with these Dead, and they are "
-        "replaced again once it serves; empty otherwise.", maxItems=C.MAX_REPLICAS))
+        "A replacement of the frontend or coordinator in place that interrupted a replacement of ranks: those ranks. "
+        "Their new pods are deleted (a new frontend attaches to the other engines and starts with these Dead), and "
+        "they are replaced again once the members serve; empty otherwise.", maxItems=C.MAX_REPLICAS))
+    cancelling: str = field(default="", metadata=meta(
+        "A replacement of the coordinator in place that interrupted a replacement of ranks (`detached`) that the "
+        "frontend, which lives on, still runs: that replacement's id, which the frontend is told to cancel until the "
+        "new coordinator serves; empty otherwise.", maxLength=C.MAX_STATUS_MESSAGE))
 
     def __post_init__(self) -> None:
         _bound(self, "message", C.MAX_STATUS_MESSAGE)

@@ -394,3 +394,53 @@ def test_a_coordinator_killed_mid_scale_up_is_replaced_in_place_once_the_resize_
     for name in (constants.engine_name(NAME, 0), constants.engine_name(NAME, 1), constants.frontend_name(NAME)):
         assert after[name] == uids[name], f"{name} was recreated"
     assert after[constants.coordinator_name(NAME)] != uids[constants.coordinator_name(NAME)]
+
+
+def test_a_coordinator_killed_mid_replacement_of_a_rank_is_replaced_in_place_and_the_rank_replaced_again(
+        setup: Setup) -> None:
+    """Rank 1's engine SIGKILLed, and its new pod held unstarted (as if its image never pulled) while the frontend
+    waits for it; then the coordinator SIGKILLed. A new engine waits for the coordinator's READY, so the replacement
+    is rolled back (ResizeFailed; the frontend, which lives on, gives its part up), the coordinator is replaced in
+    place, and rank 1 replaced again (RankReplacementResumed, RankReplaced): the same incarnation, two recoveries
+    (the engine's loss and the coordinator's), rank 0 and the frontend never recreated."""
+    s = setup
+    s.fleet.at(2, SETTLE)
+    before = s.fleet.status()
+    uids = s.fleet.uids()
+    events = len(s.fleet.events())
+    engine1 = constants.engine_name(NAME, 1)
+    s.runner.hold.add(engine1)
+    try:
+        os.killpg(s.fleet.engine_pid(1), signal.SIGKILL)
+
+        def asked() -> str:
+            op = s.fleet.status().get("operation") or {}
+            ids = {o.id for o in s.fleet.admin().resizes() if o.replace == (1,) and o.phase == "Preparing"}
+            return op["id"] if op.get("replace") == [1] and op.get("id") in ids else ""
+
+        wait_until(asked, SETTLE, "the frontend asked to replace rank 1 (its new pod held)", diagnose=s.fleet.describe)
+        interrupted = asked()
+        os.killpg(s.runner.pod(constants.coordinator_name(NAME)).popen.pid, signal.SIGKILL)  # type: ignore[union-attr]
+        wait_until(lambda: "MemberLost" in {r for r, _ in s.fleet.events()[events:]}, SETTLE,
+                   "the coordinator's loss acted on", diagnose=s.fleet.describe)
+    finally:
+        s.runner.hold.discard(engine1)
+    wait_until(lambda: "RankReplaced" in {r for r, _ in s.fleet.events()[events:]}, 2 * SETTLE,
+               "rank 1 replaced again", diagnose=s.fleet.describe)
+    s.settle(2)
+    story = s.fleet.events()[events:]
+    told = {reason: message for reason, message in story}
+    print(f"coordinator killed mid replacement of rank 1: {story}")
+    assert f"replacement {interrupted} of rank 1 rolled back" in told.get("ResizeFailed", ""), story
+    assert "replaced again once the coordinator is" in told["ResizeFailed"], story
+    assert {"MemberLost", "CoordinatorReplaced", "RankReplacementResumed", "RankReplaced"} <= set(told), story
+    assert not {"Recovering", "Restarting"} & set(told), story
+    cancelled = next(o for o in s.fleet.admin().resizes() if o.id == interrupted)
+    assert cancelled.phase == "Failed", cancelled
+    assert "cancelled" in cancelled.error, cancelled
+    st = s.fleet.status()
+    assert (st["fleetGeneration"], st["recoveries"]) == (before["fleetGeneration"], before["recoveries"] + 2), st
+    after = s.fleet.uids()
+    for name in (constants.engine_name(NAME, 0), constants.frontend_name(NAME)):
+        assert after[name] == uids[name], f"{name} was recreated"
+    assert [r.state for r in s.fleet.admin().fleet().ranks] == [RankState.SERVING] * 2

@@ -422,8 +422,8 @@ def check_invariants(world: World, before: Observed, p: Plan) -> None:
         # (or a resize or a replacement of ranks that ended with its lost frontend, replaced in place:
         # `planner.members.interrupted_resize`, `interrupted_replacement`; or that replacement of the frontend going on
         # as a new replacement of the ranks it left out: `planner.members._replace_detached`)
-        ended = constants.ROLE_FRONTEND in new.operation.members and not old.operation.members \
-            and new.operation.detached == old.operation.replace
+        ended = bool({constants.ROLE_FRONTEND, constants.ROLE_COORDINATOR} & set(new.operation.members)) \
+            and not old.operation.members and new.operation.detached == old.operation.replace
         resumed = bool(old.operation.members and old.operation.detached) \
             and new.operation.replace == old.operation.detached and new.operation.phase == "Preparing"
         assert old.operation.done or new.fleetGeneration != old.fleetGeneration or ended or resumed or \
@@ -562,9 +562,15 @@ def check_member_invariants(world: World, before: Observed, p: Plan, created: li
         if interrupted:
             assert old.operation is not None
             assert not old.operation.members
-            # a replacement of ranks frontend 0 ran: its ranks are left out of the new frontend's attach
+            # a replacement of ranks frontend 0 ran, or whose new engines waited for the lost coordinator: its ranks
+            # are left out of the new frontend's attach, and a frontend that lives on is told to cancel its part
             assert op.detached == old.operation.replace
-            assert constants.ROLE_FRONTEND in op.members
+            if constants.ROLE_FRONTEND in op.members:
+                assert not op.cancelling
+            else:
+                assert op.members == (constants.ROLE_COORDINATOR,)
+                assert op.detached
+                assert op.cancelling == old.operation.id
             assert (op.fromReplicas, op.toReplicas) == (min(old.operation.fromReplicas, old.operation.toReplicas),) * 2
         assert old.phase in (("Running", "Degraded", "Scaling") if interrupted else ("Running", "Degraded"))
         assert not op.replace
@@ -1145,6 +1151,7 @@ def reach_replacement_stage(w: World, op_id: str, stage: str) -> None:
         if stage == "committing" and held is not None and held.phase != "Completed":
             held.phase, held.ranks = "Completed", {1: ("Serving", "")}
             w.frontend.dead.discard(1)
+            w.frontend.engines[1] = w.pods["a-engine-1"].uid  # it serves on the new engine
     raise AssertionError(f"the replacement did not reach {stage}: {w.status.operation}")
 
 
@@ -1202,6 +1209,80 @@ def test_a_frontend_lost_during_a_replacement_of_a_rank_is_replaced_in_place_and
     engines = [obj["metadata"]["name"] for obj in created_pods(w, mark) if obj["metadata"]["name"].startswith("a-e")]
     assert engines == ["a-engine-1"]  # once, after the frontend
     assert [o.replace for o in w.frontend.ops.values()] == [(1,)]  # asked of the new frontend once
+    assert not w.events("Recovering")
+
+
+@pytest.mark.parametrize("restart", [False, True], ids=["", "operator restarted"])
+@pytest.mark.parametrize("stage", REPLACEMENT_STAGES)
+def test_a_coordinator_lost_during_a_replacement_of_a_rank_is_replaced_in_place_and_the_rank_replaced_again(
+        stage: str, restart: bool) -> None:
+    """Rank 1's new engine waits for the coordinator's READY before its handshake ends: a replacement of it not yet
+    committed is rolled back (its new pod, or its old one still going, deleted; frontend 0, which lives on, told to
+    cancel its part until the new coordinator serves), the coordinator replaced in place, then rank 1 replaced again,
+    asked of the same frontend once it reports rank 1 Dead again. A committing one (the frontend serves on the new
+    engine) completes first, and the coordinator is replaced after. No pod that stays is touched; one recovery more.
+    `restart`: the operator dies after the status write of the pass that decides it, before its actions."""
+    w = running(3)
+    if stage == "old pod going":
+        w.stuck.add("a-engine-1")
+    w.fail("a-engine-1")
+    w.step()
+    replacement = w.status.operation
+    assert replacement is not None
+    assert replacement.replace == (1,)
+    reach_replacement_stage(w, replacement.id, stage)
+    stays = {n: q.uid for n, q in w.pods.items() if n in ("a-engine-0", "a-engine-2", "a-frontend")}
+    engine1 = w.pods["a-engine-1"].uid if stage == "committing" else None
+    mark = len(w.log)
+    recoveries = w.status.recoveries
+    w.fail("a-coordinator", "container coordinator exited with 137")
+    w.drop_actions = restart
+
+    p = w.step()
+
+    told = {e.reason: e.message for e in p.events}
+    assert "RankLost" not in told
+    if stage == "committing":  # it completes, then the coordinator is replaced
+        assert w.status.operation is not None
+        assert w.status.operation.id == replacement.id
+        assert w.status.recoveries == recoveries
+        w.hang.discard("a-engine-1")
+        w.pods["a-engine-1"] = replace(w.pods["a-engine-1"], ready=True, unready_since="")  # its probe answers
+        step_until(w, lambda p: w.status.operation is not None and bool(w.status.operation.members), max_steps=40,
+                   what="the replacement completed and the coordinator's replacement started")
+        assert w.events("RankReplaced")
+        after = w.current().operation
+        assert after is not None
+        assert (after.members, after.detached, after.cancelling) == (("coordinator",), (), "")
+        step_until(w, member_replaced, max_steps=40, what="the coordinator replaced")
+        assert w.pods["a-engine-1"].uid == engine1
+    else:
+        interrupting = w.current().operation
+        assert interrupting is not None
+        assert (interrupting.members, interrupting.detached, interrupting.cancelling) == \
+            (("coordinator",), (1,), replacement.id)
+        assert (w.status.replicas, w.status.fleetGeneration, w.status.recoveries) == (3, 1, recoveries + 1)
+        assert f"replacement {replacement.id} of rank 1 rolled back" in told["ResizeFailed"]
+        assert "replaced again once the coordinator is" in told["ResizeFailed"]
+        assert "replacing the coordinator in place" in told["MemberLost"]
+        w.hang.discard("a-engine-1")
+        w.stuck.discard("a-engine-1")
+        step_until(w, member_replaced, max_steps=40, what="the coordinator replaced")
+        again = w.status.operation
+        assert again is not None
+        assert (again.replace, again.phase) == ((1,), "Preparing")
+        assert w.events("RankReplacementResumed")
+        step_until(w, replaced, max_steps=40, what="rank 1 replaced again")
+        if replacement.id in w.frontend.ops:  # asked: frontend 0 gave its part up
+            assert w.frontend.ops[replacement.id].phase == "Failed"
+            assert "cancelled" in w.frontend.ops[replacement.id].error
+        cancels = {a.resize_id for q in w.log[mark:] for a in q.actions if isinstance(a, CancelResize)}
+        assert cancels == {replacement.id}
+    w.converge(max_steps=100)
+    assert (w.status.replicas, w.status.fleetGeneration, w.status.recoveries) == (3, 1, recoveries + 1)
+    assert {n: q.uid for n, q in w.pods.items() if n in stays} == stays
+    assert [obj["metadata"]["name"] for obj in created_pods(w, mark) if "frontend" in obj["metadata"]["name"]] == []
+    assert [o.phase for o in w.frontend.ops.values()][-1] == "Completed"
     assert not w.events("Recovering")
 
 
@@ -2000,7 +2081,7 @@ def test_a_rank_that_keeps_dying_is_replaced_after_the_backoff_and_spends_the_bu
 
 
 @pytest.mark.parametrize("case", ["frontend too", "coordinator unready", "every rank", "moe", "during a resize",
-                                  "second loss during the replacement", "coordinator during the replacement",
+                                  "second loss during the replacement",
                                   "rank during the frontend's replacement",
                                   "coordinator during the frontend's replacement", "moe frontend"])
 def test_other_losses_recreate_the_whole_fleet(case: str) -> None:
@@ -2027,11 +2108,6 @@ def test_other_losses_recreate_the_whole_fleet(case: str) -> None:
         w.step()
         assert w.status.phase == "Degraded"
         w.fail("a-engine-0")
-    elif case == "coordinator during the replacement":
-        w.fail("a-engine-1")
-        w.step()
-        assert w.status.phase == "Degraded"
-        w.fail("a-coordinator", "container coordinator exited with 137")
     elif case in ("rank during the frontend's replacement", "coordinator during the frontend's replacement"):
         w.fail("a-frontend")
         w.step()

@@ -32,7 +32,7 @@ from corefleet_operator.observe import Observed, PodObs
 from corefleet_operator.planner.basis import Basis
 from corefleet_operator.planner.common import delete_pod, desired_pod_names
 from corefleet_operator.planner.follow import Flight
-from corefleet_operator.planner.members import after_resize, followers, member_name
+from corefleet_operator.planner.members import after_replacement, after_resize, member_name
 from corefleet_operator.planner.step import Step
 
 # Children the spec may switch off: deleted when observed but no longer desired (kind -> apiVersion).
@@ -114,8 +114,8 @@ def held_pods(fleet: FleetRef, step: Step, awaiting_experts: bool) -> frozenset[
         # (`planner.follow`).
         if step.resize is not None:
             held |= after_resize(fleet)
-        elif ranks_replaced:
-            held |= followers(fleet)
+        elif ranks_replaced and step.replacing is not None:
+            held |= after_replacement(fleet, step.replacing.operation)
     return frozenset(held)
 
 

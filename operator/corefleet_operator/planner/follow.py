@@ -22,7 +22,12 @@ from corefleet_operator.actions import Event
 from corefleet_operator.models import FleetRef, OperationStatus
 from corefleet_operator.observe import Observed
 from corefleet_operator.planner.basis import Basis
-from corefleet_operator.planner.members import after_resize, continue_members, followers, member_name
+from corefleet_operator.planner.members import (
+    after_replacement,
+    after_resize,
+    continue_members,
+    member_name,
+)
 from corefleet_operator.planner.replace import ReplaceStep, continue_replace
 from corefleet_operator.planner.resize import ResizeStep, continue_resize
 
@@ -65,9 +70,10 @@ def follow_operation(fleet: FleetRef, observed: Observed, basis: Basis, now: str
                        moving_members=frozenset(member_name(fleet.name, role) for role in running.members))
     if running.replace:
         replacing = continue_replace(fleet, observed, running, basis.current, basis.streak, now)
-        # Several frontends: frontend 0 passes over one it cannot reach (as in a resize, below).
+        # Several frontends: frontend 0 passes over one it cannot reach (as in a resize, below); a coordinator lost
+        # once frontend 0 serves on the new engines is replaced after (`planner.members.after_replacement`).
         return replace(still, operation=replacing.operation, replacing=replacing, moving=frozenset(running.replace),
-                       moving_members=followers(fleet))
+                       moving_members=after_replacement(fleet, replacing.operation))
     resize = continue_resize(fleet, observed, running, basis.committed, basis.current, now)
     # Several frontends: one other than frontend 0 lost during the resize is frontend 0's to pass over or fail the
     # resize for; a dense fleet's coordinator lost meanwhile is not needed to finish it (a scale-up is cancelled);

@@ -21,10 +21,15 @@ an operator restart):
   vLLM's startup handshake. A new coordinator is found by the frontend and engines at its fixed ports.
 * Completed once every new pod is Ready (events FrontendReplaced or CoordinatorReplaced).
 
-A replacement of ranks whose frontend 0 is lost (it ran that replacement, which ends with it) is rolled back
-(`end_interrupted_replacement`) and its ranks are `detached` in the members' operation: vLLM's client waits at its
-start for a ready response from every engine, and whether the new engines' handshake with the lost frontend went
-far enough for them to answer the new one is not known. So in Pending their new pods are deleted too; in Preparing
+A replacement of ranks whose frontend 0 is lost (it ran that replacement, which ends with it), or whose
+coordinator is lost before frontend 0 serves on the new engines (they wait for the coordinator's READY before their
+handshake ends), is rolled back (`end_interrupted_replacement`) and its ranks are `detached` in the members'
+operation: vLLM's client waits at its start for a ready response from every engine, and whether the new engines'
+handshake with the lost frontend went far enough for them to answer the new one is not known. A frontend 0 that lives
+on (the coordinator lost) is told to cancel its part on every pass until the members serve (`cancelling`: the
+interrupted replacement's id), so that it reports the ranks Dead again before they are replaced again. A coordinator
+lost once frontend 0 serves on the new engines (Committing) is replaced after the replacement completes
+(`after_replacement`); one lost during a dense resize, after the resize ended (`after_resize`). So in Pending their new pods are deleted too; in Preparing
 every new frontend is built with `--attach --detached-ranks` (it starts with them Dead), their pods are not created;
 and once the members are Ready the operation goes on as a new replacement of those ranks, Preparing
 (`planner.replace`: their pods created, the new frontend asked once it reports them Dead), without another loss of
@@ -53,7 +58,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
 from corefleet_operator import constants
-from corefleet_operator.actions import Event
+from corefleet_operator.actions import CancelResize, Event
 from corefleet_operator.models import FleetRef, MemberRole, OperationStatus
 from corefleet_operator.observe import Observed, PodObs
 from corefleet_operator.planner.basis import Basis
@@ -105,6 +110,14 @@ def after_resize(fleet: FleetRef) -> frozenset[str]:
     return followers(fleet) | coordinator
 
 
+def after_replacement(fleet: FleetRef, op: OperationStatus) -> frozenset[str]:
+    """The member pods whose loss during a replacement of ranks (`op`, as followed this pass) is seen only once it
+    ended: the frontends other than frontend 0 (as in a resize), and a dense fleet's coordinator once frontend 0
+    serves on the new engines (Committing: they have had its READY; rolling it back would only replace them again)."""
+    committing = op.phase in ("Committing", "Completed") and not fleet.spec.expertParallel
+    return followers(fleet) | ({constants.coordinator_name(fleet.name)} if committing else frozenset())
+
+
 def member_role(fleet: str, name: str) -> MemberRole | None:
     """The member whose pod `name` is (None: an engine's, or another pod's)."""
     prefix = f"{fleet}-"
@@ -152,11 +165,13 @@ def interrupted_resize(fleet: FleetRef, basis: Basis, roles: Iterable[MemberRole
 
 
 def interrupted_replacement(fleet: FleetRef, basis: Basis, roles: Iterable[MemberRole]) -> OperationStatus | None:
-    """A replacement of dense ranks in flight that the lost frontend 0 was running (it ends with it): rolled back,
-    its ranks replaced again once the frontend is (the module's `detached`)."""
+    """A replacement of dense ranks in flight that the lost frontend 0 was running (it ends with it), or whose new
+    engines wait for the lost coordinator's READY: rolled back, its ranks replaced again once the members are (the
+    module's `detached`; a frontend that lives on is told to cancel its part: `cancelling`)."""
     running = basis.running
+    lost = set(roles)
     if running is None or running.members or not running.replace or fleet.spec.expertParallel \
-            or constants.ROLE_FRONTEND not in set(roles):
+            or not lost & {constants.ROLE_FRONTEND, constants.ROLE_COORDINATOR}:
         return None
     return running
 
@@ -167,12 +182,13 @@ def detached(basis: Basis) -> tuple[int, ...]:
     return tuple(running.replace) if running is not None and not running.members else ()
 
 
-def end_interrupted_replacement(op: OperationStatus, reason: str, now: str) -> OperationStatus:
-    """A replacement of ranks whose frontend 0 was lost, rolled back: its new pods go, and its ranks are replaced
-    again once the frontend is."""
+def end_interrupted_replacement(op: OperationStatus, reason: str, now: str,
+                                roles: Iterable[MemberRole] = (constants.ROLE_FRONTEND,)) -> OperationStatus:
+    """A replacement of ranks whose frontend 0 or coordinator was lost (`roles`), rolled back: its new pods go, and its
+    ranks are replaced again once the lost members are."""
     return replace(op, phase="Failed", finishedAt=now,
                    message=f"rolled back: {reason} (the new pod(s) of {listed(op.replace)} go; replaced again once "
-                           "the frontend is)")
+                           f"{listed_members(roles)} {'are' if len(set(roles)) > 1 else 'is'})")
 
 
 def size_after(basis: Basis) -> int:
@@ -203,15 +219,16 @@ def members_to_replace(fleet: FleetRef, basis: Basis, roles: Iterable[MemberRole
 
 def start_members(fleet: FleetRef, observed: Observed, roles: Iterable[MemberRole], committed: int,
                   generation: int, current: Mapping[str, PodObs], now: str,
-                  detached_ranks: Iterable[int] = ()) -> ReplaceStep:
+                  detached_ranks: Iterable[int] = (), cancelling: str = "") -> ReplaceStep:
     """A new replacement of the lost members `roles` (leaving out of the attach the ranks `detached_ranks`, whose
-    replacement it interrupts), and its first step (the old pods' deletes)."""
+    replacement it interrupts; `cancelling`: that replacement's id, where the frontend that runs it lives on), and its
+    first step (the old pods' deletes)."""
     shown = tuple(sorted(set(roles)))
     left_out = tuple(sorted(set(detached_ranks)))
     also = f"; {listed(left_out)} replaced again after" if left_out else ""
     op = OperationStatus(id=members_id(shown, generation, now), fromReplicas=committed, toReplicas=committed,
                          phase="Pending", startedAt=now, message=f"replacing {listed_members(shown)} in place{also}",
-                         fleetGeneration=generation, members=shown, detached=left_out)
+                         fleetGeneration=generation, members=shown, detached=left_out, cancelling=cancelling)
     return continue_members(fleet, observed, op, current, now)
 
 
@@ -221,13 +238,19 @@ def continue_members(fleet: FleetRef, observed: Observed, op: OperationStatus, c
     names = {role: member_name(fleet.name, role) for role in op.members}
     engines = {constants.engine_name(fleet.name, rank) for rank in op.detached}
     what = listed_members(op.members)
+    # The frontend that lives on gives its part of the interrupted replacement up (asked on every pass until the
+    # members serve: idempotent, and an operator restart loses nothing): the new replacement of those ranks is asked
+    # of it only once it reports them Dead again.
+    cancel = (CancelResize(op.cancelling, f"the replacement was interrupted by the loss of {what}: rolled back, "
+                                          "replaced again once a new one serves"),) if op.cancelling else ()
     if op.phase == "Pending":
         there = [p for p in observed.pods if p.name in names.values() or p.name in engines]
         if there:
             deletes = tuple(delete_pod(p) for p in there if not p.terminating)
-            return ReplaceStep(operation=replace(op, message=f"deleting the old pod(s) of {what}"), actions=deletes)
+            return ReplaceStep(operation=replace(op, message=f"deleting the old pod(s) of {what}"),
+                               actions=(*cancel, *deletes))
         op = replace(op, phase="Preparing", message=f"creating the new pod(s) of {what}")
-    step = ReplaceStep(operation=op, create=True)
+    step = ReplaceStep(operation=op, create=True, actions=cancel)
     for role, name in sorted(names.items()):
         pod = current.get(name)
         if pod is not None and pod.phase in POD_TERMINAL:

@@ -20,8 +20,9 @@ The fleet is Degraded meanwhile and the other ranks serve on. A replacement is a
 for the recovery streak (attempt, backoff, budget, `recoveries`: `planner.recovery`). A replacement that
 fails (the frontend's operation Failed or refused, a new pod that fails, no end within
 readyTimeoutSeconds + FRONTEND_GRACE_SECONDS after the new pods could start) is `lost`: the whole fleet
-is recreated. So is a fleet that loses anything else during it (its frontend or coordinator too), or an
-MoE fleet that loses a rank (its collectives cannot lose a member). A dense fleet that loses only its
+is recreated. So is a fleet that loses another engine during it, or an MoE fleet that loses a rank (its
+collectives cannot lose a member); a lost frontend 0 or coordinator rolls it back, is replaced in place, and the
+ranks are replaced again after (`planner.members`). A dense fleet that loses only its
 frontend and/or coordinator, with nothing in flight, replaces them in place too (`planner.members`).
 
 Pure module: no kopf, no Kubernetes client, no I/O.

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from corefleet_operator import builders
+from corefleet_operator import builders, constants
 from corefleet_operator.actions import Event
 from corefleet_operator.models import FleetPhase, FleetRef, OperationStatus, RecoveryStatus
 from corefleet_operator.observe import Observed
@@ -188,7 +188,7 @@ def _recover(fleet: FleetRef, observed: Observed, basis: Basis, losses: Losses, 
     if interrupted is not None:
         step = _end_interrupted_resize(interrupted, step, reason, now)
     elif replacement is not None:
-        ended = end_interrupted_replacement(replacement, reason, now)
+        ended = end_interrupted_replacement(replacement, reason, now, losses.members)
         what = f"replacement {replacement.id} of {listed(replacement.replace)}"
         step = replace(step, operation=ended,
                        events=(*step.events, Event("Warning", "ResizeFailed", f"{what} {ended.message}")))
@@ -212,7 +212,9 @@ def _recover(fleet: FleetRef, observed: Observed, basis: Basis, losses: Losses, 
     if members:
         return _replace_members(fleet, observed, basis, losses, replace(step, recovery=replace(
             recovery, retryAt=recovery.lostAt)), f"recovery {attempt.number} of {attempt.budget} now", now,
-            detached=replacement.replace if replacement is not None else ())
+            detached=replacement.replace if replacement is not None else (),
+            cancelling=replacement.id if replacement is not None
+            and constants.ROLE_FRONTEND not in members_to_replace(fleet, basis, losses.members) else "")
     committed = basis.old.replicas if step.committed == 0 else step.committed
     step = _recreate(step, "Recovering", committed, recovery, Event(
         "Warning", "RankLost", f"{reason}: recreating the fleet at {committed} ranks (incarnation "
@@ -248,12 +250,13 @@ def folded(running: OperationStatus | None, basis: Basis) -> bool:
 
 
 def _replace_members(fleet: FleetRef, observed: Observed, basis: Basis, losses: Losses, step: Step, count: str,
-                     now: str, detached: tuple[int, ...] = ()) -> Step:
+                     now: str, detached: tuple[int, ...] = (), cancelling: str = "") -> Step:
     """The lost frontend and/or coordinator replaced in place (`planner.members`): a recovery, without backoff;
-    `detached`: the ranks of the replacement it interrupted, left out of the attach and replaced again after."""
+    `detached`: the ranks of the replacement it interrupted, left out of the attach and replaced again after;
+    `cancelling`: that replacement's id, where frontend 0, which runs it, lives on."""
     roles = members_to_replace(fleet, basis, losses.members)
     replacing = start_members(fleet, observed, roles, step.committed, step.generation, basis.current, now,
-                              detached_ranks=detached)
+                              detached_ranks=detached, cancelling=cancelling)
     what = listed_members(roles)
     told = Event("Warning", "MemberLost", f"{losses.reason}: replacing {what} in place (new pod(s), the engines "
                                           f"serve on), {count}")
