@@ -288,5 +288,5 @@ def _replace_detached(step: ReplaceStep, op: OperationStatus, told: Event, now: 
                             replace=ranks)
     resumed = Event("Normal", "RankReplacementResumed",
                     f"replacement {again.id}: replacing {listed(ranks)} in place again, after replacement {op.id} of "
-                    "the frontend that was running it")
+                    f"{listed_members(op.members)}, whose loss interrupted the last one")
     return replace(step, operation=again, events=(told, resumed), create=True)
