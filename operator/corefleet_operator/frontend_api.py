@@ -121,6 +121,9 @@ class FrontendAPI:
         try:
             await asyncio.to_thread(self._client(pod, token).cancel_resize, action.resize_id, action.reason)
         except AdminError as e:
-            logger.warning("resize %s: cancel answered %d: %s", action.resize_id, e.status, _reason(e))
+            if e.status == 404:  # never started there (or that frontend is new): nothing runs under that id
+                logger.info("resize %s: nothing to cancel, the frontend does not know it", action.resize_id)
+            else:
+                logger.warning("resize %s: cancel answered %d: %s", action.resize_id, e.status, _reason(e))
         except (OSError, ValueError) as e:
             logger.warning("resize %s: cannot reach the frontend's admin API to cancel: %s", action.resize_id, e)

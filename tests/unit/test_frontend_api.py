@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Iterator
 from unittest import mock
 
@@ -36,7 +37,8 @@ def frontend(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Fleet, Recording
         server.stop()
 
 
-def test_start_observe_cancel(frontend: tuple[Fleet, RecordingRunner, PodObs]) -> None:
+def test_start_observe_cancel(frontend: tuple[Fleet, RecordingRunner, PodObs],
+                              caplog: pytest.LogCaptureFixture) -> None:
     fleet, runner, pod = frontend
     api = FrontendAPI()
     asyncio.run(api.start(pod, TOKEN, StartResize("r1", 3, 30.0, 60.0)))
@@ -54,6 +56,11 @@ def test_start_observe_cancel(frontend: tuple[Fleet, RecordingRunner, PodObs]) -
     assert seen.resize.ranks == {2: ("Joining", "engine initialising (INIT sent)")}
     asyncio.run(api.cancel(pod, TOKEN, CancelResize("r1", "pod failed")))
     assert runner.cancels == [("r1", "pod failed")]
+    with caplog.at_level(logging.INFO, logger="corefleet_operator.frontend_api"):
+        asyncio.run(api.cancel(pod, TOKEN, CancelResize("never-started", "interrupted")))  # nothing runs: no warning
+    assert runner.cancels == [("r1", "pod failed")]
+    assert [(r.levelname, r.getMessage()) for r in caplog.records if "never-started" in r.getMessage()] == \
+        [("INFO", "resize never-started: nothing to cancel, the frontend does not know it")]
     unknown = asyncio.run(api.observe(pod, TOKEN, "nope"))
     assert (unknown.reachable, unknown.resize, unknown.refused) == (True, None, "")
 

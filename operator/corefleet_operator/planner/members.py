@@ -25,15 +25,15 @@ A replacement of ranks whose frontend 0 is lost (it ran that replacement, which 
 coordinator is lost before frontend 0 serves on the new engines (they wait for the coordinator's READY before their
 handshake ends), is rolled back (`end_interrupted_replacement`) and its ranks are `detached` in the members'
 operation: vLLM's client waits at its start for a ready response from every engine, and whether the new engines'
-handshake with the lost frontend went far enough for them to answer the new one is not known. A frontend 0 that lives
-on (the coordinator lost) is told to cancel its part on every pass until the members serve (`cancelling`: the
-interrupted replacement's id), so that it reports the ranks Dead again before they are replaced again. A coordinator
-lost once frontend 0 serves on the new engines (Committing) is replaced after the replacement completes
-(`after_replacement`); one lost during a dense resize, after the resize ended (`after_resize`). So in Pending their new pods are deleted too; in Preparing
-every new frontend is built with `--attach --detached-ranks` (it starts with them Dead), their pods are not created;
-and once the members are Ready the operation goes on as a new replacement of those ranks, Preparing
-(`planner.replace`: their pods created, the new frontend asked once it reports them Dead), without another loss of
-the streak.
+handshake with the lost frontend went far enough for them to answer the new one is not known. So in Pending their
+new pods are deleted too; in Preparing every new frontend is built with `--attach --detached-ranks` (it starts with
+them Dead), their pods are not created; and once the members are Ready the operation goes on as a new replacement of
+those ranks, Preparing (`planner.replace`: their pods created, the frontend asked once it reports them Dead), without
+another loss of the streak. A frontend 0 that lives on (the coordinator lost) is told to cancel its part on every
+pass until the members serve (`cancelling`: the interrupted replacement's id), so that it reports the ranks Dead
+again before they are replaced again. A coordinator lost once frontend 0 serves on the new engines (Committing) is
+replaced after the replacement completes (`after_replacement`); one lost during a dense resize, after the resize
+ended (`after_resize`).
 
 It is a recovery like any other (an attempt of the streak, `recoveries`), but its new pods are not held
 by the streak's backoff (the engines are fine and the endpoint is down meanwhile): only the first two member
