@@ -444,3 +444,31 @@ def test_a_coordinator_killed_mid_replacement_of_a_rank_is_replaced_in_place_and
     for name in (constants.engine_name(NAME, 0), constants.frontend_name(NAME)):
         assert after[name] == uids[name], f"{name} was recreated"
     assert [r.state for r in s.fleet.admin().fleet().ranks] == [RankState.SERVING] * 2
+
+
+def test_the_coordinator_and_an_engine_killed_together_are_replaced_in_place(setup: Setup) -> None:
+    """The coordinator's and rank 1's processes SIGKILLed at once (as a node's loss takes both): the coordinator is
+    replaced in place with rank 1 left out, then rank 1 is replaced in place; one recovery, the same incarnation,
+    rank 0 and the frontend never recreated."""
+    s = setup
+    s.fleet.at(2, SETTLE)
+    before = s.fleet.status()
+    uids = s.fleet.uids()
+    events = len(s.fleet.events())
+    os.killpg(s.runner.pod(constants.coordinator_name(NAME)).popen.pid, signal.SIGKILL)  # type: ignore[union-attr]
+    os.killpg(s.fleet.engine_pid(1), signal.SIGKILL)
+    wait_until(lambda: "RankReplaced" in {r for r, _ in s.fleet.events()[events:]}, 2 * SETTLE,
+               "rank 1 replaced after the coordinator", diagnose=s.fleet.describe)
+    s.settle(2)
+    story = s.fleet.events()[events:]
+    told = {reason: message for reason, message in story}
+    print(f"coordinator and rank 1 killed together: {story}")
+    assert {"MemberLost", "CoordinatorReplaced", "RankReplacementResumed", "RankReplaced"} <= set(told), story
+    assert "rank 1 replaced in place after" in told["MemberLost"], story
+    assert not {"Recovering", "Restarting"} & set(told), story
+    st = s.fleet.status()
+    assert (st["fleetGeneration"], st["recoveries"]) == (before["fleetGeneration"], before["recoveries"] + 1), st
+    after = s.fleet.uids()
+    for name in (constants.engine_name(NAME, 0), constants.frontend_name(NAME)):
+        assert after[name] == uids[name], f"{name} was recreated"
+    assert [r.state for r in s.fleet.admin().fleet().ranks] == [RankState.SERVING] * 2

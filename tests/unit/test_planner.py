@@ -423,9 +423,10 @@ def check_invariants(world: World, before: Observed, p: Plan) -> None:
         # `planner.members.interrupted_resize`, `interrupted_replacement`; or that replacement of the frontend going on
         # as a new replacement of the ranks it left out: `planner.members._replace_detached`)
         ended = bool({constants.ROLE_FRONTEND, constants.ROLE_COORDINATOR} & set(new.operation.members)) \
-            and not old.operation.members and new.operation.detached == old.operation.replace
-        resumed = bool(old.operation.members and old.operation.detached) \
-            and new.operation.replace == old.operation.detached and new.operation.phase == "Preparing"
+            and not old.operation.members and set(old.operation.replace) <= set(new.operation.detached)
+        # (its left-out ranks: those it had, and any lost this very pass: `planner.members.ranks_with_members`)
+        resumed = bool(old.operation.members) and bool(new.operation.replace) and not new.operation.members \
+            and set(old.operation.detached) <= set(new.operation.replace) and new.operation.phase == "Preparing"
         assert old.operation.done or new.fleetGeneration != old.fleetGeneration or ended or resumed or \
             (new.operation.done and new.operation.phase == "Failed"), (old.operation, new.operation)
     starts = [a for a in p.actions if isinstance(a, StartResize)]
@@ -495,10 +496,11 @@ def check_recovery_invariants(world: World, before: Observed, p: Plan, deleted: 
 
 
 def resumed_replacement(old: EngineCoreSetStatus, new: EngineCoreSetStatus) -> bool:
-    """A replacement of the frontend that left ranks out of its attach, going on as their new replacement (no loss)."""
+    """A replacement of the members that left ranks out of their attach (or lost ranks this very pass), going on as
+    their new replacement (no loss)."""
     before, after = old.operation, new.operation
     return before is not None and after is not None and before.id != after.id and bool(before.members) \
-        and bool(before.detached) and after.replace == before.detached and not after.members \
+        and bool(after.replace) and set(before.detached) <= set(after.replace) and not after.members \
         and new.recoveries == old.recoveries and new.fleetGeneration == old.fleetGeneration
 
 
@@ -564,7 +566,7 @@ def check_member_invariants(world: World, before: Observed, p: Plan, created: li
             assert not old.operation.members
             # a replacement of ranks frontend 0 ran, or whose new engines waited for the lost coordinator: its ranks
             # are left out of the new frontend's attach, and a frontend that lives on is told to cancel its part
-            assert op.detached == old.operation.replace
+            assert set(old.operation.replace) <= set(op.detached)
             if constants.ROLE_FRONTEND in op.members:
                 assert not op.cancelling
             else:
@@ -574,7 +576,15 @@ def check_member_invariants(world: World, before: Observed, p: Plan, created: li
             assert (op.fromReplicas, op.toReplicas) == (min(old.operation.fromReplicas, old.operation.toReplicas),) * 2
         assert old.phase in (("Running", "Degraded", "Scaling") if interrupted else ("Running", "Degraded"))
         assert not op.replace
-        assert not op.detached or interrupted
+        # ranks left out of the attach and replaced after: an interrupted replacement's, and engine ranks lost with
+        # the members (not serving), never every rank
+        interrupted_ranks = set(old.operation.replace) if interrupted and old.operation is not None else set()
+        for rank in set(op.detached) - interrupted_ranks:
+            q = next((q for q in before.pods if q.name == constants.engine_name(name, rank)
+                      and q.fleet_generation == new.fleetGeneration), None)
+            dead = before.fleet is not None and rank in before.fleet.ranks and before.fleet.ranks[rank].state == "Dead"
+            assert q is None or q.phase in ("Failed", "Succeeded") or not q.ready or q.terminating or dead, q
+        assert len(op.detached) < op.toReplicas, op
         assert new.recoveries == old.recoveries + 1
         assert new.fleetGeneration == old.fleetGeneration
         if not interrupted:
@@ -602,7 +612,9 @@ def check_member_invariants(world: World, before: Observed, p: Plan, created: li
         beyond = {q.name for q in before.pods if q.rank is not None and q.rank >= new.replicas}
         left_out = {constants.engine_name(name, rank) for rank in op.detached}
         assert deleted <= {member(name, role) for role in op.members} | beyond | left_out, deleted
-        assert not deleted & left_out or op.phase == "Pending", (deleted, op)
+        # (once Preparing, only where the coordinator alone is replaced: `planner.members.ranks_with_members`)
+        assert not deleted & left_out or op.phase == "Pending" or op.members == (constants.ROLE_COORDINATOR,), \
+            (deleted, op)
         assert not [a for a in p.actions if isinstance(a, StartResize)]
         # The PodDisruptionBudget lets no engine go meanwhile.
         for a in p.actions:
@@ -845,7 +857,8 @@ def test_a_fleet_unready_past_its_ready_timeout_is_degraded_with_the_reason() ->
     w.converge()
     generation = w.status.fleetGeneration
     w.fail("a-frontend")
-    w.fail("a-engine-0")  # not the frontend alone (replaced in place): the fleet is recreated
+    w.fail("a-engine-0")
+    w.fail("a-engine-1")  # the frontend and every engine: the fleet is recreated
     w.step()
     assert w.status.fleetGeneration == generation + 1
     assert next(c for c in w.status.conditions if c.type == "Degraded").reason == "RankLost"
@@ -1286,13 +1299,14 @@ def test_a_coordinator_lost_during_a_replacement_of_a_rank_is_replaced_in_place_
     assert not w.events("Recovering")
 
 
-def test_a_frontend_lost_during_a_replacement_with_another_loss_recreates_the_fleet() -> None:
-    """Only the frontend's loss is replaced in place; with an engine lost too, the fleet is recreated."""
+def test_a_frontend_lost_during_a_replacement_with_every_other_engine_recreates_the_fleet() -> None:
+    """The frontend and the engines but the one being replaced lost: no rank would serve, the fleet is recreated."""
     w = running(3)
     w.fail("a-engine-1")
     w.step()
     w.fail("a-frontend")
     w.fail("a-engine-0")
+    w.fail("a-engine-2")
 
     p = w.step()
 
@@ -2080,13 +2094,13 @@ def test_a_rank_that_keeps_dying_is_replaced_after_the_backoff_and_spends_the_bu
     assert [e.reason for e in p.events] == ["RankLost", "RecoveriesExhausted"]
 
 
-@pytest.mark.parametrize("case", ["frontend too", "coordinator unready", "every rank", "moe", "during a resize",
-                                  "second loss during the replacement",
-                                  "rank during the frontend's replacement",
+@pytest.mark.parametrize("case", ["frontend and every rank", "coordinator unready", "every rank", "moe",
+                                  "during a resize", "second loss during the replacement",
                                   "coordinator during the frontend's replacement", "moe frontend"])
 def test_other_losses_recreate_the_whole_fleet(case: str) -> None:
     w = running(2, moe=case.startswith("moe"))
-    if case == "frontend too":
+    if case == "frontend and every rank":
+        w.fail("a-engine-0")
         w.fail("a-engine-1")
         w.fail("a-frontend", "container frontend exited with 1")
     elif case == "coordinator unready":
@@ -2108,13 +2122,13 @@ def test_other_losses_recreate_the_whole_fleet(case: str) -> None:
         w.step()
         assert w.status.phase == "Degraded"
         w.fail("a-engine-0")
-    elif case in ("rank during the frontend's replacement", "coordinator during the frontend's replacement"):
+    elif case == "coordinator during the frontend's replacement":
         w.fail("a-frontend")
         w.step()
         assert w.status.phase == "Degraded"
         assert w.status.operation is not None
         assert w.status.operation.members == ("frontend",)
-        w.fail("a-engine-0" if case.startswith("rank") else "a-coordinator")
+        w.fail("a-coordinator")
     else:
         w.fail("a-frontend")
 
@@ -2338,9 +2352,52 @@ def test_an_engine_deleted_while_a_member_replacement_waits_for_the_old_member_i
     assert (w.status.recoveries, w.status.fleetGeneration) == (1, 2)
     assert w.status.recovery is not None
     assert w.status.recovery.attempt == 1
-    lost = w.events("RankLost")
-    assert len(lost) == 1
-    assert "recreating the fleet at 2 ranks (incarnation 2), recovery 1 of 5 now" in lost[0]
+    lost = w.events("RankLost")  # (rank 0 first left out of the coordinator's replacement: rank 1 still served)
+    assert [m for m in lost if "recreating" in m] == [lost[-1]]
+    assert "recreating the fleet at 2 ranks (incarnation 2), recovery 1 of 5 now" in lost[-1]
+
+
+@pytest.mark.parametrize("when", ["at once", "one at a time"])
+@pytest.mark.parametrize("role", [constants.ROLE_FRONTEND, constants.ROLE_COORDINATOR])
+def test_engine_ranks_lost_with_a_member_are_left_out_of_its_replacement_and_replaced_after(role: str,
+                                                                                          when: str) -> None:
+    """A member and an engine rank lost together (a node's pods: seen at once, or deleted one at a time while the
+    member's replacement waits for its old pod): the member is replaced in place with the rank left out of the attach
+    (a new frontend starts with it Dead), then the rank is replaced in place; one recovery, the same incarnation, the
+    other ranks and member untouched."""
+    w = running(3)
+    name = member(w.fleet.name, role)
+    other = member(w.fleet.name, constants.ROLE_COORDINATOR if role == constants.ROLE_FRONTEND
+                   else constants.ROLE_FRONTEND)
+    stays = {n: q.uid for n, q in w.pods.items() if n in ("a-engine-0", "a-engine-2", other)}
+    mark = len(w.log)
+    if when == "at once":
+        w.fail(name, f"container {role} exited with 137")
+        w.fail("a-engine-1")
+        p = w.step()
+        assert "rank 1 replaced in place after" in next(e.message for e in p.events if e.reason == "MemberLost")
+    else:
+        w.stuck = {name, "a-engine-1"}
+        w.pods[name] = replace(w.pods[name], terminating=True)
+        w.step()
+        w.pods["a-engine-1"] = replace(w.pods["a-engine-1"], terminating=True)
+        p = w.step()
+        assert "rank 1 left out of replacement" in next(e.message for e in p.events if e.reason == "RankLost")
+        w.stuck.clear()
+    op = w.current().operation
+    assert op is not None
+    assert (op.members, op.detached, w.status.recoveries, w.status.fleetGeneration) == ((role,), (1,), 1, 1)
+    step_until(w, member_replaced, max_steps=40, what="the member replaced")
+    assert w.events("RankReplacementResumed")
+    step_until(w, replaced, max_steps=40, what="rank 1 replaced")
+    w.converge(max_steps=100)
+    assert (w.status.replicas, w.status.fleetGeneration, w.status.recoveries) == (3, 1, 1)
+    assert {n: q.uid for n, q in w.pods.items() if n in stays} == stays
+    assert not w.events("Recovering")
+    if role == constants.ROLE_FRONTEND:
+        args = next(obj for obj in created_pods(w, mark)
+                    if obj["metadata"]["name"] == name)["spec"]["containers"][0]["args"]
+        assert args[args.index("--detached-ranks") + 1] == "1"
 
 
 def test_a_member_lost_while_an_engine_does_not_serve_recreates_the_fleet() -> None:

@@ -139,19 +139,49 @@ def listed_members(roles: Iterable[MemberRole]) -> str:
 
 def members_in_place(fleet: FleetRef, basis: Basis, lost: Iterable[tuple[int | None, str]],
                      roles: Iterable[MemberRole], changed: bool) -> bool:
-    """Whether this pass's losses are replaced in place as members: only the frontend and/or coordinator pods
-    (`roles`, one loss each), lost from a dense fleet that serves in its current incarnation and configuration
-    with nothing in flight. (The streak's count of them is `planner.step`'s to check: `MAX_MEMBER_REPLACEMENTS`.)"""
+    """Whether this pass's losses are replaced in place as members: the frontend and/or coordinator pods (`roles`, one
+    loss each), lost from a dense fleet that serves in its current incarnation and configuration with nothing in
+    flight, and maybe some of its engine ranks with them (a node's pods: `lost_ranks`; not every rank, and not while a
+    resize runs), which are left out of the members' attach and replaced after them, as an interrupted replacement's
+    are (`detached`). (The streak's count of them is `planner.step`'s to check: `MAX_MEMBER_REPLACEMENTS`.)"""
     losses = list(lost)
     roles = set(roles)
     old = basis.old
-    interrupted = interrupted_resize(fleet, basis, roles) is not None \
-        or interrupted_replacement(fleet, basis, roles) is not None
-    return (bool(losses) and all(rank is None for rank, _ in losses) and len(losses) == len(roles)
+    resize = interrupted_resize(fleet, basis, roles)
+    interrupted = resize is not None or interrupted_replacement(fleet, basis, roles) is not None
+    ranks = lost_ranks(losses)
+    size = size_after(basis)
+    left_out = set(detached(basis)) | ranks
+    return (bool(roles) and len([rank for rank, _ in losses if rank is None]) == len(roles)
+            and (not ranks or (resize is None and ranks <= set(range(size)) and len(left_out) < size))
             and not fleet.spec.expertParallel and not basis.fresh and not basis.given_up and not changed
             and (basis.running is None or interrupted) and old.phase in ("Running", "Degraded", "Scaling")
             and old.fleetGeneration == basis.generation and basis.committed > 0
-            and engines_serve(fleet, basis, size_after(basis), detached(basis)))
+            and engines_serve(fleet, basis, size, left_out))
+
+
+def lost_ranks(lost: Iterable[tuple[int | None, str]]) -> set[int]:
+    """The engine ranks among losses."""
+    return {rank for rank, _ in lost if rank is not None}
+
+
+def ranks_with_members(fleet: FleetRef, basis: Basis, lost: Iterable[tuple[int | None, str]]) -> tuple[int, ...]:
+    """A member replacement runs and some engine ranks are lost now (their pods deleted one at a time, as a lost or
+    drained node's are): the ranks to leave out of its attach too, with those it already leaves out, and replace after
+    it, as the same recovery. Only while no new frontend can have been built without them (Pending: nothing new
+    created yet; or the coordinator alone replaced, whose pod knows no rank); () where it cannot (an MoE fleet,
+    another loss, every rank, a rank that does not serve)."""
+    running, losses = basis.running, list(lost)
+    ranks = lost_ranks(losses)
+    early = running is not None and (running.phase == "Pending" or (running.phase == "Preparing" and tuple(
+        running.members) == (constants.ROLE_COORDINATOR,)))
+    if running is None or not running.members or not early or fleet.spec.expertParallel \
+            or not ranks or len(ranks) != len(losses) or not ranks <= set(range(running.toReplicas)):
+        return ()
+    left_out = set(running.detached) | ranks
+    if len(left_out) >= running.toReplicas or not engines_serve(fleet, basis, running.toReplicas, left_out):
+        return ()
+    return tuple(sorted(left_out))
 
 
 def interrupted_resize(fleet: FleetRef, basis: Basis, roles: Iterable[MemberRole]) -> OperationStatus | None:
@@ -250,7 +280,9 @@ def continue_members(fleet: FleetRef, observed: Observed, op: OperationStatus, c
             return ReplaceStep(operation=replace(op, message=f"deleting the old pod(s) of {what}"),
                                actions=(*cancel, *deletes))
         op = replace(op, phase="Preparing", message=f"creating the new pod(s) of {what}")
-    step = ReplaceStep(operation=op, create=True, actions=cancel)
+    # A rank left out once Preparing (`ranks_with_members`): its old pod goes too (the ranks' new pods come after).
+    gone = tuple(delete_pod(p) for p in observed.pods if p.name in engines and not p.terminating)
+    step = ReplaceStep(operation=op, create=True, actions=(*cancel, *gone))
     for role, name in sorted(names.items()):
         pod = current.get(name)
         if pod is not None and pod.phase in POD_TERMINAL:

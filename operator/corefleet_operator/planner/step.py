@@ -38,6 +38,7 @@ from corefleet_operator.planner.follow import Flight
 from corefleet_operator.planner.losses import Losses
 from corefleet_operator.planner.members import (
     MAX_MEMBER_REPLACEMENTS,
+    continue_members,
     end_interrupted_replacement,
     frontend_index,
     interrupted_replacement,
@@ -45,6 +46,7 @@ from corefleet_operator.planner.members import (
     listed_members,
     members_in_place,
     members_to_replace,
+    ranks_with_members,
     start_members,
 )
 from corefleet_operator.planner.replace import ReplaceStep, in_place, removed_while_serving, start_replace
@@ -177,6 +179,9 @@ def _recover(fleet: FleetRef, observed: Observed, basis: Basis, losses: Losses, 
                        events=(*step.events, told, *replacing.events))
     kind = "replacement" if running is not None and (running.replace or running.members) else "resize"
     again = folded(running, basis)  # the same event as the member loss (a node's pods going one at a time)
+    left_out = ranks_with_members(fleet, basis, losses.lost)
+    if left_out:
+        return _leave_out(fleet, observed, basis, losses, step, left_out, now)
     attempt = rec.next_attempt(basis.streak, fleet.spec.scaling.maxRecoveries, settings, again=again)
     # The streak's member losses replaced in place, this one included (a folded loss is the same event's).
     replaced = basis.streak.members if basis.streak is not None else 0
@@ -212,7 +217,7 @@ def _recover(fleet: FleetRef, observed: Observed, basis: Basis, losses: Losses, 
     if members:
         return _replace_members(fleet, observed, basis, losses, replace(step, recovery=replace(
             recovery, retryAt=recovery.lostAt)), f"recovery {attempt.number} of {attempt.budget} now", now,
-            detached=replacement.replace if replacement is not None else (),
+            detached=tuple(sorted(set(replacement.replace if replacement is not None else ()) | set(losses.ranks))),
             cancelling=replacement.id if replacement is not None
             and constants.ROLE_FRONTEND not in members_to_replace(fleet, basis, losses.members) else "")
     committed = basis.old.replicas if step.committed == 0 else step.committed
@@ -258,8 +263,26 @@ def _replace_members(fleet: FleetRef, observed: Observed, basis: Basis, losses: 
     replacing = start_members(fleet, observed, roles, step.committed, step.generation, basis.current, now,
                               detached_ranks=detached, cancelling=cancelling)
     what = listed_members(roles)
+    after = f"; {listed(detached)} replaced in place after" if detached else ""
     told = Event("Warning", "MemberLost", f"{losses.reason}: replacing {what} in place (new pod(s), the engines "
-                                          f"serve on), {count}")
+                                          f"serve on){after}, {count}")
+    return replace(step, operation=replacing.operation, replacing=replacing,
+                   events=(*step.events, told, *replacing.events))
+
+
+def _leave_out(fleet: FleetRef, observed: Observed, basis: Basis, losses: Losses, step: Step,
+               left_out: tuple[int, ...], now: str) -> Step:
+    """Engine ranks lost while a member replacement still waits for its old pods to go (the same event: a node's pods
+    deleted one at a time): left out of its attach too, and replaced after it (`planner.members.ranks_with_members`);
+    not another recovery."""
+    running = basis.running
+    assert running is not None
+    ranks = tuple(r for r in left_out if r not in running.detached)
+    op = replace(running, detached=left_out)
+    replacing = continue_members(fleet, observed, op, basis.current, now)
+    told = Event("Warning", "RankLost", f"{losses.reason}: {listed(ranks)} left out of replacement {op.id} of "
+                                        f"{listed_members(op.members)} (its old pods still going) and replaced in "
+                                        "place after it, as the same recovery")
     return replace(step, operation=replacing.operation, replacing=replacing,
                    events=(*step.events, told, *replacing.events))
 
