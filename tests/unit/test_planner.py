@@ -2400,6 +2400,35 @@ def test_engine_ranks_lost_with_a_member_are_left_out_of_its_replacement_and_rep
         assert args[args.index("--detached-ranks") + 1] == "1"
 
 
+def test_an_engine_lost_while_the_coordinator_is_replaced_is_replaced_after_it_once_its_old_pod_is_gone() -> None:
+    """The coordinator's new pod starts (Preparing) when engine 1 fails, and its failed pod's deletion lingers: rank 1
+    is left out of the replacement, which does not end (nor rank 1's new pod come) before that pod is gone."""
+    w = running(3)
+    w.fail("a-coordinator", "container coordinator exited with 137")
+    w.hang.add("a-coordinator")
+    step_until(w, lambda p: w.pods.get("a-coordinator") is not None and w.pods["a-coordinator"].phase == "Running",
+               max_steps=10, what="the new coordinator's pod running, not Ready")
+    w.stuck.add("a-engine-1")
+    w.fail("a-engine-1")
+    p = w.step()
+    assert "rank 1 left out of replacement" in next(e.message for e in p.events if e.reason == "RankLost")
+    op = w.current().operation
+    assert op is not None
+    assert (op.members, op.phase, op.detached, w.status.recoveries) == (("coordinator",), "Preparing", (1,), 1)
+    w.hang.discard("a-coordinator")
+    w.pods["a-coordinator"] = replace(w.pods["a-coordinator"], ready=True, unready_since="")
+    w.step()
+    w.step()
+    waiting = w.current().operation
+    assert waiting is not None
+    assert (waiting.id, waiting.phase) == (op.id, "Preparing")
+    assert "waiting for the old pod(s) a-engine-1 to go" in waiting.message
+    w.stuck.discard("a-engine-1")
+    step_until(w, replaced, max_steps=40, what="rank 1 replaced")
+    w.converge(max_steps=100)
+    assert (w.status.replicas, w.status.fleetGeneration, w.status.recoveries) == (3, 1, 1)
+
+
 def test_a_member_lost_while_an_engine_does_not_serve_recreates_the_fleet() -> None:
     """The new frontend could not re-attach to an engine that does not answer: no member replacement that would
     only time out, the fleet is recreated at once."""

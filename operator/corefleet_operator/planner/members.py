@@ -289,7 +289,9 @@ def continue_members(fleet: FleetRef, observed: Observed, op: OperationStatus, c
             why = f": {pod.message}" if pod.message else ""
             return replace(step, lost=f"replacement {op.id}: the new {role} (pod {name}) {pod.phase.lower()}{why}")
     took = seconds_between(op.startedAt, now)
-    if all(pod_ready(current.get(name)) for name in names.values()):
+    # The left-out ranks' new pods come after their old ones are gone (one left out once Preparing may still go).
+    lingering = sorted(p.name for p in observed.pods if p.name in engines)
+    if all(pod_ready(current.get(name)) for name in names.values()) and not lingering:
         frontends = any(frontend_index(m) is not None for m in op.members)
         reason = "FrontendReplaced" if frontends else "CoordinatorReplaced"
         done = replace(op, phase="Completed", finishedAt=now, message=f"{what} replaced in place in {took:.0f}s")
@@ -300,7 +302,8 @@ def continue_members(fleet: FleetRef, observed: Observed, op: OperationStatus, c
         return replace(step, operation=done, events=(told,))
     timeout = float(fleet.spec.scaling.readyTimeoutSeconds) + FRONTEND_GRACE_SECONDS
     unready = [name for name in names.values() if not pod_ready(current.get(name))]
-    message = f"waiting for the new pod(s) {', '.join(sorted(unready))} to be Ready"
+    message = f"waiting for the new pod(s) {', '.join(sorted(unready))} to be Ready" if unready else \
+        f"waiting for the old pod(s) {', '.join(lingering)} to go"
     if took > timeout:
         return replace(step, lost=(f"replacement {op.id} of {what}: not done {took:.0f}s after it began "
                                    f"(readyTimeoutSeconds {fleet.spec.scaling.readyTimeoutSeconds} + "

@@ -179,7 +179,7 @@ def _recover(fleet: FleetRef, observed: Observed, basis: Basis, losses: Losses, 
                        events=(*step.events, told, *replacing.events))
     kind = "replacement" if running is not None and (running.replace or running.members) else "resize"
     again = folded(running, basis)  # the same event as the member loss (a node's pods going one at a time)
-    left_out = ranks_with_members(fleet, basis, losses.lost)
+    left_out = () if losses.changed else ranks_with_members(fleet, basis, losses.lost)
     if left_out:
         return _leave_out(fleet, observed, basis, losses, step, left_out, now)
     attempt = rec.next_attempt(basis.streak, fleet.spec.scaling.maxRecoveries, settings, again=again)
@@ -272,9 +272,9 @@ def _replace_members(fleet: FleetRef, observed: Observed, basis: Basis, losses: 
 
 def _leave_out(fleet: FleetRef, observed: Observed, basis: Basis, losses: Losses, step: Step,
                left_out: tuple[int, ...], now: str) -> Step:
-    """Engine ranks lost while a member replacement still waits for its old pods to go (the same event: a node's pods
-    deleted one at a time): left out of its attach too, and replaced after it (`planner.members.ranks_with_members`);
-    not another recovery."""
+    """Engine ranks lost while a member replacement runs (the same event: a node's pods deleted one at a time; while it
+    waits for its old pods to go, or replaces the coordinator alone): left out of its attach too, and replaced after
+    it (`planner.members.ranks_with_members`); not another recovery."""
     running = basis.running
     assert running is not None
     ranks = tuple(r for r in left_out if r not in running.detached)
