@@ -87,6 +87,7 @@ _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)|\$\$")
 STARTUP, READINESS, LIVENESS = "startup", "readiness", "liveness"
 PROBE_FIELDS = {STARTUP: "startupProbe", READINESS: "readinessProbe", LIVENESS: "livenessProbe"}
 PROBE_LOG_MAX = 10000  # attempts kept in `probe_log` (the oldest are dropped)
+ADDRESS_WAIT_S = 30.0  # how long a successor pod waits for its predecessor's address to be bindable again
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,8 @@ class PodRunner:
         self.pods: dict[str, _Pod] = {}  # by uid
         self.names: dict[str, str] = {}  # pod DNS name -> address
         self._last_address: dict[str, str] = {}  # pod DNS name -> the address of its last, deleted pod
+        self._address_wait: dict[str, float] = {}  # pod DNS name -> since when its successor waits for that address
+        self.address_changes: list[str] = []  # successors that got a new address after all (a name that moved)
         self.errors: list[BaseException] = []
         self.probe_log: list[ProbeAttempt] = []  # every probe attempt, in order
         self.exits: dict[str, tuple[float, int]] = {}  # pod uid -> (time.monotonic(), exit code) as reported
@@ -258,17 +261,24 @@ class PodRunner:
     def _pass(self) -> None:
         items = self._cp.request("GET", f"/api/v1/namespaces/{self.ns}/pods")["items"]
         seen = {pod["metadata"]["uid"]: pod for pod in items}
-        # 1. Addresses first, so that a pod's DNS name is known before the pods naming it start.
+        # 1. Deletions first: a pod whose process has ended is forgotten at once, so that a successor of the same DNS
+        # name seen in this very pass keeps its address (`_assign`), as cluster DNS would point the name at it.
+        for uid, p in list(self.pods.items()):
+            pod = seen.get(uid)
+            if pod is None or pod["metadata"].get("deletionTimestamp"):
+                if pod is not None:
+                    p.pod = pod
+                self._terminate(p, gone=pod is None)
+        # 2. Addresses, so that a pod's DNS name is known before the pods naming it start.
         for uid, pod in seen.items():
             if uid not in self.pods and pod["spec"].get("nodeName") and not pod["metadata"].get("deletionTimestamp"):
                 self._assign(pod)
         for uid, p in list(self.pods.items()):
             pod = seen.get(uid)
-            if pod is not None:
-                p.pod = pod
             if pod is None or pod["metadata"].get("deletionTimestamp"):
-                self._terminate(p, gone=pod is None)
-            elif p.popen is None:
+                continue  # (1.)
+            p.pod = pod
+            if p.popen is None:
                 self._maybe_start(p)
             else:
                 self._watch(p)
@@ -280,11 +290,26 @@ class PodRunner:
         # A pod that replaces a gone one of the same DNS name keeps its address, as cluster DNS would point the
         # name at the new pod: processes that connect by that name (here rewritten to the address) reconnect.
         before = self.names.get(dns, self._last_address.get(dns))
-        if before is not None and all(p.ip != before for p in self.pods.values()) \
-                and all(_bindable(before, port, reuse=True) for port in ports):
-            self.pods[meta["uid"]] = _Pod(meta["name"], meta["uid"], before, dns, pod)
-            self.names[dns] = before
-            return
+        if before is not None:
+            free = all(p.ip != before for p in self.pods.values())
+            if free and all(_bindable(before, port, reuse=True) for port in ports):
+                self._address_wait.pop(dns, None)
+                self.pods[meta["uid"]] = _Pod(meta["name"], meta["uid"], before, dns, pod)
+                self.names[dns] = before
+                return
+            if free:
+                # Its predecessor's sockets may linger a moment (a killed process's connections closing): the
+                # successor waits for the address rather than move the name, which processes started with it (here
+                # given the address in its place) could not follow.
+                since = self._address_wait.setdefault(dns, time.monotonic())
+                if time.monotonic() - since < ADDRESS_WAIT_S:
+                    return
+                self._address_wait.pop(dns, None)
+                self.address_changes.append(f"{meta['name']}: {before} not bindable for {ADDRESS_WAIT_S:.0f}s")
+            else:
+                self.address_changes.append(f"{meta['name']}: {before} still held by " + ", ".join(
+                    f"{q.name} ({q.uid[:8]}, exited {q.popen is not None and q.popen.poll() is not None})"
+                    for q in self.pods.values() if q.ip == before))
         while True:
             if self._next_host > 250:
                 raise RuntimeError("out of loopback addresses 127.0.0.2-250")
