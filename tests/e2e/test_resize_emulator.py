@@ -467,7 +467,9 @@ def test_the_coordinator_and_an_engine_killed_together_are_replaced_in_place(set
     # new engines the coordinator's address it was started with.
     assert not s.runner.address_changes, s.runner.address_changes
     assert {"MemberLost", "CoordinatorReplaced", "RankReplacementResumed", "RankReplaced"} <= set(told), story
-    assert "rank 1 replaced in place after" in told["MemberLost"], story
+    # seen in one pass, or the engine's loss a pass after the coordinator's (left out of its replacement then)
+    assert "rank 1 replaced in place after" in told["MemberLost"] \
+        or "rank 1 left out of replacement" in told.get("RankLost", ""), story
     assert not {"Recovering", "Restarting"} & set(told), story
     st = s.fleet.status()
     assert (st["fleetGeneration"], st["recoveries"]) == (before["fleetGeneration"], before["recoveries"] + 1), st
