@@ -18,6 +18,7 @@ import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -425,12 +426,7 @@ def test_a_coordinator_killed_mid_replacement_of_a_rank_is_replaced_in_place_and
                    "the coordinator's loss acted on", diagnose=s.fleet.describe)
     finally:
         s.runner.hold.discard(engine1)
-    wait_until(lambda: "RankReplaced" in {r for r, _ in s.fleet.events()[events:]}, 2 * SETTLE,
-               "rank 1 replaced again", diagnose=s.fleet.describe)
-    s.settle(2)
-    story = s.fleet.events()[events:]
-    told = {reason: message for reason, message in story}
-    print(f"coordinator killed mid replacement of rank 1: {story}")
+    story, told = rank_1_replaced_story(s, events, "coordinator killed mid replacement of rank 1")
     assert f"replacement {interrupted} of rank 1 rolled back" in told.get("ResizeFailed", ""), story
     assert "replaced again once the coordinator is" in told["ResizeFailed"], story
     assert {"MemberLost", "CoordinatorReplaced", "RankReplacementResumed", "RankReplaced"} <= set(told), story
@@ -438,12 +434,7 @@ def test_a_coordinator_killed_mid_replacement_of_a_rank_is_replaced_in_place_and
     cancelled = next(o for o in s.fleet.admin().resizes() if o.id == interrupted)
     assert cancelled.phase == "Failed", cancelled
     assert "cancelled" in cancelled.error, cancelled
-    st = s.fleet.status()
-    assert (st["fleetGeneration"], st["recoveries"]) == (before["fleetGeneration"], before["recoveries"] + 2), st
-    after = s.fleet.uids()
-    for name in (constants.engine_name(NAME, 0), constants.frontend_name(NAME)):
-        assert after[name] == uids[name], f"{name} was recreated"
-    assert [r.state for r in s.fleet.admin().fleet().ranks] == [RankState.SERVING] * 2
+    assert_rank_0_and_frontend_kept(s, before, uids, recoveries=2)
 
 
 def test_the_coordinator_and_an_engine_killed_together_are_replaced_in_place(setup: Setup) -> None:
@@ -457,12 +448,7 @@ def test_the_coordinator_and_an_engine_killed_together_are_replaced_in_place(set
     events = len(s.fleet.events())
     os.killpg(s.runner.pod(constants.coordinator_name(NAME)).popen.pid, signal.SIGKILL)  # type: ignore[union-attr]
     os.killpg(s.fleet.engine_pid(1), signal.SIGKILL)
-    wait_until(lambda: "RankReplaced" in {r for r, _ in s.fleet.events()[events:]}, 2 * SETTLE,
-               "rank 1 replaced after the coordinator", diagnose=s.fleet.describe)
-    s.settle(2)
-    story = s.fleet.events()[events:]
-    told = {reason: message for reason, message in story}
-    print(f"coordinator and rank 1 killed together: {story}")
+    story, told = rank_1_replaced_story(s, events, "coordinator and rank 1 killed together")
     # The process kubelet gives a pod's successor its address, as cluster DNS would follow the name: the frontend hands
     # new engines the coordinator's address it was started with.
     assert not s.runner.address_changes, s.runner.address_changes
@@ -471,8 +457,24 @@ def test_the_coordinator_and_an_engine_killed_together_are_replaced_in_place(set
     assert "rank 1 replaced in place after" in told["MemberLost"] \
         or "rank 1 left out of replacement" in told.get("RankLost", ""), story
     assert not {"Recovering", "Restarting"} & set(told), story
+    assert_rank_0_and_frontend_kept(s, before, uids, recoveries=1)
+
+
+def rank_1_replaced_story(s: Setup, events: int, what: str) -> tuple[list[tuple[str, str]], dict[str, str]]:
+    """Once rank 1 is replaced (again) and the fleet settled at 2: the events since `events`, and by reason."""
+    wait_until(lambda: "RankReplaced" in {r for r, _ in s.fleet.events()[events:]}, 2 * SETTLE,
+               "rank 1 replaced", diagnose=s.fleet.describe)
+    s.settle(2)
+    story = s.fleet.events()[events:]
+    print(f"{what}: {story}")
+    return story, dict(story)
+
+
+def assert_rank_0_and_frontend_kept(s: Setup, before: dict[str, Any], uids: dict[str, str], recoveries: int) -> None:
+    """The same incarnation, `recoveries` more, rank 0's and the frontend's pods the same, both ranks serving."""
     st = s.fleet.status()
-    assert (st["fleetGeneration"], st["recoveries"]) == (before["fleetGeneration"], before["recoveries"] + 1), st
+    assert (st["fleetGeneration"], st["recoveries"]) == (before["fleetGeneration"],
+                                                        before["recoveries"] + recoveries), st
     after = s.fleet.uids()
     for name in (constants.engine_name(NAME, 0), constants.frontend_name(NAME)):
         assert after[name] == uids[name], f"{name} was recreated"

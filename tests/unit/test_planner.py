@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from corefleet_operator import builders, constants
-from corefleet_operator.models import EngineCoreSetSpec, EngineCoreSetStatus, FleetRef, SpecError
+from corefleet_operator.models import EngineCoreSetSpec, EngineCoreSetStatus, FleetRef, OperationStatus, SpecError
 from corefleet_operator.observe import FleetObs, FrontendObs, Observed, PodObs, RankObs, ResizeObs, fleet_view_due
 from corefleet_operator.planner import (
     FRONTEND_POLL_SECONDS,
@@ -1168,14 +1168,20 @@ def reach_replacement_stage(w: World, op_id: str, stage: str) -> None:
     raise AssertionError(f"the replacement did not reach {stage}: {w.status.operation}")
 
 
-@pytest.mark.parametrize("restart", [False, True], ids=["", "operator restarted"])
-@pytest.mark.parametrize("stage", REPLACEMENT_STAGES)
-def test_a_frontend_lost_during_a_replacement_of_a_rank_is_replaced_in_place_and_the_rank_replaced_again(
-        stage: str, restart: bool) -> None:
-    """The replacement lives in frontend 0 and ends with it; no engine that stays is touched: rank 1's new pod (or
-    its old one, still going) is deleted, the new frontend attaches to ranks 0 and 2 with rank 1 left out (Dead),
-    then rank 1 is replaced again, asked of the new frontend, as one more step of the same recovery. `restart`: the
-    operator dies after the status write of the pass that decides it, before its actions."""
+def resume_rank_1(w: World, member: str) -> OperationStatus:
+    """Rank 1's new pod may start and go: once `member` is replaced, rank 1's replacement goes on (Preparing)."""
+    w.hang.discard("a-engine-1")
+    w.stuck.discard("a-engine-1")
+    step_until(w, member_replaced, max_steps=40, what=f"{member} replaced")
+    again = w.current().operation
+    assert again is not None
+    assert (again.replace, again.phase) == ((1,), "Preparing")
+    assert w.events("RankReplacementResumed")
+    return again
+
+
+def replacement_of_rank_1_at(stage: str) -> tuple[World, OperationStatus]:
+    """A fleet of 3 whose rank 1 is lost, its replacement brought to `stage` (`reach_replacement_stage`)."""
     w = running(3)
     if stage == "old pod going":
         w.stuck.add("a-engine-1")  # its deletion takes a while (a lost node's pod)
@@ -1185,6 +1191,18 @@ def test_a_frontend_lost_during_a_replacement_of_a_rank_is_replaced_in_place_and
     assert replacement is not None
     assert replacement.replace == (1,)
     reach_replacement_stage(w, replacement.id, stage)
+    return w, replacement
+
+
+@pytest.mark.parametrize("restart", [False, True], ids=["", "operator restarted"])
+@pytest.mark.parametrize("stage", REPLACEMENT_STAGES)
+def test_a_frontend_lost_during_a_replacement_of_a_rank_is_replaced_in_place_and_the_rank_replaced_again(
+        stage: str, restart: bool) -> None:
+    """The replacement lives in frontend 0 and ends with it; no engine that stays is touched: rank 1's new pod (or
+    its old one, still going) is deleted, the new frontend attaches to ranks 0 and 2 with rank 1 left out (Dead),
+    then rank 1 is replaced again, asked of the new frontend, as one more step of the same recovery. `restart`: the
+    operator dies after the status write of the pass that decides it, before its actions."""
+    w, replacement = replacement_of_rank_1_at(stage)
     stays = {n: q.uid for n, q in w.pods.items() if n in ("a-engine-0", "a-engine-2", "a-coordinator")}
     mark = len(w.log)
     recoveries = w.status.recoveries
@@ -1201,15 +1219,9 @@ def test_a_frontend_lost_during_a_replacement_of_a_rank_is_replaced_in_place_and
     assert f"replacement {replacement.id} of rank 1 rolled back" in told["ResizeFailed"]
     assert "replacing the frontend in place" in told["MemberLost"]
     assert "RankLost" not in told
-    w.hang.discard("a-engine-1")
-    w.stuck.discard("a-engine-1")
 
-    step_until(w, member_replaced, max_steps=40, what="the frontend replaced")
-    again = w.status.operation
-    assert again is not None
-    assert (again.replace, again.phase) == ((1,), "Preparing")
+    again = resume_rank_1(w, "the frontend")
     assert again.id != replacement.id
-    assert w.events("RankReplacementResumed")
     step_until(w, replaced, max_steps=40, what="rank 1 replaced again")
     w.converge(max_steps=100)
     assert (w.status.replicas, w.status.fleetGeneration, w.status.recoveries) == (3, 1, recoveries + 1)
@@ -1235,15 +1247,7 @@ def test_a_coordinator_lost_during_a_replacement_of_a_rank_is_replaced_in_place_
     asked of the same frontend once it reports rank 1 Dead again. A committing one (the frontend serves on the new
     engine) completes first, and the coordinator is replaced after. No pod that stays is touched; one recovery more.
     `restart`: the operator dies after the status write of the pass that decides it, before its actions."""
-    w = running(3)
-    if stage == "old pod going":
-        w.stuck.add("a-engine-1")
-    w.fail("a-engine-1")
-    w.step()
-    replacement = w.status.operation
-    assert replacement is not None
-    assert replacement.replace == (1,)
-    reach_replacement_stage(w, replacement.id, stage)
+    w, replacement = replacement_of_rank_1_at(stage)
     stays = {n: q.uid for n, q in w.pods.items() if n in ("a-engine-0", "a-engine-2", "a-frontend")}
     engine1 = w.pods["a-engine-1"].uid if stage == "committing" else None
     mark = len(w.log)
@@ -1278,13 +1282,7 @@ def test_a_coordinator_lost_during_a_replacement_of_a_rank_is_replaced_in_place_
         assert f"replacement {replacement.id} of rank 1 rolled back" in told["ResizeFailed"]
         assert "replaced again once the coordinator is" in told["ResizeFailed"]
         assert "replacing the coordinator in place" in told["MemberLost"]
-        w.hang.discard("a-engine-1")
-        w.stuck.discard("a-engine-1")
-        step_until(w, member_replaced, max_steps=40, what="the coordinator replaced")
-        again = w.status.operation
-        assert again is not None
-        assert (again.replace, again.phase) == ((1,), "Preparing")
-        assert w.events("RankReplacementResumed")
+        resume_rank_1(w, "the coordinator")
         step_until(w, replaced, max_steps=40, what="rank 1 replaced again")
         if replacement.id in w.frontend.ops:  # asked: frontend 0 gave its part up
             assert w.frontend.ops[replacement.id].phase == "Failed"
