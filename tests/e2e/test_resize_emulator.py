@@ -439,8 +439,8 @@ def test_a_coordinator_killed_mid_replacement_of_a_rank_is_replaced_in_place_and
 
 def test_the_coordinator_and_an_engine_killed_together_are_replaced_in_place(setup: Setup) -> None:
     """The coordinator's and rank 1's processes SIGKILLed at once (as a node's loss takes both): the coordinator is
-    replaced in place with rank 1 left out, then rank 1 is replaced in place; one recovery, the same incarnation,
-    rank 0 and the frontend never recreated."""
+    replaced in place with rank 1 left out, then rank 1 is replaced in place; the same incarnation, rank 0 and the
+    frontend never recreated."""
     s = setup
     s.fleet.at(2, SETTLE)
     before = s.fleet.status()
@@ -454,10 +454,17 @@ def test_the_coordinator_and_an_engine_killed_together_are_replaced_in_place(set
     assert not s.runner.address_changes, s.runner.address_changes
     assert {"MemberLost", "CoordinatorReplaced", "RankReplacementResumed", "RankReplaced"} <= set(told), story
     # seen in one pass, or the engine's loss a pass after the coordinator's (left out of its replacement then)
-    assert "rank 1 replaced in place after" in told["MemberLost"] \
-        or "rank 1 left out of replacement" in told.get("RankLost", ""), story
+    # The operator sees the two ends in one pass or in two, in either order: the rank left out of the coordinator's
+    # replacement from its start or a pass later (one recovery), or the rank's replacement started first and then
+    # interrupted by the coordinator's loss (a recovery each: that replacement had begun).
+    engine_first = story[0][0] == "RankLost" and "replacing rank 1 in place" in story[0][1]
+    if engine_first:
+        assert "rolled back" in told.get("ResizeFailed", ""), story
+    else:
+        assert "rank 1 replaced in place after" in told["MemberLost"] \
+            or "rank 1 left out of replacement" in told.get("RankLost", ""), story
     assert not {"Recovering", "Restarting"} & set(told), story
-    assert_rank_0_and_frontend_kept(s, before, uids, recoveries=1)
+    assert_rank_0_and_frontend_kept(s, before, uids, recoveries=2 if engine_first else 1)
 
 
 def rank_1_replaced_story(s: Setup, events: int, what: str) -> tuple[list[tuple[str, str]], dict[str, str]]:
