@@ -89,7 +89,7 @@ from typing import Any
 
 import bench_fleet
 from bench_fleet import SERVED_NAME, Side, corefleet_fleet, run_loadgen, stock_fleet
-from bench_frontend import BenchError, _cpu_model, _vllm_version, log, run_in_state_dir
+from bench_frontend import BenchError, _cpu_model, _vllm_version, autogroups_off, log, run_in_state_dir
 from corefleet_harness import local
 from corefleet_harness.support import http_get
 from corefleet_harness.tinymodel import VLLM_CPU_FLAGS, VOCAB_SIZE, write_tiny_model
@@ -747,7 +747,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep-autogroups", action="store_true",
                    help="leave kernel.sched_autogroup_enabled as it is (default: 0 while the fleets run, restored; "
-                        "bench_fleet.autogroups_off)")
+                        "bench_frontend.autogroups_off)")
     p.add_argument("--ready-timeout", type=float, help="seconds for a fleet to serve (default: corefleet up's)")
     p.add_argument("--state-dir", help="keep the model, the fleets' logs, the load generator's and this "
                                        "benchmark's results (bench_routing.json) here")
@@ -797,7 +797,7 @@ def _run(args: argparse.Namespace, state: Path, started: float) -> int:
             plan += [(n, rnd, s) for s in order]
     results: list[FleetResult] = []
     sizing: dict[int, dict[str, Any]] = {}
-    with bench_fleet.autogroups_off(not args.keep_autogroups) as scheduling:
+    with autogroups_off(not args.keep_autogroups) as scheduling:
         log(f"autogroup scheduling while the fleets run: {scheduling}")
         errors = 0
         for run_no, (n, rnd, side_name) in enumerate(plan, start=1):
