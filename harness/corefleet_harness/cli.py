@@ -60,7 +60,7 @@ def cmd_cluster_up(args: argparse.Namespace) -> int:
         with LocalControlPlane(state_dir=state, bin_dir=bin_dir) as cp:
             add_gpu_node(cp, "gpu-node-0", gpus=args.gpus)
             cp.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(crd.crd()))
-            cp.kubectl("wait", "--for=condition=Established", f"crd/{constants.CRD_NAME}", "--timeout=60s")
+            cp.wait_established(constants.CRD_NAME)
             health = f"http://127.0.0.1:{free_port()}/healthz"
             metrics_port = free_port()
             log = state / "operator.log"

@@ -417,6 +417,17 @@ class LocalControlPlane:
             raise KubectlError(r.returncode, argv, r.stdout, r.stderr)
         return r
 
+    def wait_established(self, crd: str, timeout: float = 60.0) -> None:
+        """Wait until the CustomResourceDefinition `crd` is Established. (`kubectl wait --for=condition=Established`
+        fails at once, "accessor error: <nil>", where it reads the CRD before the API server gave it any condition,
+        as a busy machine's just applied one can be read.)"""
+        def established() -> bool:
+            r = self.kubectl("get", f"crd/{crd}", "-o",
+                             'jsonpath={.status.conditions[?(@.type=="Established")].status}', check=False)
+            return r.returncode == 0 and r.stdout.strip() == "True"
+
+        wait_until(established, timeout, f"CRD {crd} Established", interval=0.2)
+
     def env(self) -> dict[str, str]:
         """Environment for child processes: this cluster's kubeconfig and the binaries on PATH."""
         return {**os.environ, "KUBECONFIG": str(self.kubeconfig),

@@ -18,7 +18,7 @@ from nodetest import RealNode, assert_left_nothing, image_archives, image_store,
 def crd_installed(k8s: LocalControlPlane) -> None:
     """The EngineCoreSet CRD, applied once (server-side, as `kubectl apply --server-side` does)."""
     k8s.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(crd.crd()))
-    k8s.kubectl("wait", "--for=condition=Established", f"crd/{constants.CRD_NAME}", "--timeout=60s")
+    k8s.wait_established(constants.CRD_NAME)
 
 
 @pytest.fixture(scope="module")

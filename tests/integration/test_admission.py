@@ -42,7 +42,7 @@ NOW = "2026-01-01T00:00:00Z"
 def ecs_crd(k8s: LocalControlPlane) -> str:
     r = k8s.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD), check=False)
     assert r.returncode == 0, r.stderr  # a CEL rule over the cost budget makes the server refuse the CRD
-    k8s.kubectl("wait", "--for=condition=Established", f"crd/{constants.CRD_NAME}", "--timeout=60s")
+    k8s.wait_established(constants.CRD_NAME)
     return constants.CRD_NAME
 
 

@@ -51,7 +51,7 @@ WIDGET_CRD: dict[str, Any] = {
 @pytest.fixture(scope="module")
 def widget_crd(k8s: LocalControlPlane) -> str:
     k8s.kubectl("apply", "-f", "-", input=json.dumps(WIDGET_CRD))
-    k8s.kubectl("wait", "--for=condition=Established", f"crd/widgets.{GROUP}", "--timeout=60s")
+    k8s.wait_established(f"widgets.{GROUP}")
     return f"widgets.{GROUP}"
 
 

@@ -127,7 +127,7 @@ def cp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalControlPlane]:
                               hpa_sync_seconds=1)
     with plane:
         plane.kubectl("apply", "--server-side", "-f", str(REPO / "manifests" / "crd.yaml"))
-        plane.kubectl("wait", "--for=condition=Established", f"crd/{constants.CRD_NAME}", "--timeout=60s")
+        plane.wait_established(constants.CRD_NAME)
         yield plane
 
 

@@ -62,7 +62,7 @@ def apply(k8s: LocalControlPlane, namespace: str, obj: dict[str, Any],
 @pytest.fixture(scope="module")
 def ecs_crd(k8s: LocalControlPlane) -> str:
     k8s.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(MANIFESTS / "crd.yaml"))
-    k8s.kubectl("wait", "--for=condition=Established", f"crd/{constants.CRD_NAME}", "--timeout=60s")
+    k8s.wait_established(constants.CRD_NAME)
     return constants.CRD_NAME
 
 

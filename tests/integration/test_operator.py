@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="session")
 def ecs_crd(k8s: LocalControlPlane) -> None:
     k8s.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(crd.crd()))
-    k8s.kubectl("wait", "--for=condition=Established", "crd/enginecoresets.corefleet.io", "--timeout=60s")
+    k8s.wait_established("enginecoresets.corefleet.io")
 
 
 @pytest.fixture

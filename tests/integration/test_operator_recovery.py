@@ -50,7 +50,7 @@ class Setup:
 @pytest.fixture(scope="module")
 def setup(k8s: LocalControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     k8s.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(crd.crd()))
-    k8s.kubectl("wait", "--for=condition=Established", f"crd/{constants.CRD_NAME}", "--timeout=60s")
+    k8s.wait_established(constants.CRD_NAME)
     ns = f"r-{uuid.uuid4().hex[:10]}"
     k8s.kubectl("create", "namespace", ns)
     tmp = tmp_path_factory.mktemp("recovery")

@@ -35,7 +35,7 @@ def restricted(k8s: LocalControlPlane, namespace: str) -> str:
 @pytest.fixture(scope="module")
 def ecs_crd(k8s: LocalControlPlane) -> None:
     k8s.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=json.dumps(crd.crd()))
-    k8s.kubectl("wait", "--for=condition=Established", f"crd/{constants.CRD_NAME}", "--timeout=60s")
+    k8s.wait_established(constants.CRD_NAME)
 
 
 @pytest.fixture
