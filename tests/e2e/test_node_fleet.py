@@ -856,7 +856,11 @@ def test_real_vllm_fleet_with_two_frontends_resizes_2_3_2_in_place_under_load(tw
     at_drain = [re.search(r"Rank 2: Draining \((\d+) request\(s\) in flight\)", text) for text in logs]
     assert all(at_drain), [text[-2000:] for text in logs]
     if any(int(m.group(1)) for m in at_drain if m):
-        assert "Draining" in down.phases, (down.phases, down.errors[-5:], [m.group(0) for m in at_drain if m])
+        # (the operator's ResizeDraining event comes with the status write of that phase: the watch's samples, 0.1 s
+        # apart, can miss a short Draining on this saturated machine, as a fresh-clone CI's did)
+        told = [r for r, _ in s.fleet.events()[events_before:]]
+        assert "Draining" in down.phases or "ResizeDraining" in told, \
+            (down.phases, told, down.errors[-5:], [m.group(0) for m in at_drain if m])
     assert down.phases[-1] == "Completed", down.phases
     assert 2 in down.retired_at, down.retired_at
     assert down.retired_at[2] <= down.deleted_at[constants.engine_name(name, 2)]
