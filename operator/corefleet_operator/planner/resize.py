@@ -9,7 +9,7 @@ frontend as an operation with an id (`status.operation`), at most one at a time.
   ranks N..M-1 are created; once the frontend reports it Completed, and the new pods are Ready
   (Committing meanwhile: the kubelet's readiness probe lags the handshake), the committed size is M.
   A new rank's pod that fails makes the operator cancel the operation (`CancelResize`); so does a dense fleet's
-  coordinator pod that failed, went or is going while the new ranks join (`_cancel_without_coordinator`: a new
+  coordinator pod that failed, went or is going while the new ranks join (`_cancel_joining`: a new
   engine waits for the coordinator's READY before it completes its handshake, so it could not join before the
   resize's timeout). The coordinator is replaced in place once the resize ended (`planner.follow`), and the
   resize runs again then, as `replicas` still asks.
@@ -114,17 +114,16 @@ def continue_resize(fleet: FleetRef, observed: Observed, op: OperationStatus, co
     timeout = op_timeout(op, spec)
     frontend = observed.frontend
     seen = frontend.resize if frontend is not None and frontend.reachable else None
+    no_coordinator = coordinator_gone(fleet, current)
     if seen is None:
         step = _without_account(spec, step, frontend, elapsed, timeout, now)
         if step.lost or step.operation.done:
             return step
     else:
-        step = _with_account(fleet, step, seen, current, elapsed, timeout, now, coordinator_gone(fleet, current))
+        step = _with_account(fleet, step, seen, current, elapsed, timeout, now, no_coordinator)
         if seen.phase in ("Completed", "Failed"):
             return step
-    step = _cancel_failed_joiner(fleet, step, op, current)
-    if seen is not None:
-        step = _cancel_without_coordinator(fleet, step, op, current)
+    step = _cancel_joining(fleet, step, op, current, no_coordinator if seen is not None else "")
     if seen is not None and elapsed > timeout:
         cancel = CancelResize(op.id, f"it ran {elapsed:.0f}s, past its timeout of {timeout:.0f}s")
         step = replace(step, actions=(*step.actions, cancel))
@@ -232,28 +231,34 @@ def _failed(step: ResizeStep, seen: ResizeObs, now: str, no_coordinator: str = "
                                    f"the fleet serves on at {op.fromReplicas} ranks; {retry}"),))
 
 
-def _cancel_failed_joiner(fleet: FleetRef, step: ResizeStep, op: OperationStatus,
-                          current: Mapping[str, PodObs]) -> ResizeStep:
-    """New ranks' pods are created (again, if one vanished) while the frontend waits for them; one that
-    failed will never join, so the frontend is told to give the resize up (once told, no new event)."""
+def _cancel_joining(fleet: FleetRef, step: ResizeStep, op: OperationStatus, current: Mapping[str, PodObs],
+                    no_coordinator: str) -> ResizeStep:
+    """New ranks' pods are created (again, if one vanished) while the frontend waits for them; one that failed will
+    never join, nor will any while the coordinator is gone (`no_coordinator`: a new engine waits for its READY; a
+    scale-down needs none to finish and runs on), so the frontend is told to give the resize up: asked on every pass
+    until it reports the resize ended, told once (the stored operation's message)."""
     if not op.scale_up or step.operation.phase not in ("Pending", "Preparing"):
         return step
-    for rank in sorted(step.joining):
-        pod = current.get(constants.engine_name(fleet.name, rank))
-        if pod is not None and pod.phase in POD_TERMINAL:
-            reason = f"pod {pod.name} of rank {rank} {pod.phase.lower()}" + (f": {pod.message}" if pod.message
-                                                                                else "")
-            events = () if op.message.startswith("cancelling") else (
-                Event("Warning", "ResizeCancelling", f"resize {op.id}: {reason}: cancelling it"),)
-            return replace(step, actions=(*step.actions, CancelResize(op.id, reason)),
-                           events=(*step.events, *events),
-                           operation=replace(step.operation, message=f"cancelling: {reason}"))
-    return step
+    failed = [pod for rank in sorted(step.joining)
+              if (pod := current.get(constants.engine_name(fleet.name, rank))) is not None
+              and pod.phase in POD_TERMINAL]
+    if failed:
+        pod = failed[0]
+        reason = f"pod {pod.name} of rank {pod.rank} {pod.phase.lower()}" + (f": {pod.message}" if pod.message else "")
+    elif no_coordinator:
+        reason = f"{no_coordinator}: a new rank cannot join without it (it is replaced in place once the resize ended)"
+    else:
+        return step
+    events = () if op.message.startswith("cancelling") else (
+        Event("Warning", "ResizeCancelling", f"resize {op.id}: {reason}: cancelling it"),)
+    return replace(step, actions=(*step.actions, CancelResize(op.id, reason)), events=(*step.events, *events),
+                   operation=replace(step.operation, message=f"cancelling: {reason}"))
 
 
 def coordinator_gone(fleet: FleetRef, current: Mapping[str, PodObs]) -> str:
-    """Why a dense fleet's coordinator pod (of the current incarnation) is gone or going: failed, vanished or being
-    deleted; "" while it runs (or for an MoE fleet, whose resize needs it: its loss is a recovery)."""
+    """Why a dense fleet's coordinator pod (of the current incarnation) is gone: failed, or vanished or being deleted
+    (`current` holds no pod being deleted); "" while it runs (or for an MoE fleet, whose resize needs it: its loss is
+    a recovery)."""
     if fleet.spec.expertParallel:
         return ""
     name = constants.coordinator_name(fleet.name)
@@ -262,22 +267,4 @@ def coordinator_gone(fleet: FleetRef, current: Mapping[str, PodObs]) -> str:
         return f"the coordinator's pod {name} is gone"
     if pod.phase in POD_TERMINAL:
         return f"the coordinator's pod {name} {pod.phase.lower()}" + (f": {pod.message}" if pod.message else "")
-    if pod.terminating:
-        return f"the coordinator's pod {name} is being deleted"
     return ""
-
-
-def _cancel_without_coordinator(fleet: FleetRef, step: ResizeStep, op: OperationStatus,
-                                current: Mapping[str, PodObs]) -> ResizeStep:
-    """A dense scale-up whose new ranks still join while the coordinator is gone: cancelled (see the module); asked
-    on every pass until the frontend reports it ended, told once (the stored operation's message). A scale-down needs
-    no coordinator to finish: it runs on."""
-    gone = coordinator_gone(fleet, current)
-    if not gone or not op.scale_up or step.operation.phase not in ("Pending", "Preparing") \
-            or any(isinstance(a, CancelResize) for a in step.actions):
-        return step
-    reason = f"{gone}: a new rank cannot join without it (it is replaced in place once the resize ended)"
-    events = () if op.message.startswith("cancelling") else (
-        Event("Warning", "ResizeCancelling", f"resize {op.id}: {reason}: cancelling it"),)
-    return replace(step, actions=(*step.actions, CancelResize(op.id, reason)), events=(*step.events, *events),
-                   operation=replace(step.operation, message=f"cancelling: {reason}"))
