@@ -217,9 +217,7 @@ def _recover(fleet: FleetRef, observed: Observed, basis: Basis, losses: Losses, 
     if members:
         return _replace_members(fleet, observed, basis, losses, replace(step, recovery=replace(
             recovery, retryAt=recovery.lostAt)), f"recovery {attempt.number} of {attempt.budget} now", now,
-            detached=tuple(sorted(set(replacement.replace if replacement is not None else ()) | set(losses.ranks))),
-            cancelling=replacement.id if replacement is not None
-            and constants.ROLE_FRONTEND not in members_to_replace(fleet, basis, losses.members) else "")
+            interrupted=replacement)
     committed = basis.old.replicas if step.committed == 0 else step.committed
     step = _recreate(step, "Recovering", committed, recovery, Event(
         "Warning", "RankLost", f"{reason}: recreating the fleet at {committed} ranks (incarnation "
@@ -255,11 +253,13 @@ def folded(running: OperationStatus | None, basis: Basis) -> bool:
 
 
 def _replace_members(fleet: FleetRef, observed: Observed, basis: Basis, losses: Losses, step: Step, count: str,
-                     now: str, detached: tuple[int, ...] = (), cancelling: str = "") -> Step:
-    """The lost frontend and/or coordinator replaced in place (`planner.members`): a recovery, without backoff;
-    `detached`: the ranks of the replacement it interrupted, left out of the attach and replaced again after;
-    `cancelling`: that replacement's id, where frontend 0, which runs it, lives on."""
+                     now: str, interrupted: OperationStatus | None = None) -> Step:
+    """The lost frontend and/or coordinator replaced in place (`planner.members`): a recovery, without backoff. Left
+    out of the attach and replaced after: the engine ranks lost with them, and those of the replacement of ranks they
+    interrupted (`interrupted`), which frontend 0 is told to cancel where it lives on."""
     roles = members_to_replace(fleet, basis, losses.members)
+    detached = tuple(sorted(set(interrupted.replace if interrupted is not None else ()) | set(losses.ranks)))
+    cancelling = interrupted.id if interrupted is not None and constants.ROLE_FRONTEND not in roles else ""
     replacing = start_members(fleet, observed, roles, step.committed, step.generation, basis.current, now,
                               detached_ranks=detached, cancelling=cancelling)
     what = listed_members(roles)
