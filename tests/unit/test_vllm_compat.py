@@ -125,6 +125,48 @@ def test_a_reader_of_a_busy_socket_starves_the_loop_and_the_yielding_socket_does
     assert runs < 500 / 3
 
 
+class PausingSocket:
+    """Every `every`-th message comes `pause_s` after it is asked for (pyzmq's pending future), the others are waiting
+    already (a completed future)."""
+
+    def __init__(self, every: int, pause_s: float) -> None:
+        self.every, self.pause_s, self.asked = every, pause_s, 0
+
+    def recv_multipart(self, copy: bool = True) -> asyncio.Future[list[bytes]]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[list[bytes]] = loop.create_future()
+        self.asked += 1
+        if self.asked % self.every:
+            future.set_result([b"frame"])
+        else:
+            loop.call_later(self.pause_s, future.set_result, [b"frame"])
+        return future
+
+
+def test_a_reader_that_paused_starts_a_new_slice_and_is_not_made_to_yield_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Messages come in threes, 3 ms apart (more than a slice): the reader waits for each three's first one, so other
+    # tasks run then; an extra yield right after the pause would let the output handler run between the three and
+    # split a request's tokens over more chunks of its stream than stock vLLM's (bench_frontend.py's token events).
+    forced = 0
+    sleep = asyncio.sleep
+
+    async def counted(delay: float, result: Any = None) -> Any:
+        nonlocal forced
+        forced += 1
+        return await sleep(delay, result)
+
+    async def read(socket: vllm_compat.YieldingSocket, messages: int) -> None:
+        for _ in range(messages):
+            await socket.recv_multipart(copy=False)
+
+    monkeypatch.setattr(asyncio, "sleep", counted)
+    asyncio.run(read(vllm_compat.YieldingSocket(PausingSocket(every=3, pause_s=0.003)), 120))
+    # 40 pauses; the reader's runs between them take microseconds, so a slice ends only where the machine preempted
+    # this process for 2 ms in one of them (the reader counted each pause's 3 ms as reading before the fix: 40)
+    assert forced < 10
+
+
 def test_yielding_output_socket_is_seen_only_by_the_task_created_inside() -> None:
     class Resources:
         output_socket: Any = AlwaysReady()
