@@ -132,7 +132,7 @@ import inspect
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from http import HTTPStatus
 from typing import Any
 
@@ -278,18 +278,27 @@ class YieldingSocket:
     def __init__(self, socket: Any) -> None:
         self._socket = socket
         self._since = time.monotonic()
+        self._paused = False
 
-    async def recv_multipart(self, *args: Any, **kwargs: Any) -> Any:
+    def recv_multipart(self, *args: Any, **kwargs: Any) -> Awaitable[Any]:
+        """pyzmq's future itself (awaited by vLLM's reader), but after a slice a coroutine that yields first: no
+        coroutine of its own per message, as the reader receives about ten messages per request."""
         received = self._socket.recv_multipart(*args, **kwargs)
-        if not received.done():  # no message waiting: the reader pauses here, other tasks run, a new slice starts
-            frames = await received
-            self._since = time.monotonic()
-            return frames
-        frames = await received
-        if time.monotonic() - self._since >= OUTPUT_READER_SLICE_S:
-            await asyncio.sleep(0)
-            self._since = time.monotonic()
-        return frames
+        if not received.done():  # no message waiting: the reader pauses here and other tasks run
+            self._paused = True
+            return received  # type: ignore[no-any-return]
+        now = time.monotonic()
+        if self._paused:  # the reader's first receive since its pause: a new slice
+            self._paused = False
+            self._since = now
+        elif now - self._since >= OUTPUT_READER_SLICE_S:
+            return self._after_a_pause(received)
+        return received  # type: ignore[no-any-return]
+
+    async def _after_a_pause(self, received: Awaitable[Any]) -> Any:
+        await asyncio.sleep(0)
+        self._since = time.monotonic()
+        return await received
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._socket, name)

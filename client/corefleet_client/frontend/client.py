@@ -108,6 +108,7 @@ class KubeDPLBClient(DPLBAsyncMPClient):  # type: ignore[misc]  # vLLM is not ty
     encoder: Any
     client_index: int
     _rescue: Rescue | None = None  # with stall detection on (`frontend.rescue`)
+    _outputs_seen: Callable[[int], None] | None = None  # a rank's outputs came (`Liveness.outputs`), once serving
 
     def __init__(self, vllm_config: Any, executor_class: Any, log_stats: bool,
                  client_addresses: dict[str, Any] | None = None, client_count: int = 1, client_index: int = 0,
@@ -155,6 +156,7 @@ class KubeDPLBClient(DPLBAsyncMPClient):  # type: ignore[misc]  # vLLM is not ty
         members = self._members = Membership(self, fleet, joiner, vllm_abort=super()._abort_requests,
                                              affinity=affinity)
         liveness = self._liveness = Liveness(members, options)
+        self._outputs_seen = liveness.outputs
         if options.stall.enabled:
             self._rescue = liveness.rescue = Rescue(members, self.add_request_async)
         cancels = Cancels()
@@ -253,13 +255,17 @@ class KubeDPLBClient(DPLBAsyncMPClient):  # type: ignore[misc]  # vLLM is not ty
     @staticmethod
     async def process_engine_outputs(self: KubeDPLBClient, outputs: Any) -> None:
         """vLLM's hook on each message of engine outputs, before its output handling: the rank's progress
-        (`Liveness.outputs`), and what a stalled rank sends for a request moved away from it dropped (`Rescue`)."""
-        liveness: Liveness | None = getattr(self, "_liveness", None)
-        if liveness is not None:
-            liveness.outputs(outputs.engine_index)
-        if self._rescue is not None:
-            self._rescue.engine_outputs(outputs)
-        await DPLBAsyncMPClient.process_engine_outputs(self, outputs)
+        (`Liveness.outputs`), and what a stalled rank sends for a request moved away from it dropped (`Rescue`).
+        Then vLLM's own, which only forgets finished requests' ranks: awaited only for a message that finishes any
+        (a request's tokens come in about ten messages; each await of a coroutine costs)."""
+        seen = self._outputs_seen
+        if seen is not None:
+            seen(outputs.engine_index)
+        rescue = self._rescue
+        if rescue is not None:
+            rescue.engine_outputs(outputs)
+        if outputs.finished_requests:
+            await DPLBAsyncMPClient.process_engine_outputs(self, outputs)
 
     async def _abort_requests(self, request_ids: list[str], engine: bytes) -> None:
         rank = rank_of(engine)

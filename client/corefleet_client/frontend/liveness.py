@@ -243,7 +243,7 @@ class Liveness:
     def outputs(self, rank: int) -> None:
         """The rank sent a step's outputs (the client's `process_engine_outputs`): progress."""
         self._progress(rank).output(self._loop.time())
-        if self._end_stall(rank):
+        if rank in self.members.stalled and self._end_stall(rank):
             logger.warning("Engine rank %d made progress again (an output): new requests go to it again", rank)
 
     def _end_stall(self, rank: int) -> bool:

@@ -144,8 +144,11 @@ class Membership:
     def before_routing(self) -> None:
         """What the router must read before each choice (see `routing_counts` and `ignore_load_until_routed`)."""
         client = self.client
-        client.lb_engines = routing_counts(client.lb_engines, len(client.core_engines), self.unroutable, self.stalled)
-        self.ignore_stale_loads()
+        if self.unroutable or self.stalled or len(client.lb_engines) < len(client.core_engines):
+            client.lb_engines = routing_counts(client.lb_engines, len(client.core_engines), self.unroutable,
+                                               self.stalled)
+        if self.stale_loads:
+            self.ignore_stale_loads()
 
     def routed(self, engine: bytes, decision: Decision | None = None) -> None:
         """A new request went to `engine` (by prefix affinity: `decision`)."""
