@@ -36,15 +36,23 @@ kernel's autogroups that is not the same CPU scheduling); the load generator has
 The kernel's autogroup scheduling is off while the fleets run (`autogroups_off`, restored afterwards;
 `--keep-autogroups` leaves it on): with it on, the load generator's session gets as much CPU as the whole fleet's
 on 2 busy cores, whatever either needs (bench_fleet.py's docstring has what that did to a client's reads).
+The frontends have cores of their own (`--pin`, the default on a machine of 2 cores or more): the K frontend processes
+on the last min(K, n - 1) of the n cores, every other process (engines, coordinator, the load generator) on the
+others, the same on both sides; `--no-pin` leaves the placement to the kernel. In a cluster a frontend is a pod with
+its own CPU request; left to the kernel on 2 cores, the frontend shares a core with the engines and the load generator
+for part of each round, and the share differs from one fresh process to the next. Measured on 2026-12-05 (2 cores, 3-4
+rounds per variant, K=1): unpinned, the frontend's CPU per request ranged from 1.35 to 2.05 ms across fresh processes
+of the same side (req/s 504-763), the gap between the sides from 0.97x to 0.89x; pinned, 1.03-1.11 ms on both sides,
+about 930 req/s each, whichever went first.
 Besides requests/s, each round samples
 CPU time per process over the measured window: the frontend's CPU milliseconds per request are
 the least noisy figure on a shared machine.
 
-Rounds matter more than duration: on a 2-core VM one fleet's requests/s is steady within its window
+Rounds matter more than duration: unpinned on a 2-core VM, one fleet's requests/s is steady within its window
 but differs by up to ~15% from one freshly started frontend process to the next (either side), so
 the default is 4 rounds of 15 s per side rather than 2 of 30 s.
 
-The figure: RATIO corefleet/stock requests/s (medians over the rounds; goal >= 0.95). The exit
+The figure: RATIO corefleet/stock requests/s (medians over the rounds; goal >= 1.0). The exit
 status is non-zero only on errors (a fleet that does not come up, failed requests), never on a
 missed goal.
 """
@@ -65,7 +73,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -85,6 +93,61 @@ REQUEST_TIMEOUT = 60.0
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 SIDES = ("stock", "corefleet")
 AUTOGROUP_SWITCH = Path("/proc/sys/kernel/sched_autogroup_enabled")
+
+
+@dataclass(frozen=True)
+class CoreSplit:
+    """Where the processes run (`--pin`): the frontends on `frontends`, everything else (the engines, the
+    coordinator, the load generator, this process) on `rest`; None: wherever the kernel puts them."""
+
+    frontends: frozenset[int]
+    rest: frozenset[int]
+
+    def describe(self) -> str:
+        return f"the frontend process(es) on CPU {_cpus(self.frontends)}, every other process on CPU {_cpus(self.rest)}"
+
+
+def _cpus(cores: frozenset[int]) -> str:
+    return ",".join(map(str, sorted(cores)))
+
+
+def core_split(cores: Iterable[int], frontends: int) -> CoreSplit | None:
+    """The last min(K, n - 1) of the n cores for the K frontends, the others for the rest; None on one core."""
+    ordered = sorted(cores)
+    n = min(frontends, len(ordered) - 1)
+    if n < 1:
+        return None
+    return CoreSplit(frontends=frozenset(ordered[-n:]), rest=frozenset(ordered[:-n]))
+
+
+def pin_process(pid: int, cores: frozenset[int]) -> None:
+    """Every thread of `pid` on `cores` (threads it starts later inherit their creator's)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(tid), cores)
+
+
+def pin_fleet(fleet: Fleet, split: CoreSplit) -> None:
+    """The fleet's frontend processes on the split's frontend cores, its other processes on the rest."""
+    for role, pids in fleet.roles.items():
+        for pid in pids:
+            pin_process(pid, split.frontends if role == "frontend" else split.rest)
+
+
+@contextlib.contextmanager
+def pinned(fleet: Fleet, split: CoreSplit | None) -> Iterator[None]:
+    """The fleet pinned (`pin_fleet`), and this process (so the load generator it starts) on the rest, inside; this
+    process's own cores again after. Nothing where `split` is None."""
+    if split is None:
+        yield
+        return
+    pin_fleet(fleet, split)
+    mine = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, split.rest)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, mine)
 
 
 def side_order(rnd: int) -> tuple[str, ...]:
@@ -579,6 +642,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep-autogroups", action="store_true",
                    help="leave the kernel's autogroup scheduling on while the fleets run (default: off, see "
                         "autogroups_off)")
+    p.add_argument("--no-pin", dest="pin", action="store_false",
+                   help="leave every process wherever the kernel puts it (default: the K frontends on the last K "
+                        "cores, at most all but one, everything else on the others; see the module docstring)")
     p.add_argument("--loadgen", metavar="URL", help=argparse.SUPPRESS)  # internal: run the load generator
     return p.parse_args(argv)
 
@@ -652,6 +718,10 @@ def _run(args: argparse.Namespace, state: Path, started: float) -> int:
     log(f"{REPLICAS} emulated engines (--token-delay-ms {args.token_delay_ms}) per side on {cores} CPU cores; "
         f"{args.rounds} round(s) per side, {args.warmup:g} s warm-up + {args.duration:g} s measured, "
         f"{args.concurrency} workers, max_tokens {args.max_tokens}")
+    splits = {k: core_split(os.sched_getaffinity(0), k) if args.pin else None for k in args.frontend_counts}
+    args.placement = {k: split.describe() if split else "wherever the kernel puts them" for k, split in splits.items()}
+    for k in args.frontend_counts:
+        log(f"K={k}: {args.placement[k]}")
     results: list[RoundResult] = []
     with autogroups_off(not args.keep_autogroups) as scheduling:
         log(f"the kernel's autogroup scheduling: {scheduling}")
@@ -661,7 +731,8 @@ def _run(args: argparse.Namespace, state: Path, started: float) -> int:
                     work = state / f"{side}-k{k}-{rnd}"
                     log(f"round {rnd}: starting the {side} fleet with {k} frontend(s) (load average "
                         f"{os.getloadavg()[0]:.2f})")
-                    with running(side, work, model, flags, args.token_delay_ms, frontends=k) as fleet:
+                    with running(side, work, model, flags, args.token_delay_ms, frontends=k) as fleet, \
+                            pinned(fleet, splits[k]):
                         res = run_load(fleet, args, rnd, work)
                     results.append(res)
                     log(describe(res, args.duration))
@@ -683,7 +754,7 @@ def _run(args: argparse.Namespace, state: Path, started: float) -> int:
           f"{os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / 2**30:.0f} GiB; vLLM "
           f"{_vllm_version()}; Python {platform.python_version()}; {datetime.now().isoformat(timespec='minutes')}")
     print(f"  N = {REPLICAS} emulated engines (--data-parallel-size {REPLICAS}): the machine has {cores} cores, and "
-          f"each side's frontend, coordinator, engines and the load generator share them")
+          f"each side's frontend, coordinator, engines and the load generator share them (placement below)")
     print("  one API-server process per side: the stock frontend runs with --api-server-count 1 (vLLM's default "
           "would be one per DP rank); its DP coordinator is its child process")
     print("  the load generator runs in its own process (asyncio + aiohttp + uvloop), competing for the same cores; "
@@ -691,6 +762,7 @@ def _run(args: argparse.Namespace, state: Path, started: float) -> int:
     print(f"  sides run alternately ({', '.join(f'{r.side} {r.round}' for r in results)}), one fleet at a time, "
           "each round on a freshly started fleet")
     print(f"  the kernel's autogroup scheduling: {args.scheduling}")
+    print(f"  processes: {args.placement[1]}")
     for r in results:
         print("  " + describe(r, args.duration))
     if errors:
@@ -712,7 +784,7 @@ def _run(args: argparse.Namespace, state: Path, started: float) -> int:
     print(f"wall time: {time.monotonic() - started:.0f} s")
     if errors:
         print(f"NOTE: {errors} requests failed; the figures are not comparable")
-    print(f"RATIO corefleet/stock requests/s = {ratio:.2f} (goal >= 0.95)  "
+    print(f"RATIO corefleet/stock requests/s = {ratio:.2f} (goal >= 1.0)  "
           f"[medians: corefleet {med['corefleet']:.1f}, stock {med['stock']:.1f} req/s]", flush=True)
     return 1 if errors else 0
 
@@ -730,6 +802,8 @@ def _report_frontends(args: argparse.Namespace, results: list[RoundResult], core
           "corefleet up --frontends K (K frontend processes sharing the port with SO_REUSEPORT, the standalone "
           "coordinator); one fleet at a time, fresh per round, sides and K alternating")
     print(f"  the kernel's autogroup scheduling: {args.scheduling}")
+    for k, placement in args.placement.items():
+        print(f"  processes at K={k}: {placement}")
     for r in results:
         print("  " + describe(r, args.duration))
     print()
@@ -754,11 +828,13 @@ def _report_frontends(args: argparse.Namespace, results: list[RoundResult], core
                   f"{m['ttft50']:.0f}/{m['ttft99']:.0f} ms; TPOT p50/p99 {m['tpot50']:.1f}/{m['tpot99']:.1f} ms; "
                   f"frontend CPU {m['ms']:.2f} ms/req = {m['eff']:.0f} req per frontend CPU-s "
                   f"({m['eff'] / base[side]:.2f}x K={args.frontend_counts[0]}'s)")
+        flat = {side: med[side]["eff"] / base[side] for side in SIDES}
         print(f"RATIO K={k} corefleet/stock requests/s = {med['corefleet']['rps'] / med['stock']['rps']:.2f} "
               f"(goal >= 1.0); TTFT p50 {_ratio(med['corefleet']['ttft50'], med['stock']['ttft50'])}, TPOT p50 "
               f"{_ratio(med['corefleet']['tpot50'], med['stock']['tpot50'])}; req per frontend CPU-s vs "
-              f"K={args.frontend_counts[0]}: corefleet {med['corefleet']['eff'] / base['corefleet']:.2f}, stock "
-              f"{med['stock']['eff'] / base['stock']:.2f} (goal: corefleet within 0.90-1.10)", flush=True)
+              f"K={args.frontend_counts[0]}: corefleet {flat['corefleet']:.2f}, stock {flat['stock']:.2f} (goal: "
+              f"corefleet within 0.90-1.10); corefleet's against stock's {flat['corefleet'] / flat['stock']:.2f} "
+              "(where K frontends share cores, both sides lose to the sharing)", flush=True)
     print(f"wall time: {time.monotonic() - started:.0f} s")
     if errors:
         print(f"NOTE: {errors} requests failed; the figures are not comparable")
