@@ -454,7 +454,14 @@ def check_recovery_invariants(world: World, before: Observed, p: Plan, deleted: 
     if any(e.reason == "StatusLost" for e in p.events):  # a lost status: the newest incarnation was adopted
         newest = max(q.fleet_generation for q in before.pods if not q.terminating and q.fleet_generation)
         assert new.fleetGeneration in (newest, newest + 1)  # adopted, and recovered at once if it lost a pod
-        if new.fleetGeneration == newest:  # adopted as it stands: none of its running members deleted
+        if new.phase == "Failed":  # adopted with a lost pod and no recovery left (maxRecoveries 0): given up
+            assert world.fleet.spec.scaling.maxRecoveries == 0
+            assert [e.reason for e in p.events].count("RecoveriesExhausted") == 1
+            assert not created
+            assert all(q.name in deleted for q in before.pods if not q.terminating
+                       and q.phase not in ("Failed", "Succeeded"))
+        elif new.fleetGeneration == newest and world.fleet.spec.replicas > 0:
+            # adopted as it stands (at replicas 0, adopted and stopped): none of its running members deleted
             assert not [q.name for q in before.pods if q.fleet_generation == newest and q.name in deleted
                         and q.phase == "Running" and q.ready]
         return
@@ -582,7 +589,9 @@ def check_member_invariants(world: World, before: Observed, p: Plan, created: li
         for rank in set(op.detached) - interrupted_ranks:
             q = next((q for q in before.pods if q.name == constants.engine_name(name, rank)
                       and q.fleet_generation == new.fleetGeneration), None)
-            dead = before.fleet is not None and rank in before.fleet.ranks and before.fleet.ranks[rank].state == "Dead"
+            # Dead, or Unresponsive (past the liveness timeout: the planner's own clock of it is tested elsewhere)
+            dead = before.fleet is not None and rank in before.fleet.ranks \
+                and before.fleet.ranks[rank].state in ("Dead", "Unresponsive")
             assert q is None or q.phase in ("Failed", "Succeeded") or not q.ready or q.terminating or dead, q
         assert len(op.detached) < op.toReplicas, op
         assert new.recoveries == old.recoveries + 1
