@@ -292,10 +292,11 @@ class YieldingSocket:
             self._paused = False
             self._since = now
         elif now - self._since >= OUTPUT_READER_SLICE_S:
-            return self._after_a_pause(received)
+            return self._yielding_first(received)
         return received  # type: ignore[no-any-return]
 
-    async def _after_a_pause(self, received: Awaitable[Any]) -> Any:
+    async def _yielding_first(self, received: Awaitable[Any]) -> Any:
+        """The reader read for a slice: other tasks run, then a new slice starts with this message."""
         await asyncio.sleep(0)
         self._since = time.monotonic()
         return await received

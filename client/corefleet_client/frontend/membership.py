@@ -147,8 +147,7 @@ class Membership:
         if self.unroutable or self.stalled or len(client.lb_engines) < len(client.core_engines):
             client.lb_engines = routing_counts(client.lb_engines, len(client.core_engines), self.unroutable,
                                                self.stalled)
-        if self.stale_loads:
-            self.ignore_stale_loads()
+        self.ignore_stale_loads()
 
     def routed(self, engine: bytes, decision: Decision | None = None) -> None:
         """A new request went to `engine` (by prefix affinity: `decision`)."""
