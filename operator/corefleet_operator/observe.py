@@ -70,12 +70,25 @@ class RankObs:
 
 
 @dataclass(frozen=True)
+class FrontendResize:
+    """A resize the frontend runs (not Completed or Failed), as its view of the fleet reports it: the status may not
+    record it (`planner.basis.frontends_resize`)."""
+
+    from_replicas: int
+    to_replicas: int
+    replace: tuple[int, ...]  # a replacement in place: the ranks it gives new engines
+    account: ResizeObs
+
+
+@dataclass(frozen=True)
 class FleetObs:
     """What the frontend's admin API said of the fleet's ranks this reconcile (asked while the fleet runs)."""
 
     reachable: bool
     error: str = ""  # why it could not be asked
     ranks: Mapping[int, RankObs] = field(default_factory=dict)
+    size: int | None = None  # the frontend's committed size (`data_parallel_size`), if it said
+    resize: FrontendResize | None = None  # the resize it runs, if one does
 
 
 @dataclass(frozen=True)
@@ -259,7 +272,21 @@ def fleet_obs(fleet: Mapping[str, Any]) -> FleetObs:
         since = next((t for key in SINCE_KEYS if (t := _epoch(r.get(key))) is not None), None)
         ranks[int(r["rank"])] = RankObs(rank=int(r["rank"]), state=str(r.get("state", "")), since=since,
                                         message=str(r.get("message") or ""))
-    return FleetObs(reachable=True, ranks=ranks)
+    size = fleet.get("data_parallel_size")
+    return FleetObs(reachable=True, ranks=ranks, size=size if isinstance(size, int) and not isinstance(size, bool)
+                    else None, resize=_running_resize(fleet.get("resize")))
+
+
+def _running_resize(operation: Any) -> FrontendResize | None:
+    """The fleet view's resize (the one in flight, else the last one), if it runs; None if it ended or is unreadable."""
+    if not isinstance(operation, Mapping) or operation.get("phase") in ("Completed", "Failed"):
+        return None
+    try:
+        return FrontendResize(from_replicas=int(operation["from_replicas"]), to_replicas=int(operation["to_replicas"]),
+                              replace=tuple(int(r) for r in operation.get("replace") or ()),
+                              account=resize_obs(operation))
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def resize_obs(operation: Mapping[str, Any]) -> ResizeObs:

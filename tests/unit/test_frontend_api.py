@@ -10,7 +10,15 @@ from unittest import mock
 
 import pytest
 
-from corefleet_client.admin import RankState, ResizePhase, ResizeRequest
+from corefleet_client.admin import (
+    FleetState,
+    FleetStatus,
+    RankState,
+    ResizeOperation,
+    ResizePhase,
+    ResizeRank,
+    ResizeRequest,
+)
 from corefleet_client.frontend.adminserver import AdminServer
 from corefleet_client.frontend.fleet import Fleet
 from corefleet_client.frontend.types import ResizeRefused
@@ -195,3 +203,31 @@ def test_fleet_obs_keeps_unknown_states_and_reads_since_times() -> None:
     assert seen.ranks[2].since == 1764650000.0
     assert seen.ranks[3].state == "SomethingNew"
     assert sorted(seen.ranks) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("phase", list(ResizePhase))
+def test_fleet_obs_reads_the_committed_size_and_the_resize_the_frontend_runs(phase: ResizePhase) -> None:
+    # The frontend's own JSON (the admin contract's types): a status lost while it runs a resize is made good from it
+    # (`planner.resize.frontends_resize`).
+    operation = ResizeOperation(id="4to2-g1-x", from_replicas=4, to_replicas=2, phase=phase,
+                                ranks=(ResizeRank(2, RankState.DRAINING), ResizeRank(3, RankState.DRAINING)),
+                                message="draining")
+    body = FleetStatus(state=FleetState.SERVING, model="m", data_parallel_size=4, vllm_version="0.32.0",
+                       resize=operation).to_json()
+
+    seen = fleet_obs(body)
+
+    assert seen.size == 4
+    if phase in (ResizePhase.COMPLETED, ResizePhase.FAILED):  # the last one, ended: nothing runs
+        assert seen.resize is None
+        return
+    assert seen.resize is not None
+    assert (seen.resize.from_replicas, seen.resize.to_replicas, seen.resize.replace) == (4, 2, ())
+    assert (seen.resize.account.id, seen.resize.account.phase) == ("4to2-g1-x", str(phase))
+    assert seen.resize.account.ranks == {2: ("Draining", ""), 3: ("Draining", "")}
+
+
+def test_fleet_obs_without_a_size_or_a_readable_resize_reads_neither() -> None:
+    seen = fleet_obs({"ranks": [], "data_parallel_size": True, "resize": {"id": "x", "phase": "Draining"}})
+
+    assert (seen.size, seen.resize) == (None, None)

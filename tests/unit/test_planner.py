@@ -23,7 +23,16 @@ import pytest
 
 from corefleet_operator import builders, constants
 from corefleet_operator.models import EngineCoreSetSpec, EngineCoreSetStatus, FleetRef, OperationStatus, SpecError
-from corefleet_operator.observe import FleetObs, FrontendObs, Observed, PodObs, RankObs, ResizeObs, fleet_view_due
+from corefleet_operator.observe import (
+    FleetObs,
+    FrontendObs,
+    FrontendResize,
+    Observed,
+    PodObs,
+    RankObs,
+    ResizeObs,
+    fleet_view_due,
+)
 from corefleet_operator.planner import (
     FRONTEND_POLL_SECONDS,
     RESIZE_RETRY_SECONDS,
@@ -142,7 +151,10 @@ class World:
             return FleetObs(reachable=False, error="connection refused")
         ranks = {r: self.rank_states.get(r, RankObs(r, "Dead" if r in self.frontend.dead else "Serving"))
                  for r in range(self.frontend.size)}
-        return FleetObs(reachable=True, ranks=ranks)
+        running = self.frontend.running()
+        resize = FrontendResize(from_replicas=running[0].frm, to_replicas=running[0].to, replace=running[0].replace,
+                                account=running[0].obs()) if running else None
+        return FleetObs(reachable=True, ranks=ranks, size=self.frontend.size, resize=resize)
 
     @property
     def epoch(self) -> float:
@@ -2608,6 +2620,98 @@ def test_a_wiped_status_with_an_incomplete_fleet_adopts_it_as_starting() -> None
     w.converge()
     assert w.status.phase == "Running"
     assert w.status.fleetGeneration == 1  # the frontend was created for the adopted incarnation
+
+
+def test_a_status_lost_during_a_scale_down_follows_the_frontends_resize_to_its_end() -> None:
+    w = running(4)
+    survivors = {n: q.uid for n, q in w.pods.items() if n not in ("a-engine-2", "a-engine-3")}
+    w.scale(2)
+    w.step()
+    w.step()
+    op = w.status.operation
+    assert op is not None
+    assert w.frontend.ops[op.id].phase == "Draining"
+    w.frontend.ops[op.id].age = -5  # a long drain: requests still in flight on ranks 2..3
+    w.status = EngineCoreSetStatus()
+
+    w.step()  # adopted from the pods: the 4 ranks, serving
+    assert w.events("StatusLost")[-1].endswith("adopted them (4 ranks) instead of recreating the fleet")
+    p = w.step()  # the frontend's view of the fleet: its resize runs
+
+    assert w.events("ResizeAdopted") == [f"resize {op.id} (4 -> 2) runs on the frontend and the status does not "
+                                         "record it (lost?): followed as the operation in flight"]
+    assert w.status.operation is not None
+    assert (w.status.operation.id, w.status.phase, w.status.replicas) == (op.id, "Scaling", 4)
+    assert not [a for a in p.actions if isinstance(a, StartResize | Delete)]  # rank 2 and 3's pods wait for it
+    w.converge()
+    assert w.events("ResizeCompleted")[-1].startswith(f"resize {op.id}: the fleet serves at 2 ranks")
+    assert len(w.events("ResizeStarted")) == 1  # no second resize asked of the frontend (it would refuse it)
+    assert (w.status.replicas, w.status.fleetGeneration, w.status.recoveries) == (2, 1, 0)
+    assert {n: q.uid for n, q in w.pods.items()} == survivors
+
+
+def test_a_status_lost_during_a_scale_up_follows_the_frontends_resize_from_the_size_it_started_at() -> None:
+    w = running(1)
+    w.hang |= {"a-engine-2"}  # its engine is slow to start: the resize waits for it
+    w.scale(3)
+    for _ in range(3):
+        w.step()
+    op = w.status.operation
+    assert op is not None
+    assert w.frontend.ops[op.id].phase == "Preparing"
+    kept = {n: q.uid for n, q in w.pods.items()}
+    w.status = EngineCoreSetStatus()
+
+    w.step()
+    w.step()
+
+    assert w.events("ResizeAdopted") == [f"resize {op.id} (1 -> 3) runs on the frontend and the status does not "
+                                         "record it (lost?): followed as the operation in flight"]
+    assert w.status.operation is not None
+    assert (w.status.operation.id, w.status.replicas) == (op.id, 1)  # committed: the size it started at
+    w.hang.clear()
+    w.pods["a-engine-2"] = replace(w.pods["a-engine-2"], ready=True, unready_since="")
+    w.converge()
+    assert w.events("ResizeCompleted")[-1].startswith(f"resize {op.id}: the fleet serves at 3 ranks")
+    assert len(w.events("ResizeStarted")) == 1
+    assert (w.status.replicas, w.status.fleetGeneration) == (3, 1)
+    assert {n: q.uid for n, q in w.pods.items()} == kept  # the new ranks' pods were kept, not made again
+
+
+def test_a_status_lost_after_the_frontend_completed_a_scale_down_takes_the_frontends_size() -> None:
+    w = running(4)
+    survivors = {n: q.uid for n, q in w.pods.items() if n not in ("a-engine-2", "a-engine-3")}
+    w.scale(2)
+    w.step()
+    w.step()
+    op = w.status.operation
+    assert op is not None
+    w.frontend.ops[op.id].age = 5  # done draining: the frontend completes it on its next step
+    w.status = EngineCoreSetStatus()
+
+    w.step()  # adopted from the pods (4 ranks) as the frontend completes the resize
+    assert w.frontend.size == 2
+    p = w.step()
+
+    assert w.events("ResizeAdopted") == ["the frontend serves 2 ranks and the status says 4 (lost?): ranks 2..3 "
+                                         "retired on the frontend, their pods go"]
+    assert sorted(a.name for a in p.actions if isinstance(a, Delete)) == ["a-engine-2", "a-engine-3"]
+    assert not [a for a in p.actions if isinstance(a, StartResize)]
+    w.converge()
+    assert (w.status.replicas, w.status.fleetGeneration, w.status.recoveries) == (2, 1, 0)
+    assert {n: q.uid for n, q in w.pods.items()} == survivors
+
+
+def test_a_lost_status_is_adopted_up_to_the_highest_ranks_pod() -> None:
+    w = running(3)
+    del w.pods["a-engine-1"]  # its pod went (being replaced) when the status was lost
+    w.status = EngineCoreSetStatus()
+
+    p = w.step()
+
+    assert (w.status.fleetGeneration, w.status.replicas) == (1, 3)
+    assert w.events("StatusLost")[-1].endswith("adopted them (3 ranks, incomplete) instead of recreating the fleet")
+    assert "a-engine-2" not in [a.name for a in p.actions if isinstance(a, Delete)]
 
 
 # ---- several frontends (spec.frontend.replicas) ---------------------------------------------------------------

@@ -62,6 +62,7 @@ from corefleet_operator.planner.resize import (
     REDUNDANT_EXPERTS_POLL_SECONDS,
     RESIZE_POLL_SECONDS,
     RESIZE_RETRY_SECONDS,
+    frontends_resize,
     resize_id,
 )
 from corefleet_operator.planner.step import Step, next_step
@@ -110,6 +111,7 @@ def plan(fleet: FleetRef, observed: Observed, now: str, settings: PlanSettings =
     given_up = still_given_up(basis.old, basis.fresh, observed.generation)
     if given_up is not None:
         return plan_given_up(fleet, observed, given_up, basis.old.recoveries, (), now)
+    observed, basis = frontends_resize(fleet, observed, basis, now)
     flight = follow_operation(fleet, observed, basis, now)
     losses = find_losses(fleet, observed, basis, flight, now)
     step = next_step(fleet, observed, basis, flight, losses, settings, now)

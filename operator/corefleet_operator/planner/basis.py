@@ -78,7 +78,8 @@ def begin(fleet: FleetRef, observed: Observed, now: str) -> Basis:
 
 def adopt(fleet: FleetRef, observed: Observed) -> tuple[EngineCoreSetStatus, Event] | None:
     """An empty status while the fleet's pods run: the newest incarnation's pods are adopted. Its size is the
-    engine pods it has; Degraded if its members all stand (Running once they are ready), else Starting."""
+    ranks up to its highest engine pod's; Degraded if its members all stand (Running once they are ready), else
+    Starting. What the frontend says it runs is taken next (`planner.resize.frontends_resize`)."""
     old = observed.status
     if old.fleetGeneration != 0:
         return None
@@ -87,7 +88,10 @@ def adopt(fleet: FleetRef, observed: Observed) -> tuple[EngineCoreSetStatus, Eve
         return None
     generation = max(p.fleet_generation for p in pods)
     mine = {p.name for p in pods if p.fleet_generation == generation}
-    size = sum(1 for p in pods if p.fleet_generation == generation and p.role == constants.ROLE_ENGINE)
+    # Its ranks up to the highest one with a pod: a rank whose pod is missing (one being replaced) is not the last
+    # rank's to lose.
+    size = 1 + max((p.rank for p in pods if p.fleet_generation == generation and p.role == constants.ROLE_ENGINE
+                    and p.rank is not None), default=-1)
     complete = size > 0 and set(desired_pod_names(fleet, size)) <= mine
     status = replace(old, fleetGeneration=generation, replicas=size, phase="Degraded" if complete else "Starting")
     return status, Event("Warning", "StatusLost",

@@ -49,6 +49,7 @@ from corefleet_operator.models import (
     RankPhase,
 )
 from corefleet_operator.observe import FrontendObs, Observed, PodObs, ResizeObs
+from corefleet_operator.planner.basis import Basis
 from corefleet_operator.planner.common import FRONTEND_GRACE_SECONDS, pod_ready, seconds_between, span
 from corefleet_operator.status import POD_TERMINAL
 
@@ -74,6 +75,39 @@ class ResizeStep:
     retired: frozenset[int] = frozenset()  # ranks whose pods may go now
     rank_states: Mapping[int, tuple[RankPhase, str]] = field(default_factory=dict)  # the frontend's view
     redundant_experts: int | None = None  # MoE: R' as the frontend computed it (new ranks' pods need it)
+
+
+def frontends_resize(fleet: FleetRef, observed: Observed, basis: Basis, now: str) -> tuple[Observed, Basis]:
+    """What the frontend's view of the fleet (`observed.fleet`) says and the status does not, where no operation is in
+    flight: the status was lost while a resize ran (or its write after the resize started).
+
+    * A resize the frontend runs is followed from now on as the operation in flight, from the size it started at,
+      instead of another being started (the frontend would refuse it: one resize runs at a time).
+    * With none running, a committed size smaller than the status's is the frontend's (a scale-down it completed
+      before the status said so): the ranks past it are retired, their pods go.
+
+    A replacement of ranks in place that the status does not record is not taken over yet: an operation the planner
+    asks for meanwhile is refused by the frontend (409) while it runs."""
+    view = observed.fleet
+    if view is None or not view.reachable or basis.running is not None or basis.fresh:
+        return observed, basis
+    running = view.resize
+    if running is not None and not running.replace and running.account.phase in OPERATION_PHASES:
+        seen = running.account
+        op = OperationStatus(id=seen.id, fromReplicas=running.from_replicas, toReplicas=running.to_replicas,
+                             phase=cast(OperationPhase, seen.phase), startedAt=now, message=seen.message,
+                             fleetGeneration=basis.generation)
+        adopted = Event("Warning", "ResizeAdopted",
+                        f"resize {op.id} ({op.fromReplicas} -> {op.toReplicas}) runs on the frontend and the status "
+                        "does not record it (lost?): followed as the operation in flight")
+        return replace(observed, frontend=FrontendObs(reachable=True, resize=seen)), replace(
+            basis, running=op, committed=op.fromReplicas, events=(*basis.events, adopted))
+    if running is None and view.size is not None and 0 < view.size < basis.committed:
+        adopted = Event("Warning", "ResizeAdopted",
+                        f"the frontend serves {view.size} ranks and the status says {basis.committed} (lost?): "
+                        f"{span(range(view.size, basis.committed))} retired on the frontend, their pods go")
+        return observed, replace(basis, committed=view.size, events=(*basis.events, adopted))
+    return observed, basis
 
 
 def resize_id(frm: int, to: int, fleet_generation: int, now: str) -> str:
