@@ -72,7 +72,7 @@ class RankObs:
 @dataclass(frozen=True)
 class FrontendResize:
     """A resize the frontend runs (not Completed or Failed), as its view of the fleet reports it: the status may not
-    record it (`planner.basis.frontends_resize`)."""
+    record it (`planner.resize.frontends_resize`)."""
 
     from_replicas: int
     to_replicas: int

@@ -50,7 +50,13 @@ from corefleet_operator.models import (
 )
 from corefleet_operator.observe import FrontendObs, Observed, PodObs, ResizeObs
 from corefleet_operator.planner.basis import Basis
-from corefleet_operator.planner.common import FRONTEND_GRACE_SECONDS, pod_ready, seconds_between, span
+from corefleet_operator.planner.common import (
+    FRONTEND_GRACE_SECONDS,
+    desired_pod_names,
+    pod_ready,
+    seconds_between,
+    span,
+)
 from corefleet_operator.status import POD_TERMINAL
 
 RESIZE_POLL_SECONDS = 1.0  # while a resize runs: its progress on the frontend is no Kubernetes event
@@ -101,12 +107,14 @@ def frontends_resize(fleet: FleetRef, observed: Observed, basis: Basis, now: str
                         f"resize {op.id} ({op.fromReplicas} -> {op.toReplicas}) runs on the frontend and the status "
                         "does not record it (lost?): followed as the operation in flight")
         return replace(observed, frontend=FrontendObs(reachable=True, resize=seen)), replace(
-            basis, running=op, committed=op.fromReplicas, events=(*basis.events, adopted))
+            basis, running=op, committed=op.fromReplicas, members=frozenset(desired_pod_names(fleet, op.fromReplicas)),
+            events=(*basis.events, adopted))
     if running is None and view.size is not None and 0 < view.size < basis.committed:
         adopted = Event("Warning", "ResizeAdopted",
                         f"the frontend serves {view.size} ranks and the status says {basis.committed} (lost?): "
                         f"{span(range(view.size, basis.committed))} retired on the frontend, their pods go")
-        return observed, replace(basis, committed=view.size, events=(*basis.events, adopted))
+        return observed, replace(basis, committed=view.size, members=frozenset(desired_pod_names(fleet, view.size)),
+                                 events=(*basis.events, adopted))
     return observed, basis
 
 
