@@ -205,6 +205,8 @@ class FleetReconciler:
         frontend_at = frontend_pod(observed, name)
         observed = await self._ask_frontend(observed, frontend_at)
         the_plan = make_plan(self.body, observed, self.settings, self._now())
+        if any(ev.reason == "StatusLost" for ev in the_plan.events):
+            self.fleet_view_at = 0.0  # the next pass reads what the frontend runs (`planner.resize.frontends_resize`)
         publish(namespace, name, self.body.get("spec") or {}, the_plan.status)
         blocked = {f.target for f in self.failures}
         status = with_action_failures(the_plan.status, self.failures, observed.generation, self._now())

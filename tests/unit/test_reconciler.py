@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import datetime
 import json
 from collections.abc import Mapping, Sequence
@@ -20,7 +21,7 @@ from corefleet_operator.actions import Event
 from corefleet_operator.executor import ActionFailure
 from corefleet_operator.kube import KubeError
 from corefleet_operator.models import EngineCoreSetStatus
-from corefleet_operator.observe import FleetObs, FrontendObs, RankObs, Terminating, pod_obs
+from corefleet_operator.observe import FleetObs, FrontendObs, FrontendResize, RankObs, ResizeObs, Terminating, pod_obs
 from corefleet_operator.planner import PlanSettings
 from corefleet_operator.reconciler import (
     DEAF_SECONDS,
@@ -304,3 +305,62 @@ def test_an_engine_pod_newly_being_removed_is_checked_with_the_frontend_at_once(
     assert frontend.reads == 2  # at once
     reconcile(evicted)
     assert frontend.reads == 2  # once per pod
+
+
+class ResizingFrontend(CountingFrontend):
+    """A frontend that runs a scale-down 2 -> 1 (`resizing`), reported in its view of the fleet; records the resizes
+    it is asked to start."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.resizing = False
+        self.starts: list[str] = []
+
+    async def fleet(self, pod: Any, token: str) -> FleetObs:
+        view = await super().fleet(pod, token)
+        if not self.resizing:
+            return view
+        account = ResizeObs(id="2to1-g1-earlier", phase="Draining", ranks={1: ("Draining", "")}, message="draining")
+        return dataclasses.replace(view, size=2, resize=FrontendResize(from_replicas=2, to_replicas=1, replace=(),
+                                                                          account=account))
+
+    async def start(self, pod: Any, token: str, action: Any) -> None:
+        self.starts.append(action.resize_id)
+
+
+def test_after_a_lost_status_the_next_pass_reads_what_the_frontend_runs(posted: list[tuple[str, str]]) -> None:
+    """The frontend's view is rate-limited, but the pass after a lost status is adopted reads it at once: a resize
+    the frontend runs is followed, not answered with another one (the frontend would refuse it)."""
+    body = ecs_body(replicas=2)
+    uid = body["metadata"]["uid"]
+    body["status"] = {"phase": "Running", "fleetGeneration": 1, "replicas": 2, "readyReplicas": 2}
+    secret = builders.admin_secret(make_ecs("a").replicas(2).obj(), "t")
+    pods = running_fleet_pods(2)
+    rec = reconciler(FakeKube(), body, posted)
+    frontend = ResizingFrontend()
+    rec.frontend = frontend  # type: ignore[assignment]
+
+    def reconcile() -> None:
+        asyncio.run(rec.reconcile(indexes_for(pods=pods, objects=[secret], uid=uid)))
+
+    reconcile()
+    assert frontend.reads == 1
+    # A scale-down started, then the status was wiped (an etcd restore) before the operator followed it.
+    frontend.resizing = True
+    wiped = copy.deepcopy(body)
+    wiped["spec"]["replicas"] = 1
+    wiped["metadata"]["generation"] = 2
+    wiped["metadata"]["resourceVersion"] = "wiped"
+    wiped["status"] = {}
+    rec.body = wiped
+
+    reconcile()  # the pods adopted
+    assert [r for r, _ in posted].count("StatusLost") == 1
+    reconcile()  # within the view's rate limit: read all the same
+
+    assert frontend.reads == 2
+    assert ("ResizeAdopted", "resize 2to1-g1-earlier (2 -> 1) runs on the frontend and the status does not record it "
+                             "(lost?): followed as the operation in flight") in posted
+    assert frontend.starts == []
+    assert rec.written_status is not None
+    assert rec.written_status["operation"]["id"] == "2to1-g1-earlier"
