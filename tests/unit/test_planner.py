@@ -2622,7 +2622,9 @@ def test_a_wiped_status_with_an_incomplete_fleet_adopts_it_as_starting() -> None
     assert w.status.fleetGeneration == 1  # the frontend was created for the adopted incarnation
 
 
-def test_a_status_lost_during_a_scale_down_follows_the_frontends_resize_to_its_end() -> None:
+def status_lost_in_a_scale_down(drained_for: int) -> tuple[World, OperationStatus, dict[str, str]]:
+    """A 4-rank fleet scaling down to 2 whose status is wiped while the frontend drains ranks 2..3, `drained_for`
+    steps into the drain (it completes after 3); (the world, the resize, the pods that stay)."""
     w = running(4)
     survivors = {n: q.uid for n, q in w.pods.items() if n not in ("a-engine-2", "a-engine-3")}
     w.scale(2)
@@ -2631,8 +2633,13 @@ def test_a_status_lost_during_a_scale_down_follows_the_frontends_resize_to_its_e
     op = w.status.operation
     assert op is not None
     assert w.frontend.ops[op.id].phase == "Draining"
-    w.frontend.ops[op.id].age = -5  # a long drain: requests still in flight on ranks 2..3
+    w.frontend.ops[op.id].age = drained_for
     w.status = EngineCoreSetStatus()
+    return w, op, survivors
+
+
+def test_a_status_lost_during_a_scale_down_follows_the_frontends_resize_to_its_end() -> None:
+    w, op, survivors = status_lost_in_a_scale_down(-5)  # a long drain: requests still in flight on ranks 2..3
 
     w.step()  # adopted from the pods: the 4 ranks, serving
     assert w.events("StatusLost")[-1].endswith("adopted them (4 ranks) instead of recreating the fleet")
@@ -2679,15 +2686,7 @@ def test_a_status_lost_during_a_scale_up_follows_the_frontends_resize_from_the_s
 
 
 def test_a_status_lost_after_the_frontend_completed_a_scale_down_takes_the_frontends_size() -> None:
-    w = running(4)
-    survivors = {n: q.uid for n, q in w.pods.items() if n not in ("a-engine-2", "a-engine-3")}
-    w.scale(2)
-    w.step()
-    w.step()
-    op = w.status.operation
-    assert op is not None
-    w.frontend.ops[op.id].age = 5  # done draining: the frontend completes it on its next step
-    w.status = EngineCoreSetStatus()
+    w, _, survivors = status_lost_in_a_scale_down(5)  # done draining: the frontend completes it on its next step
 
     w.step()  # adopted from the pods (4 ranks) as the frontend completes the resize
     assert w.frontend.size == 2

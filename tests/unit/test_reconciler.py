@@ -11,7 +11,7 @@ import copy
 import dataclasses
 import datetime
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -280,20 +280,27 @@ class CountingFrontend:
         pass
 
 
-def test_an_engine_pod_newly_being_removed_is_checked_with_the_frontend_at_once(posted: list[tuple[str, str]]) -> None:
-    """The frontend's view of the ranks is read at most every FRONTEND_POLL_SECONDS, except once for each engine pod
-    that starts terminating: whether its rank still serves decides between a drain and a loss."""
+def serving_two_ranks(posted: list[tuple[str, str]], frontend: CountingFrontend) -> tuple[
+        FleetReconciler, dict[str, Any], list[dict[str, Any]], Callable[[list[dict[str, Any]]], None]]:
+    """A reconciler of a 2-rank fleet that serves, asking `frontend`: (it, the body, the pods, one pass with pods)."""
     body = ecs_body(replicas=2)
     uid = body["metadata"]["uid"]
     body["status"] = {"phase": "Running", "fleetGeneration": 1, "replicas": 2, "readyReplicas": 2}
     secret = builders.admin_secret(make_ecs("a").replicas(2).obj(), "t")
-    pods = running_fleet_pods(2)
     rec = reconciler(FakeKube(), body, posted)
-    frontend = CountingFrontend()
     rec.frontend = frontend  # type: ignore[assignment]
 
     def reconcile(with_pods: list[dict[str, Any]]) -> None:
         asyncio.run(rec.reconcile(indexes_for(pods=with_pods, objects=[secret], uid=uid)))
+
+    return rec, body, running_fleet_pods(2), reconcile
+
+
+def test_an_engine_pod_newly_being_removed_is_checked_with_the_frontend_at_once(posted: list[tuple[str, str]]) -> None:
+    """The frontend's view of the ranks is read at most every FRONTEND_POLL_SECONDS, except once for each engine pod
+    that starts terminating: whether its rank still serves decides between a drain and a loss."""
+    frontend = CountingFrontend()
+    _, _, pods, reconcile = serving_two_ranks(posted, frontend)
 
     reconcile(pods)
     reconcile(pods)
@@ -331,17 +338,11 @@ class ResizingFrontend(CountingFrontend):
 def test_after_a_lost_status_the_next_pass_reads_what_the_frontend_runs(posted: list[tuple[str, str]]) -> None:
     """The frontend's view is rate-limited, but the pass after a lost status is adopted reads it at once: a resize
     the frontend runs is followed, not answered with another one (the frontend would refuse it)."""
-    body = ecs_body(replicas=2)
-    uid = body["metadata"]["uid"]
-    body["status"] = {"phase": "Running", "fleetGeneration": 1, "replicas": 2, "readyReplicas": 2}
-    secret = builders.admin_secret(make_ecs("a").replicas(2).obj(), "t")
-    pods = running_fleet_pods(2)
-    rec = reconciler(FakeKube(), body, posted)
     frontend = ResizingFrontend()
-    rec.frontend = frontend  # type: ignore[assignment]
+    rec, body, pods, reconcile_with = serving_two_ranks(posted, frontend)
 
     def reconcile() -> None:
-        asyncio.run(rec.reconcile(indexes_for(pods=pods, objects=[secret], uid=uid)))
+        reconcile_with(pods)
 
     reconcile()
     assert frontend.reads == 1
