@@ -981,6 +981,35 @@ def test_a_scale_up_completes_once_the_new_pods_are_ready_too() -> None:
     assert not any(pl.status.phase == "Degraded" for pl in w.log)
 
 
+def test_a_new_ranks_pod_that_fails_while_committing_is_a_loss_at_once_not_after_the_timeout() -> None:
+    w = running(2)
+    w.scale(3)
+    w.step()
+    w.step()
+    op = w.status.operation
+    assert op is not None
+    w.pods["a-engine-2"] = replace(w.pods["a-engine-2"], ready=False)
+    w.frontend.ops[op.id].phase = "Completed"
+    w.frontend.ops[op.id].ranks = {2: ("Serving", "")}
+    w.frontend.size = 3
+    w.step()
+    assert w.status.operation is not None
+    assert w.status.operation.phase == "Committing"
+    w.fail("a-engine-2")
+
+    p = w.step()  # the same second: the resize's timeout (readyTimeoutSeconds) is far
+
+    assert [e.reason for e in p.events] == ["ResizeCompleted"]
+    assert w.status.replicas == 3
+    p = w.step()  # the fleet at its new size lost rank 2
+    assert "rank 2 (pod a-engine-2)" in next(e.message for e in p.events if e.reason == "RankLost")
+    assert (w.status.replicas, w.status.fleetGeneration, w.status.recoveries) == (3, 1, 1)
+    assert w.status.operation is not None
+    assert w.status.operation.replace == (2,)  # replaced in place at the new size
+    w.converge()
+    assert (w.status.phase, w.status.replicas, w.status.fleetGeneration) == ("Running", 3, 1)
+
+
 def test_scale_down_deletes_only_retired_ranks_after_the_frontend_says_so() -> None:
     w = running(4)
     survivors = {n: q.uid for n, q in w.pods.items() if n not in ("a-engine-2", "a-engine-3")}

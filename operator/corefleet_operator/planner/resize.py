@@ -7,7 +7,8 @@ frontend as an operation with an id (`status.operation`), at most one at a time.
   cannot resize in place, is decided by the next step (`planner.step.new_size`).
 * Scale-up N -> M: the operation is started on the frontend (`StartResize`) and exactly the pods of
   ranks N..M-1 are created; once the frontend reports it Completed, and the new pods are Ready
-  (Committing meanwhile: the kubelet's readiness probe lags the handshake), the committed size is M.
+  (Committing meanwhile: the kubelet's readiness probe lags the handshake; a new pod that fails meanwhile
+  ends the wait, and its rank is lost at the new size), the committed size is M.
   A new rank's pod that fails makes the operator cancel the operation (`CancelResize`); so does a dense fleet's
   coordinator pod that failed, went or is going while the new ranks join (`_cancel_joining`: a new
   engine waits for the coordinator's READY before it completes its handshake, so it could not join before the
@@ -221,9 +222,12 @@ def _with_account(fleet: FleetRef, step: ResizeStep, seen: ResizeObs, current: M
               if state in SHOWN_RANK_STATES}
     step = replace(step, redundant_experts=seen.num_redundant_experts, rank_states=states)
     if seen.phase == "Completed":
-        unready = sorted(rank for rank in step.joining
-                         if not pod_ready(current.get(constants.engine_name(fleet.name, rank))))
-        if unready and elapsed <= timeout:
+        pods = {rank: current.get(constants.engine_name(fleet.name, rank)) for rank in step.joining}
+        unready = sorted(rank for rank, pod in pods.items() if not pod_ready(pod))
+        # A new rank's pod that ended will not turn Ready: the resize ends now, and the rank is a loss of the fleet at
+        # its new size (replaced in place), not after the resize's timeout.
+        ended = any(pod is not None and pod.phase in POD_TERMINAL for pod in pods.values())
+        if unready and elapsed <= timeout and not ended:
             return _committing(step, unready)
         return _completed(fleet, step, seen, elapsed, now)
     if seen.phase == "Failed":
