@@ -952,9 +952,8 @@ def test_scale_up_in_place_adds_exactly_the_new_ranks() -> None:
     assert len(w.events("ResizeCompleted")) == 1
 
 
-def test_a_scale_up_completes_once_the_new_pods_are_ready_too() -> None:
-    """The frontend serves on a new rank as soon as it committed it; its pod's Ready condition (the
-    kubelet's readiness probe) can lag a few seconds: the resize ends then, never with a Degraded blip."""
+def scale_up_served_before_its_pod_is_ready() -> World:
+    """A 2 -> 3 scale-up that the frontend completed (it serves on rank 2) while rank 2's pod is not Ready yet."""
     w = running(2)
     w.scale(3)
     w.step()
@@ -965,6 +964,13 @@ def test_a_scale_up_completes_once_the_new_pods_are_ready_too() -> None:
     w.frontend.ops[op.id].phase = "Completed"
     w.frontend.ops[op.id].ranks = {2: ("Serving", "")}
     w.frontend.size = 3
+    return w
+
+
+def test_a_scale_up_completes_once_the_new_pods_are_ready_too() -> None:
+    """The frontend serves on a new rank as soon as it committed it; its pod's Ready condition (the
+    kubelet's readiness probe) can lag a few seconds: the resize ends then, never with a Degraded blip."""
+    w = scale_up_served_before_its_pod_is_ready()
 
     p = w.step()
 
@@ -982,16 +988,7 @@ def test_a_scale_up_completes_once_the_new_pods_are_ready_too() -> None:
 
 
 def test_a_new_ranks_pod_that_fails_while_committing_is_a_loss_at_once_not_after_the_timeout() -> None:
-    w = running(2)
-    w.scale(3)
-    w.step()
-    w.step()
-    op = w.status.operation
-    assert op is not None
-    w.pods["a-engine-2"] = replace(w.pods["a-engine-2"], ready=False)
-    w.frontend.ops[op.id].phase = "Completed"
-    w.frontend.ops[op.id].ranks = {2: ("Serving", "")}
-    w.frontend.size = 3
+    w = scale_up_served_before_its_pod_is_ready()
     w.step()
     assert w.status.operation is not None
     assert w.status.operation.phase == "Committing"
