@@ -34,7 +34,7 @@ from typing import Any
 import pytest
 
 from corefleet_client.admin import AdminClient, AdminError, FleetState, RankState
-from corefleet_client.frontend.__main__ import ENV_LIVENESS_TIMEOUT
+from corefleet_client.frontend.__main__ import ENV_HOLD_REQUESTS, ENV_HOLD_TIMEOUT, ENV_LIVENESS_TIMEOUT
 from corefleet_harness import local
 from corefleet_harness.support import free_ports, http_get, wait_until
 from corefleet_harness.tinymodel import VLLM_CPU_FLAGS
@@ -145,13 +145,17 @@ class Fleet:
 
 def start(tmp: Path, engine: str, replicas: int, model: str, vllm_flags: tuple[str, ...], max_tokens_long: int,
           token_delay_ms: int | None, ready_timeout: float, liveness_timeout: float = 30.0, frontends: int = 1,
-          ) -> Generator[Fleet, None, None]:
-    """A ready fleet (a generator for a fixture: stopped when it resumes)."""
+          hold: tuple[int, float] | None = None) -> Generator[Fleet, None, None]:
+    """A ready fleet (a generator for a fixture: stopped when it resumes); `hold`: its frontend's --hold-requests and
+    --hold-timeout (None: the defaults)."""
     port = free_ports(1)[0]
     opts = local.FleetOptions(replicas=replicas, engine=engine, model=model, port=port, state_dir=tmp / "state",
                               vllm_flags=vllm_flags, token_delay_ms=token_delay_ms, frontends=frontends)
     with pytest.MonkeyPatch.context() as env:  # the frontend's --liveness-timeout (local mode passes none)
         env.setenv(ENV_LIVENESS_TIMEOUT, str(liveness_timeout))
+        if hold is not None:
+            env.setenv(ENV_HOLD_REQUESTS, str(hold[0]))
+            env.setenv(ENV_HOLD_TIMEOUT, str(hold[1]))
         fleet = local.start(opts)
     try:
         fleet.wait_ready(timeout=ready_timeout)

@@ -37,3 +37,6 @@ class IdleView:
 
     def in_flight(self, rank: int) -> int:
         return 0
+
+    def closed(self) -> str | None:
+        return None

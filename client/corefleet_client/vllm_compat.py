@@ -82,7 +82,9 @@ The changes:
    `/is_scaling_elastic_ep` (vllm/entrypoints/serve/elastic_ep/api_router.py, attached by
    `register_api_routers` for every "generate" model). They take no authentication and are
    served on the public port; a fleet's size is the operator's, changed through the frontend's
-   authenticated admin API. They answer 404.
+   authenticated admin API. They answer 404. The same wrapper adds corefleet's middleware to the app
+   (`frontend.hold`: requests wait while no rank takes any), around its built middleware stack,
+   before the app serves.
 9. `install_frontend_eplb_config` wraps `EngineArgs.create_engine_config` (vllm/engine/arg_utils.py)
    in the frontend. An MoE frontend gets the engines' EPLB and elastic-EP flags, because its
    `ParallelConfig.compute_hash` is what each engine's READY is checked against; but vLLM refuses
@@ -373,8 +375,9 @@ def install_frontend_eplb_config() -> None:
     EngineArgs.create_engine_config = create_engine_config
 
 
-def install_public_route_filter() -> None:
-    """Make the API server's app serve none of `UNSERVED_ROUTES` (change 8): they answer 404."""
+def install_public_route_filter(prepare: Callable[[Any], None] | None = None) -> None:
+    """Make the API server's app serve none of `UNSERVED_ROUTES` (change 8): they answer 404; then `prepare(app)`
+    (corefleet's middleware: `frontend.hold`)."""
     from vllm.entrypoints.launchers.api_server import entry
 
     original = getattr(entry.build_app, "__wrapped__", entry.build_app)
@@ -383,6 +386,8 @@ def install_public_route_filter() -> None:
     def build_app(*args: Any, **kwargs: Any) -> Any:
         app = original(*args, **kwargs)
         remove_routes(app, UNSERVED_ROUTES)
+        if prepare is not None:
+            prepare(app)
         return app
 
     entry.build_app = build_app

@@ -35,7 +35,8 @@ On the real-vLLM fleet (README's main job):
   exiting 0.
 
 And a single-rank emulated fleet (vLLM's plain async client under corefleet's) serves, aborts and reports
-its dead engine; and a 2-rank real-vLLM fleet of a model whose prefill is slow (bench_routing's: 43 M
+its dead engine, and then holds a request for a rank up to its hold timeout and answers 503 with Retry-After
+(issue 28); and a 2-rank real-vLLM fleet of a model whose prefill is slow (bench_routing's: 43 M
 parameters, ~0.3 ms a prompt token on 2 vCPUs) keeps routing to a rank that sends nothing for seconds while it
 prefills a long prompt: not Stalled, not avoided (issue 26).
 
@@ -92,6 +93,8 @@ VICTIM = 1
 DOOMED = 3  # requests on the victim when it dies: its stale load outweighs a local routing increment on rank 0
 JOIN_TIMEOUT = 420.0  # a new real vLLM engine starting and handshaking on 2 busy cores
 POLL = 0.05
+# The single-rank fleet's --hold-requests and --hold-timeout: a short hold, so that its test sees both limits.
+SINGLE_RANK_HOLD = (2, 3.0)
 # A model whose prefill of one long prompt takes seconds (bench_routing's shape, its context 8192), in chunked-prefill
 # steps of about a second each: longer than the frontend's stall floor (1 s), so what keeps the rank from being taken
 # for a stalled one is the bound it learned from its own steps and prompts (`frontend.progress`).
@@ -709,7 +712,7 @@ def single_rank_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Flee
     """replicas: 1 (vLLM's plain async client under corefleet's KubeMPClient), emulator engine."""
     tmp = tmp_path_factory.mktemp("fleet-single")
     yield from start(tmp, local.ENGINE_EMULATOR, 1, _long_context_model(tmp), flags(LONG_CONTEXT),
-                     max_tokens_long=1000, token_delay_ms=20, ready_timeout=180)
+                     max_tokens_long=1000, token_delay_ms=20, ready_timeout=180, hold=SINGLE_RANK_HOLD)
 
 
 @pytest.fixture(scope="module")
@@ -820,5 +823,58 @@ def test_single_rank_fleet_serves_aborts_and_reports_its_dead_engine(single_rank
     finally:
         stream.close()
     assert fleet.status().rank(0).failed_total == 1
-    code, body = fleet.complete("after the loss")
-    assert code >= 500, body  # no rank left: an explicit error, not a hang
+    # No rank takes requests: a request waits for one (frontend.hold) up to the hold timeout, then gets 503 with
+    # Retry-After and the reason; not a hang, nor a bare error.
+    limit, timeout = SINGLE_RANK_HOLD
+    began = time.monotonic()
+    code, headers, body = post_completion(fleet.url, "after the loss")
+    waited = time.monotonic() - began
+    assert code == 503, body
+    assert waited >= timeout, waited
+    assert headers.get("retry-after") == str(round(timeout)), headers
+    message = body["error"]["message"]
+    assert f"no rank of the fleet took requests within {timeout:g}s (rank 0 is Dead" in message, body
+    # `limit` requests wait at once (the waiting gauge says so); one more is answered at once.
+    waiting = [threading.Thread(target=post_completion, args=(fleet.url, f"waiting {i}")) for i in range(limit)]
+    for thread in waiting:
+        thread.start()
+    wait_until(lambda: metric(fleet.url, "corefleet_frontend_requests_waiting") == limit, timeout,
+               f"{limit} requests waiting", interval=POLL)
+    code, headers, body = post_completion(fleet.url, "one too many")
+    assert code == 503, body
+    assert headers.get("retry-after") == str(round(timeout)), headers
+    assert f"{limit} request(s) already wait for one, the limit" in body["error"]["message"], body
+    for thread in waiting:
+        thread.join(timeout + 30)
+    assert metric(fleet.url, "corefleet_frontend_requests_waiting") == 0
+    assert metric(fleet.url, "corefleet_frontend_requests_held_total") == 1 + limit
+    assert metric(fleet.url, 'corefleet_frontend_requests_hold_refused_total{reason="timeout"}') == 1 + limit
+    assert metric(fleet.url, 'corefleet_frontend_requests_hold_refused_total{reason="full"}') == 1
+    # What needs no engine is not held: the tokenizer answers at once.
+    req = urllib.request.Request(f"{fleet.url}/tokenize", headers={"Content-Type": "application/json"},
+                                 data=json.dumps({"model": MODEL_NAME, "prompt": "Hello"}).encode())
+    with urllib.request.urlopen(req, timeout=timeout / 2) as r:
+        assert r.status == 200
+        assert json.loads(r.read())["tokens"]
+
+
+def post_completion(url: str, prompt: str) -> tuple[int, dict[str, str], dict[str, Any]]:
+    """A plain completion: (status, headers by lower-case name, JSON body), error statuses included."""
+    body = json.dumps({"model": MODEL_NAME, "prompt": prompt, "max_tokens": 4}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return int(r.status), {k.lower(): v for k, v in r.headers.items()}, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, {k.lower(): v for k, v in e.headers.items()}, json.loads(e.read() or b"{}")
+
+
+def metric(url: str, series: str) -> float | None:
+    """One series' value on the frontend's /metrics (None where it is absent)."""
+    code, text = http_get(f"{url}/metrics", timeout=10)
+    assert code == 200, text[:200]
+    for line in text.decode().splitlines():
+        name, _, value = line.rpartition(" ")
+        if name == series:
+            return float(value)
+    return None

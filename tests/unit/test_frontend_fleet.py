@@ -33,12 +33,12 @@ from corefleet_client.admin import (
 from corefleet_client.frontend import fleet as fleet_module
 from corefleet_client.frontend.adminserver import AdminServer
 from corefleet_client.frontend.fleet import Fleet
-from standins import RecordingRunner
+from standins import IdleView, RecordingRunner
 
 TOKEN = "t0ken"
 
 
-class View:
+class View(IdleView):
     def lb_counts(self, rank: int) -> tuple[int, int, float]:
         return rank, 2 * rank, 0.5
 

@@ -9,10 +9,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from corefleet_client.admin import RankState, ResizePhase, ResizeRequest
 from corefleet_client.frontend.fleet import Fleet
 from corefleet_client.frontend.metrics import FleetCollector
-from standins import RecordingRunner
+from standins import IdleView, RecordingRunner
 
 
-class Busy:
+class Busy(IdleView):
     """A LoadView with 3 requests in flight on rank 1, none elsewhere."""
 
     def lb_counts(self, rank: int) -> tuple[int, int, float]:

@@ -51,6 +51,7 @@ from corefleet_client.frontend.replace import Replacement
 from corefleet_client.frontend.resize import DenseResize
 from corefleet_client.frontend.types import Cancels, FleetOptions, FollowerLost, ResizeFailed
 from corefleet_harness.support import free_port
+from standins import IdleView
 
 TOKEN = "t0ken"
 
@@ -111,14 +112,6 @@ class Runner:
         raise AssertionError("a replacement is not a follower's part")
 
 
-class View:
-    def lb_counts(self, rank: int) -> tuple[int, int, float]:
-        return 0, 0, 0.0
-
-    def in_flight(self, rank: int) -> int:
-        return 0
-
-
 @dataclass
 class Setup:
     fleet: Fleet
@@ -149,7 +142,7 @@ def setup() -> Iterator[Setup]:
     url = f"http://127.0.0.1:{server.port}"
     try:
         s = Setup(fleet, Runner(), AdminClient(url, TOKEN), url)
-        fleet.serving(View(), s.runner)
+        fleet.serving(IdleView(), s.runner)
         yield s
     finally:
         server.stop()
@@ -213,7 +206,7 @@ def test_an_moe_fleet_replaces_no_rank() -> None:
     fleet = Fleet("tiny-moe", 2)
     fleet.moe = True  # what the client sets for an MoE model
     runner = Runner()
-    fleet.serving(View(), runner)
+    fleet.serving(IdleView(), runner)
     fleet.set_rank(1, RankState.DEAD, "connection to the engine lost")
     server = AdminServer("127.0.0.1", 0, TOKEN, fleet)
     server.start()
@@ -346,7 +339,7 @@ def _replace(client: FakeClient, ranks: tuple[int, ...], resize_id: str = "rep-1
 def test_a_replaced_rank_serves_again_with_fresh_routing_counters() -> None:
     fleet = Fleet("tiny", 3)
     client = FakeClient(fleet)
-    fleet.serving(View(), Runner())
+    fleet.serving(IdleView(), Runner())
     client.kill(1)
     op = _replace(client, (1,))
     assert (op.phase, op.error, op.rank(1).state) == (ResizePhase.COMPLETED, "", RankState.SERVING)
@@ -369,7 +362,7 @@ def test_a_replaced_rank_serves_again_with_fresh_routing_counters() -> None:
 def test_a_request_left_on_the_replaced_rank_ends_with_an_error() -> None:
     fleet = Fleet("tiny", 2)
     client = FakeClient(fleet)
-    fleet.serving(View(), Runner())
+    fleet.serving(IdleView(), Runner())
     client.kill(1)
     client.reqs_in_flight = {"a": identity(0), "b": identity(1)}
     _replace(client, (1,))
@@ -387,7 +380,7 @@ def test_a_failed_replacement_leaves_the_rank_dead_and_the_fleet_intact(
         handshake_error: Exception | None, ready_error: Exception | None, error: str) -> None:
     fleet = Fleet("tiny", 2)
     client = FakeClient(fleet, handshake_error=handshake_error, ready_error=ready_error)
-    fleet.serving(View(), Runner())
+    fleet.serving(IdleView(), Runner())
     client.kill(1)
     op = _replace(client, (1,))
     assert op.phase == ResizePhase.FAILED
@@ -407,7 +400,7 @@ def test_a_failed_replacement_leaves_the_rank_dead_and_the_fleet_intact(
 def test_a_cancelled_replacement_leaves_the_rank_dead() -> None:
     fleet = Fleet("tiny", 2)
     client = FakeClient(fleet)
-    fleet.serving(View(), Runner())
+    fleet.serving(IdleView(), Runner())
     client.kill(1)
     client.cancels.request("rep-1", "the operator gave up")
     op = _replace(client, (1,))
@@ -419,7 +412,7 @@ def test_a_cancelled_replacement_leaves_the_rank_dead() -> None:
 def test_the_lost_engines_load_is_ignored_until_the_new_engine_gets_a_request() -> None:
     fleet = Fleet("tiny", 2)
     client = FakeClient(fleet)
-    fleet.serving(View(), Runner())
+    fleet.serving(IdleView(), Runner())
     client.kill(1)
     _replace(client, (1,))
     # The coordinator still publishes the lost engine's last counts for rank 1 (a new list each time).
@@ -437,7 +430,7 @@ def test_the_lost_engines_load_is_ignored_until_the_new_engine_gets_a_request() 
 def test_a_replaced_rank_that_dies_again_is_left_unroutable() -> None:
     fleet = Fleet("tiny", 2)
     client = FakeClient(fleet)
-    fleet.serving(View(), Runner())
+    fleet.serving(IdleView(), Runner())
     client.kill(1)
     _replace(client, (1,))
     client.kill(1)
@@ -449,7 +442,7 @@ def test_a_replaced_rank_that_dies_again_is_left_unroutable() -> None:
 def test_two_dead_ranks_are_replaced_in_one_operation() -> None:
     fleet = Fleet("tiny", 3)
     client = FakeClient(fleet)
-    fleet.serving(View(), Runner())
+    fleet.serving(IdleView(), Runner())
     client.kill(2)
     client.kill(0)
     op = _replace(client, (2, 0))
@@ -465,7 +458,7 @@ def test_a_vacating_replacement_drains_releases_and_waits_for_the_engine_to_stop
     new engine's handshake start. Nothing fails."""
     fleet = Fleet("tiny", 3)
     client = FakeClient(fleet)
-    fleet.serving(View(), Runner())
+    fleet.serving(IdleView(), Runner())
     releases: list[tuple[bytes, str, tuple[Any, ...], RankState, int]] = []
 
     async def send_utility_call(engine: bytes, method: str, args: tuple[Any, ...]) -> asyncio.Future[Any]:
@@ -507,7 +500,7 @@ def follower_fleet(size: int = 3) -> tuple[Fleet, FakeClient]:
     """Frontend 1 of 2 over `size` serving ranks."""
     fleet = Fleet("tiny", size, frontends=2, client_index=1)
     client = FakeClient(fleet)
-    fleet.serving(View(), Runner())
+    fleet.serving(IdleView(), Runner())
     return fleet, client
 
 
@@ -676,10 +669,10 @@ def test_frontend_0_replaces_a_rank_through_every_follower_and_commits_them_afte
     monkeypatch.setattr(followers_module, "UNREACHABLE_S", 0.3)
     fleet = Fleet("tiny", 2, frontends=3)
     client = FakeClient(fleet)
-    fleet.serving(View(), Runner())
+    fleet.serving(IdleView(), Runner())
     follower = Fleet("tiny", 2, frontends=3, client_index=1)
     runner = ScriptedFollower(follower)
-    follower.serving(View(), runner)
+    follower.serving(IdleView(), runner)
     server = AdminServer("127.0.0.1", 0, TOKEN, follower)
     server.start()
     try:  # frontend 2 is gone (nothing listens on its port): passed over, its replacement attaches later

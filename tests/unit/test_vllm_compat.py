@@ -392,9 +392,15 @@ def test_health_is_503_only_when_no_rank_serves() -> None:
             error = client._members.async_llm.output_processor.errors["any"]
             assert isinstance(error, GracefulHTTPError)
             assert "no rank of the fleet takes requests" in error.message
+            # What the hold in front of the API (`frontend.hold`) reads: why no rank takes requests, every rank named.
+            closed = client._members.fleet.closed()
+            assert closed is not None
+            assert "rank 0 is Unresponsive" in closed
+            assert "rank 1 is Unresponsive" in closed
             engines.cont(0)
             await until(lambda: state(client, 0) == RankState.SERVING, "rank 0 Serving")
             client.check_fleet_health()
+            assert client._members.fleet.closed() is None
         finally:
             stop_watching(client)
 

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 from corefleet_client.admin import read_token
 from corefleet_client.argv import split_launcher_argv
+from corefleet_client.frontend.hold import DEFAULT_HOLD_REQUESTS, DEFAULT_HOLD_TIMEOUT_S
 from corefleet_client.frontend.types import (
     DEFAULT_ROUTING,
     DEFAULT_ROUTING_BALANCE,
@@ -35,6 +36,8 @@ EXIT_USAGE = 2
 # The default of --liveness-timeout where the command line is not one's own (local fleets in tests).
 ENV_LIVENESS_TIMEOUT = "COREFLEET_LIVENESS_TIMEOUT"
 ENV_STALL_TIMEOUT = "COREFLEET_STALL_TIMEOUT"
+ENV_HOLD_REQUESTS = "COREFLEET_HOLD_REQUESTS"
+ENV_HOLD_TIMEOUT = "COREFLEET_HOLD_TIMEOUT"
 
 
 def _env_float(name: str, default: float) -> float:
@@ -159,6 +162,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefix-affinity: a rank takes a request while its load stays within this many times the "
                         f"mean; past it the request spills to the prefix's next rank (default "
                         f"{DEFAULT_ROUTING_BALANCE:g}, at least 1)")
+    p.add_argument("--hold-requests", type=int, default=int(_env_float(ENV_HOLD_REQUESTS, DEFAULT_HOLD_REQUESTS)),
+                   help="while no rank takes requests (every rank Dead, Unresponsive or leaving), up to this many "
+                        "requests wait for one instead of failing at once; past it a request gets 503 with "
+                        f"Retry-After; 0: none waits (default ${ENV_HOLD_REQUESTS}, else {DEFAULT_HOLD_REQUESTS})")
+    p.add_argument("--hold-timeout", type=float, default=_env_float(ENV_HOLD_TIMEOUT, DEFAULT_HOLD_TIMEOUT_S),
+                   help="how long such a request waits for a rank before it gets 503 with Retry-After (default "
+                        f"${ENV_HOLD_TIMEOUT}, else {DEFAULT_HOLD_TIMEOUT_S:g} s)")
     return p
 
 
@@ -172,6 +182,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--liveness-interval and --liveness-timeout must be positive")
     if opts.stall_timeout < 0 or opts.stall_step_factor < 1:
         parser.error("--stall-timeout must be 0 (off) or positive, --stall-step-factor at least 1")
+    if opts.hold_requests < 0 or opts.hold_timeout < 0:
+        parser.error("--hold-requests and --hold-timeout cannot be negative")
     if opts.routing_prefix_tokens < 1 or opts.routing_balance < 1:
         parser.error("--routing-prefix-tokens must be positive, --routing-balance at least 1")
     if opts.attach and (opts.engine_input_port is None or opts.engine_output_port is None):

@@ -57,6 +57,8 @@ class LoadView(Protocol):
 
     def in_flight(self, rank: int) -> int: ...
 
+    def closed(self) -> str | None: ...
+
 
 class ResizeRunner(Protocol):
     """The event-loop side of resizes (the client): both are called from any thread."""
@@ -219,6 +221,12 @@ class Fleet:
             self._view, self._runner = view, runner
         for rank in range(self.size):
             self.set_rank(rank, RankState.DEAD if rank in dead else RankState.SERVING, dead.get(rank, ""))
+
+    def closed(self) -> str | None:
+        """None while some rank takes new requests; else why none does (on vLLM's event loop: `frontend.hold`)."""
+        with self._lock:
+            view = self._view
+        return "the fleet is starting" if view is None else view.closed()
 
     def commit_size(self, size: int) -> None:
         with self._lock:

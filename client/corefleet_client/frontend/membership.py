@@ -195,9 +195,18 @@ class Membership:
         pinned = request.data_parallel_rank
         if pinned is not None and pinned in self.unroutable:
             return f"data_parallel_rank {pinned} takes no requests: {self.unroutable[pinned]}"
-        if pinned is None and all(rank in self.unroutable for rank in range(len(self.client.core_engines))):
-            return "no rank of the fleet takes requests: " + "; ".join(self.unroutable.values())
+        if pinned is None:
+            why = self.closed()
+            if why is not None:
+                return f"no rank of the fleet takes requests: {why}"
         return None
+
+    def closed(self) -> str | None:
+        """None while some rank takes new requests; else why none does."""
+        unroutable = self.unroutable
+        if not unroutable or any(rank not in unroutable for rank in range(len(self.client.core_engines))):
+            return None
+        return "; ".join(unroutable.values()) or "the fleet has no rank"
 
     def unsend(self, request_id: str) -> int | None:
         """A request whose send failed: forget where it went; that rank, or None if it was not recorded."""

@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 
 from corefleet_client.admin import RankState, ResizePhase
 from corefleet_client.frontend.fleet import Fleet
+from corefleet_client.frontend.hold import Hold, HoldCounts
 from corefleet_client.frontend.types import Decision
 
 PREFIX = "corefleet_frontend_"
@@ -32,8 +33,9 @@ RESIZE_PHASES = (IDLE, *(p.value for p in ResizePhase if not p.terminal))
 class FleetCollector(Collector):
     """The `corefleet_frontend_*` families of one frontend's fleet."""
 
-    def __init__(self, fleet: Fleet) -> None:
+    def __init__(self, fleet: Fleet, hold: Hold | None = None) -> None:
         self._fleet = fleet
+        self._hold = hold
 
     def describe(self) -> list[Metric]:
         return []  # families are computed per scrape; nothing to check against at registration
@@ -78,6 +80,8 @@ class FleetCollector(Collector):
             by_prefix.add_metric([label, Decision.SPILL.value], rank.spilled_total)
         yield from (state, in_flight, routed, aborted, failed, stalled, stalls, moved, by_prefix)
         yield GaugeMetricFamily(f"{PREFIX}ranks", "The committed data-parallel size", value=snap.data_parallel_size)
+        if self._hold is not None:
+            yield from hold_families(self._hold.counts)
         op = snap.resize
         current = IDLE if op is None or op.phase.terminal else op.phase.value
         phase = GaugeMetricFamily(f"{PREFIX}resize_phase", "1 for the phase of the resize that runs (Idle: none)",
@@ -85,3 +89,17 @@ class FleetCollector(Collector):
         for p in RESIZE_PHASES:
             phase.add_metric([p], 1.0 if p == current else 0.0)
         yield phase
+
+
+def hold_families(counts: HoldCounts) -> Iterator[Metric]:
+    """The requests held while no rank takes requests (`frontend.hold`)."""
+    yield GaugeMetricFamily(f"{PREFIX}requests_waiting", "Requests waiting for a rank that takes requests (none does "
+                            "now): what an autoscaler can wake the fleet on", value=counts.waiting)
+    yield CounterMetricFamily(f"{PREFIX}requests_held", "Requests that waited for a rank that takes requests, "
+                              "served or refused", value=counts.held_total)
+    refused = CounterMetricFamily(f"{PREFIX}requests_hold_refused", "Requests answered 503 with Retry-After because "
+                                  "no rank took requests: the wait limit was full (full), or none came within the "
+                                  "hold timeout (timeout)", labels=["reason"])
+    for reason, total in counts.refused_total.items():
+        refused.add_metric([reason.value], total)
+    yield refused

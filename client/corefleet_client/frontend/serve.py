@@ -12,6 +12,7 @@ until SIGTERM/SIGINT, the admin API beside it.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import signal
 import sys
@@ -31,6 +32,7 @@ from corefleet_client.frontend.adminserver import AdminServer
 from corefleet_client.frontend.client import client_factory
 from corefleet_client.frontend.fleet import Fleet
 from corefleet_client.frontend.followers import Followers
+from corefleet_client.frontend.hold import Hold, HoldMiddleware, HoldSettings
 from corefleet_client.frontend.metrics import FleetCollector
 from corefleet_client.frontend.types import AffinitySettings, FleetOptions, RoutingPolicy, StallPolicy
 
@@ -110,13 +112,21 @@ async def run_api_server(args: argparse.Namespace, options: FleetOptions) -> Non
     await run_server_worker(listen_address, sock, args, **server_kwargs(options))
 
 
-def install_vllm_changes(options: FleetOptions, fleet: Fleet, followers: Followers | None = None) -> None:
-    """corefleet's changes to vLLM in this process (`vllm_compat`), its client built for this fleet."""
+def install_vllm_changes(options: FleetOptions, fleet: Fleet, followers: Followers | None = None,
+                         hold: Hold | None = None) -> None:
+    """corefleet's changes to vLLM in this process (`vllm_compat`), its client built for this fleet; `hold` in front of
+    the API server's app (`frontend.hold`)."""
     vllm_compat.use_client_factory(client_factory(options, fleet, followers))
     vllm_compat.install_fleet_health_check()
     vllm_compat.install_async_llm_hook()
-    vllm_compat.install_public_route_filter()
+    vllm_compat.install_public_route_filter(None if hold is None else functools.partial(hold_requests, hold=hold))
     vllm_compat.install_frontend_eplb_config()
+
+
+def hold_requests(app: Any, hold: Hold) -> None:
+    """The API server's app holds requests while no rank takes any (`frontend.hold`): outermost, around the app's
+    middleware stack (vLLM's `build_app` returns the app with its stack built: Starlette's `add_middleware` refuses)."""
+    app.middleware_stack = HoldMiddleware(app.middleware_stack or app.build_middleware_stack(), hold)
 
 
 def serve(opts: argparse.Namespace, token: str, vllm_argv: Sequence[str]) -> int:
@@ -126,10 +136,11 @@ def serve(opts: argparse.Namespace, token: str, vllm_argv: Sequence[str]) -> int
     served = args.served_model_name[0] if args.served_model_name else args.model
     fleet = Fleet(model=served, data_parallel_size=args.data_parallel_size, vllm_version=vllm.__version__,
                   frontends=options.client_count, client_index=options.client_index)
-    prometheus_client.REGISTRY.register(FleetCollector(fleet))  # beside vLLM's series on /metrics
+    hold = Hold(HoldSettings(max_requests=opts.hold_requests, timeout_s=opts.hold_timeout), fleet.closed)
+    prometheus_client.REGISTRY.register(FleetCollector(fleet, hold))  # beside vLLM's series on /metrics
     # Frontend 0 drives the others through each resize, over their admin APIs (the same port on each one's host).
     followers = Followers.of(options.frontend_addresses, opts.admin_port, token) if not options.follower else None
-    install_vllm_changes(options, fleet, followers)
+    install_vllm_changes(options, fleet, followers, hold)
     try:
         admin = AdminServer(opts.admin_host, opts.admin_port, token, fleet)
     except OSError as e:
