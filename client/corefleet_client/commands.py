@@ -99,7 +99,7 @@ def frontend_args(
     detached: Sequence[int] = (),
     frontend_addresses: Sequence[str] = (),
     client_index: int = 0,
-    routing: Sequence[str] = (),
+    policy: Sequence[str] = (),
     vllm_flags: Sequence[str] = (),
 ) -> list[str]:
     """Arguments of the frontend (`corefleet_client.frontend`): vLLM's API server with corefleet's
@@ -118,7 +118,8 @@ def frontend_args(
     ranks `detached` (their replacement was in flight when the lost frontend went): they start Dead.
     `frontend_addresses` (several frontends, all at `engine_ports`): every frontend's advertised address by
     client index, this one's (`client_index`) being its `advertise_address`; frontend 0 runs the handshake.
-    `routing`: the routing flags (`--routing POLICY` and its settings), as given.
+    `policy`: the flags of the frontend's policies, as given: routing (`--routing POLICY` and its settings) and the
+    hold of requests while no rank takes any (`--hold-requests`, `--hold-timeout`).
     """
     if client_index and not frontend_addresses:
         raise ValueError(f"client index {client_index} without the frontend addresses")
@@ -139,7 +140,7 @@ def frontend_args(
         launcher += ["--engine-input-port", str(engine_ports[0]), "--engine-output-port", str(engine_ports[1])]
     if advertise_address is not None:
         launcher += ["--advertise-address", advertise_address]
-    launcher += routing
+    launcher += policy
     if detached and not attach:
         raise ValueError("detached ranks without attach")
     if attach:

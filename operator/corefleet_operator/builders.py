@@ -330,7 +330,7 @@ def frontend_pod(fleet: FleetRef, *, dp_size: int, coordinator_address: str, fle
         advertise_address=addresses[index],
         frontend_addresses=addresses if count > 1 else (),
         client_index=index,
-        routing=routing_flags(spec),
+        policy=[*routing_flags(spec), *hold_flags(spec)],
         attach=attach,
         detached=sorted(detached) if attach else (),
         vllm_flags=[
@@ -385,6 +385,12 @@ def routing_flags(spec: EngineCoreSetSpec) -> list[str]:
         flags += ["--routing-prefix-tokens", str(routing.prefixTokens),
                   "--routing-balance", f"{routing.loadBoundPercent / 100:g}"]
     return flags
+
+
+def hold_flags(spec: EngineCoreSetSpec) -> list[str]:
+    """The frontend's hold of requests while no rank takes any, from `spec.frontend.hold`."""
+    hold = spec.frontend.hold
+    return ["--hold-requests", str(hold.maxRequests), "--hold-timeout", str(hold.timeoutSeconds)]
 
 
 # ---- services, secret, network policy -----------------------------------------------------------

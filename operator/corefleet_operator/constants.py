@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Final
 
 from corefleet_client import commands
+from corefleet_client.frontend import hold as frontend_hold
 from corefleet_client.frontend import types as frontend_types
 
 # --- API -------------------------------------------------------------------------------------
@@ -25,6 +26,10 @@ CRD_NAME: Final = f"{PLURAL}.{GROUP}"
 # --- Routing: spec.frontend.routing's defaults are the frontend's own --------------------------
 ROUTING_PREFIX_TOKENS: Final = frontend_types.DEFAULT_ROUTING_PREFIX_TOKENS
 ROUTING_LOAD_BOUND_PERCENT: Final = round(frontend_types.DEFAULT_ROUTING_BALANCE * 100)
+
+# --- The hold of requests while no rank takes any: spec.frontend.hold's defaults are the frontend's own -----------
+HOLD_MAX_REQUESTS: Final = frontend_hold.DEFAULT_HOLD_REQUESTS
+HOLD_TIMEOUT_SECONDS: Final = round(frontend_hold.DEFAULT_HOLD_TIMEOUT_S)
 
 # --- Labels and annotations (users cannot override selector labels) ---------------------------
 LABEL_PREFIX: Final = f"{GROUP}/"

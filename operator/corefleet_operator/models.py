@@ -665,6 +665,16 @@ class RoutingSpec:
 
 
 @dataclass(frozen=True)
+class HoldSpec:
+    maxRequests: int = field(default=C.HOLD_MAX_REQUESTS, metadata=meta(
+        "While no rank takes requests (every rank lost or leaving), how many requests may wait at each frontend for "
+        "a rank instead of failing at once; past it a request gets 503 with Retry-After. 0: none waits.",
+        minimum=0, maximum=1 << 16))
+    timeoutSeconds: int = field(default=C.HOLD_TIMEOUT_SECONDS, metadata=meta(
+        "How long such a request waits for a rank before it gets 503 with Retry-After.", minimum=0, maximum=3600))
+
+
+@dataclass(frozen=True)
 class FrontendSpec:
     port: int = field(default=8000, metadata=meta(
         "HTTP port of the OpenAI-compatible API.", minimum=1, maximum=65535))
@@ -676,6 +686,10 @@ class FrontendSpec:
     service: ServiceSpec = field(default_factory=ServiceSpec, metadata=meta("The frontend Service."))
     routing: RoutingSpec = field(default_factory=RoutingSpec, metadata=meta(
         "How the frontends route requests to the ranks."))
+    hold: HoldSpec = field(default_factory=HoldSpec, metadata=meta(
+        "Requests held while no rank takes requests (a one-rank fleet's engine being replaced, say): served once a "
+        "rank does, or answered 503 with Retry-After past these limits; never dropped silently. Applies to frontend "
+        "pods created after the change."))
     podTemplate: PodTemplate | None = field(default=None, metadata=meta(_template_doc("frontend")))
     replicas: int = field(default=1, metadata=meta(
         f"Frontend pods, at most {C.MAX_FRONTENDS}, behind the fleet's Service: each one of vLLM's clients of every "

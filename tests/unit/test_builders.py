@@ -674,3 +674,21 @@ def test_the_frontends_routing_comes_from_the_spec_and_its_parser_takes_it(routi
     assert options.routing.value == expected[1]
     if len(expected) > 2:
         assert (options.affinity.prefix_tokens, options.affinity.balance) == (int(expected[3]), float(expected[5]))
+
+
+@pytest.mark.parametrize(("hold", "expected"), [
+    ({}, ["--hold-requests", "256", "--hold-timeout", "30"]),
+    ({"maxRequests": 0, "timeoutSeconds": 600}, ["--hold-requests", "0", "--hold-timeout", "600"]),
+])
+def test_the_frontends_hold_comes_from_the_spec_and_its_parser_takes_it(hold: dict[str, Any],
+                                                                        expected: list[str]) -> None:
+    from corefleet_client.commands import LAUNCHER_ARGS_END
+    from corefleet_client.frontend import __main__ as frontend_main
+
+    fleet = make_ecs("a").set("frontend", {"hold": hold}).obj()
+    args = _container(builders.frontend_pod(fleet, dp_size=2, coordinator_address="c"))["args"]
+    ours = args[:args.index(LAUNCHER_ARGS_END)]
+    start = ours.index("--hold-requests")
+    assert ours[start:start + len(expected)] == expected
+    opts = frontend_main.build_parser().parse_args(ours)
+    assert (opts.hold_requests, opts.hold_timeout) == (int(expected[1]), float(expected[3]))

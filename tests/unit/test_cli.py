@@ -231,7 +231,8 @@ def test_pods_and_local_mode_build_their_command_lines_with_commands(moe: bool) 
         coord_store_port=store,
         engine_ports=(constants.FRONTEND_ENGINE_INPUT_PORT, constants.FRONTEND_ENGINE_OUTPUT_PORT),
         advertise_address=constants.pod_dns("a", constants.frontend_name("a"), "ns"),
-        routing=["--routing", "prefix-affinity", "--routing-prefix-tokens", "256", "--routing-balance", "1.25"],
+        policy=["--routing", "prefix-affinity", "--routing-prefix-tokens", "256", "--routing-balance", "1.25",
+                "--hold-requests", "256", "--hold-timeout", "30"],
         vllm_flags=[*tp, *ep, *user])
     assert engine["command"] == ["python", "-m", commands.ENGINE_MODULE]
     assert engine["args"] == commands.engine_args(
