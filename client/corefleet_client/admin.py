@@ -85,6 +85,9 @@ class RankState(enum.StrEnum):
     # overloaded process): takes no new requests, its in-flight ones run on; Serving again once it answers.
     UNRESPONSIVE = "Unresponsive"
     DEAD = "Dead"  # its connection is lost (the process went away); takes no requests
+    # The fleet is idle (scaled to zero, `ResizeRequest.idle`): its engine was drained, released and stopped; takes
+    # no requests (they wait at the frontend: frontend.hold) until a replacement of it (the wake) gives it a new one.
+    IDLE = "Idle"
 
 
 class FleetState(enum.StrEnum):
@@ -92,6 +95,7 @@ class FleetState(enum.StrEnum):
     SERVING = "Serving"  # every rank serving
     # At least one rank Dead or Unresponsive; /health stays 200 while at least one rank serves.
     DEGRADED = "Degraded"
+    IDLE = "Idle"  # every rank Idle: the endpoint answers, requests wait for the wake; idle, not broken
 
 
 class ResizePhase(enum.StrEnum):
@@ -185,6 +189,10 @@ class ResizeRequest:
     # Sent by frontend 0 to the fleet's other frontends (k-frontends design): this frontend's part of frontend 0's
     # resize or replacement with the same id. It stops at Prepared until frontend 0 commits it (POST .../commit).
     follower: bool = False
+    # Idle the fleet (scale to zero, issue 28): every rank is drained (a request that arrives meanwhile waits, and
+    # stops the idling: the fleet serves on), released, and Idle once its engine stopped; replicas is the fleet's
+    # size. A replacement of the Idle ranks (`replace`) wakes it.
+    idle: bool = False
 
     def validate(self) -> str | None:
         """Why the request is malformed, or None."""
@@ -204,6 +212,8 @@ class ResizeRequest:
             return f"replace names a rank twice: {list(self.replace)}"
         if self.vacate and not self.replace:
             return "vacate needs the ranks it replaces (replace)"
+        if self.idle and (self.replace or self.vacate or self.follower):
+            return "idle takes every rank of the fleet: it goes with neither replace, vacate nor follower"
         if self.follower and self.vacate:
             return ("a follower's part of a replacement drains whatever of the ranks still serves on that frontend: "
                     "vacate is frontend 0's")
@@ -218,6 +228,8 @@ class ResizeRequest:
             del out["vacate"]
         if not self.follower:  # likewise
             del out["follower"]
+        if not self.idle:  # likewise
+            del out["idle"]
         return out
 
     @classmethod
@@ -243,12 +255,12 @@ class ResizeRequest:
         if not isinstance(replace, list) or any(isinstance(r, bool) or not isinstance(r, int) for r in replace):
             raise ValueError("replace must be a list of rank numbers")
         flags = {}
-        for name in ("vacate", "follower"):
+        for name in ("vacate", "follower", "idle"):
             flags[name] = data.get(name, False)
             if not isinstance(flags[name], bool):
                 raise ValueError(f"{name} must be a boolean")
         return cls(id=data["id"], replicas=replicas, **timeouts, replace=tuple(replace), vacate=flags["vacate"],
-                   follower=flags["follower"])
+                   follower=flags["follower"], idle=flags["idle"])
 
 
 @dataclass(frozen=True)
@@ -270,6 +282,7 @@ class ResizeOperation(_Ranked):
     # it in --eplb-config. None for dense fleets.
     num_redundant_experts: int | None = None
     follower: bool = False  # a follower's part of frontend 0's resize (ResizeRequest.follower)
+    idle: bool = False  # the fleet goes idle (ResizeRequest.idle)
 
     @property
     def scale_up(self) -> bool:
@@ -295,6 +308,7 @@ class ResizeOperation(_Ranked):
             num_redundant_experts=None if data.get("num_redundant_experts") is None
             else int(data["num_redundant_experts"]),
             follower=bool(data.get("follower", False)),
+            idle=bool(data.get("idle", False)),
         )
 
 

@@ -49,7 +49,7 @@ from corefleet_client.frontend.membership import Membership
 from corefleet_client.frontend.operations import ResizeOperations
 from corefleet_client.frontend.replace import Replacement
 from corefleet_client.frontend.resize import DenseResize
-from corefleet_client.frontend.types import Cancels, FleetOptions, FollowerLost, ResizeFailed
+from corefleet_client.frontend.types import Cancels, FleetOptions, FollowerLost, ResizeFailed, ResizeRefused
 from corefleet_harness.support import free_port
 from standins import IdleView
 
@@ -180,7 +180,7 @@ def test_only_dead_ranks_are_replaced(setup: Setup) -> None:
     setup.fleet.set_rank(0, RankState.DEAD, "connection to the engine lost")
     err = setup.refused(ResizeRequest(id="rep-1", replicas=3, replace=(0, 1, 2)))
     assert err.status == 409
-    assert "only a Dead rank can be replaced: rank 1 is Serving, rank 2 is Unresponsive" in err.body
+    assert "only a Dead or Idle rank can be replaced: rank 1 is Serving, rank 2 is Unresponsive" in err.body
     assert setup.runner.runs == []
     assert setup.client.resizes() == []
 
@@ -493,6 +493,157 @@ def test_a_vacating_replacement_drains_releases_and_waits_for_the_engine_to_stop
     assert client.joiner.handshakes == [([1], "tcp://127.0.0.1:29550")]
     assert 1 not in client.members.lost
     assert client.members.unroutable == {}
+
+
+# ---- idle and wake (scale to zero, issue 28) ---------------------------------------------------------------
+def releasing(client: FakeClient) -> list[bytes]:
+    """The engines released, in order (the utility call answered at once)."""
+    released: list[bytes] = []
+
+    async def send_utility_call(engine: bytes, method: str, args: tuple[Any, ...]) -> asyncio.Future[Any]:
+        assert (method, args) == (RELEASE_UTILITY, (client.client_index,))
+        released.append(engine)
+        answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        answer.set_result(True)
+        return answer
+
+    client.members.send_utility_call = send_utility_call  # type: ignore[method-assign]
+    return released
+
+
+def idle(client: FakeClient, finish: Callable[[], None], resize_id: str = "idle-1") -> ResizeOperation:
+    """Idle the fleet; `finish()` runs once every rank is Draining (the requests in flight end, or one comes)."""
+    fleet = client.fleet
+
+    async def ranks() -> None:
+        await until(lambda: all(fleet.record(r).state == RankState.DRAINING for r in range(fleet.size)), "draining")
+        assert fleet.idle()  # going idle: /health stays 200, requests wait for the ranks
+        assert client.members.closed() is not None
+        finish()
+
+    async def main() -> None:
+        started, op = fleet.start_resize(ResizeRequest(id=resize_id, replicas=fleet.size, drain_timeout_s=30,
+                                                       idle=True))
+        assert started
+        assert op.idle
+        await asyncio.gather(ranks(), client.run(op.id))
+
+    asyncio.run(main())
+    done = fleet.resize(resize_id)
+    assert done is not None
+    return done
+
+
+def idle_fleet() -> tuple[Fleet, FakeClient, list[bytes]]:
+    """2 ranks that were serving one request each, idled."""
+    fleet = Fleet("tiny", 2)
+    client = FakeClient(fleet)
+    fleet.serving(IdleView(), Runner())
+    released = releasing(client)
+
+    def finished() -> None:
+        for rank in range(2):
+            client.engine_inflight[identity(rank)] = 0
+
+    op = idle(client, finished)
+    assert (op.phase, op.error) == (ResizePhase.COMPLETED, ""), op
+    return fleet, client, released
+
+
+def test_an_idled_fleet_drains_and_releases_every_rank_and_is_idle_until_a_replacement_wakes_it() -> None:
+    fleet, client, released = idle_fleet()
+    assert released == [identity(0), identity(1)]  # after their requests finished: nothing failed
+    assert client.members.failed == []
+    assert [fleet.record(r).state for r in range(2)] == [RankState.IDLE, RankState.IDLE]
+    assert fleet.idle()
+    status = fleet.snapshot()
+    assert status.state == FleetState.IDLE, status
+    assert "idle" in status.message
+    assert sorted(client.forgotten) == [0, 1]  # no engine is watched
+    why = client.members.closed()
+    assert why is not None
+    assert "rank 0 is Idle: the fleet is idle (idle-1)" in why
+    # Idling an idle fleet does nothing.
+    again = fleet.start_resize(ResizeRequest(id="idle-2", replicas=2, idle=True))[1]
+    assert (again.phase, again.message) == (ResizePhase.COMPLETED, "the fleet is idle already")
+
+    # The wake: a replacement of the Idle ranks. They stay Idle (not Dead: the fleet is not broken) until it commits.
+    op = _replace(client, (0, 1), "wake-1")
+    assert (op.phase, op.error) == (ResizePhase.COMPLETED, ""), op
+    assert client.joiner.handshakes == [([0, 1], "tcp://127.0.0.1:29550")]
+    assert fleet.ranks_in(RankState.SERVING) == [0, 1]
+    assert client.members.unroutable == {}
+    assert client.members.closed() is None
+    assert not fleet.idle()
+    assert fleet.snapshot().state == FleetState.SERVING
+    assert client.vllm_config.cache_config.num_gpu_blocks == 200  # the new engines take the old ones' share
+
+
+def test_a_request_that_comes_while_the_fleet_goes_idle_stops_it_and_the_ranks_serve_on() -> None:
+    fleet = Fleet("tiny", 2)
+    client = FakeClient(fleet)
+    fleet.serving(IdleView(), Runner())
+    released = releasing(client)
+    waiting = [0]
+    fleet.demand = lambda: waiting[0]
+
+    def request_comes() -> None:
+        waiting[0] = 1  # held by the frontend: no rank takes requests while they drain
+
+    op = idle(client, request_comes)
+    assert op.phase == ResizePhase.FAILED
+    assert op.fleet_intact
+    assert op.error == "1 request(s) came while the fleet was going idle: it serves on"
+    assert released == []
+    assert fleet.ranks_in(RankState.SERVING) == [0, 1]
+    assert client.members.unroutable == {}  # the held request goes on to a rank
+    assert not fleet.idle()
+
+
+def test_a_wake_that_fails_leaves_the_fleet_idle_not_broken() -> None:
+    fleet, client, _ = idle_fleet()
+    client.handshake_error = TimeoutError("no HELLO within 30s")
+    op = _replace(client, (0, 1), "wake-1")
+    assert (op.phase, op.fleet_intact) == (ResizePhase.FAILED, True), op
+    assert [fleet.record(r).state for r in range(2)] == [RankState.IDLE, RankState.IDLE]
+    assert fleet.record(0).message.startswith("wake wake-1 failed: ")
+    assert fleet.snapshot().state == FleetState.IDLE
+    assert fleet.idle()
+    assert client.members.closed() is not None  # requests still wait; the operator tries the wake again
+    client.handshake_error = None
+    assert _replace(client, (0, 1), "wake-2").phase == ResizePhase.COMPLETED
+    assert fleet.ranks_in(RankState.SERVING) == [0, 1]
+
+
+def test_idling_is_refused_where_it_cannot_run_in_place() -> None:
+    moe = Fleet("tiny-moe", 2)
+    moe.moe = True
+    moe.serving(IdleView(), Runner())
+    with pytest.raises(ResizeRefused, match="an MoE fleet cannot go idle in place") as e:
+        moe.start_resize(ResizeRequest(id="i", replicas=2, idle=True))
+    assert e.value.status == 400
+    several = Fleet("tiny", 2, frontends=2)
+    several.serving(IdleView(), Runner())
+    with pytest.raises(ResizeRefused, match="only a fleet of one frontend goes idle") as e:
+        several.start_resize(ResizeRequest(id="i", replicas=2, idle=True))
+    assert e.value.status == 501
+    fleet = Fleet("tiny", 2)
+    fleet.serving(IdleView(), Runner())
+    with pytest.raises(ResizeRefused, match="idling keeps the fleet's size: replicas must be 2, not 3") as e:
+        fleet.start_resize(ResizeRequest(id="i", replicas=3, idle=True))
+    assert e.value.status == 409
+    fleet.set_rank(1, RankState.UNRESPONSIVE, "no answer")
+    with pytest.raises(ResizeRefused, match="rank 1 is Unresponsive") as e:
+        fleet.start_resize(ResizeRequest(id="i", replicas=2, idle=True))
+    assert e.value.status == 409
+    # A Serving rank is not woken: only Dead and Idle ranks are replaced.
+    with pytest.raises(ResizeRefused, match="only a Dead or Idle rank can be replaced: rank 0 is Serving"):
+        fleet.start_resize(ResizeRequest(id="w", replicas=2, replace=(0,)))
+    assert ResizeRequest("i", 2, idle=True, replace=(1,)).validate() == \
+        "idle takes every rank of the fleet: it goes with neither replace, vacate nor follower"
+    request = ResizeRequest("i", 2, drain_timeout_s=5.0, idle=True)
+    assert ResizeRequest.from_json(json.loads(json.dumps(request.to_json()))) == request
+    assert "idle" not in ResizeRequest("r", 2).to_json()  # a plain resize reads as before
 
 
 # ---- 4. several frontends ----------------------------------------------------------------------------

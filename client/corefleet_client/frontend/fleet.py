@@ -144,6 +144,9 @@ class Fleet:
         self.moe = False
         self.experts: ExpertLayout | None = None  # MoE with elastic EP: set by the client, updated by each resize
         self._beat: float | None = None  # when the serving event loop last showed progress (monotonic)
+        # Requests waiting for a rank now (`frontend.hold`; set by serve): a request that comes while the fleet goes
+        # idle stops the idling.
+        self.demand: Callable[[], int] = lambda: 0
 
     # ---- liveness of the frontend itself ----------------------------------------------------------
     def beat(self) -> None:
@@ -239,7 +242,8 @@ class Fleet:
             existing = self._ops.get(request.id)
             replace = tuple(sorted(request.replace))
             if existing is not None:
-                if existing.to_replicas == request.replicas and existing.replace == replace:
+                if existing.to_replicas == request.replicas and existing.replace == replace \
+                        and existing.idle == request.idle:
                     return False, existing
                 raise ResizeRefused(HTTPStatus.CONFLICT,
                                     f"resize {request.id!r} exists with target {existing.to_replicas}"
@@ -255,7 +259,8 @@ class Fleet:
             if self._runner is None:
                 raise ResizeRefused(HTTPStatus.SERVICE_UNAVAILABLE, "the fleet is still starting: its ranks are "
                                     "joining")
-            op = self._replace_op(request, replace) if replace else self._resize_op(request)
+            op = self._replace_op(request, replace) if replace else \
+                self._idle_op(request) if request.idle else self._resize_op(request)
             self._remember(op)
             if op.phase.terminal:  # nothing to do
                 return True, op
@@ -264,6 +269,8 @@ class Fleet:
         if op.replace:
             logger.info("Resize %s: replacement of %s accepted (join timeout %gs)", op.id, describe(op.replace),
                         op.join_timeout_s)
+        elif op.idle:
+            logger.info("Resize %s: the fleet goes idle (drain timeout %gs)", op.id, op.drain_timeout_s)
         else:
             logger.info("Resize %s: %d -> %d accepted (drain timeout %gs, join timeout %gs)", op.id,
                         op.from_replicas, op.to_replicas, op.drain_timeout_s, op.join_timeout_s)
@@ -323,23 +330,64 @@ class Fleet:
             raise ResizeRefused(HTTPStatus.CONFLICT, f"a replacement keeps the fleet's size: replicas must be "
                                 f"{self._size}, not {request.replicas}")
         states = {r: self._ranks[r].state if r in self._ranks else None for r in replace}
+        # Idle ranks are replaced as Dead ones are (the wake of an idle fleet); a vacating replacement takes none.
+        resting = (RankState.DEAD,) if request.vacate else (RankState.DEAD, RankState.IDLE)
         # A follower's part takes the ranks as this frontend sees them: one that still serves here is drained first
         # (frontend 0 releases its engine once every frontend drained it, or this frontend has yet to see it die).
         vacating = (RankState.SERVING, RankState.UNRESPONSIVE, RankState.DEAD) \
             if request.vacate or request.follower else ()
-        alive = {r: state for r, state in states.items() if state != RankState.DEAD and state not in vacating}
+        alive = {r: state for r, state in states.items() if state not in resting and state not in vacating}
         if alive:
             what = ("only a Serving, Unresponsive or Dead rank can be vacated" if request.vacate
-                    else "only a Dead rank can be replaced")
+                    else "only a Dead or Idle rank can be replaced")
             raise ResizeRefused(HTTPStatus.CONFLICT, f"{what}: " + ", ".join(
                 f"rank {r} is {state or 'not a member'}" for r, state in sorted(alive.items())))
         ranks = tuple(ResizeRank(r, RankState.DEAD, "waiting for a new engine") if states[r] == RankState.DEAD
+                      else ResizeRank(r, RankState.IDLE, "waking: waiting for a new engine")
+                      if states[r] == RankState.IDLE
                       else ResizeRank(r, RankState.DRAINING, "to be drained: its pod is being removed")
                       for r in replace)
         return ResizeOperation(id=request.id, from_replicas=self._size, to_replicas=self._size,
                                phase=ResizePhase.PENDING, ranks=ranks, started_at=time.time(),
                                drain_timeout_s=request.drain_timeout_s, join_timeout_s=request.join_timeout_s,
                                message="accepted", replace=replace, follower=request.follower)
+
+    def _idle_op(self, request: ResizeRequest) -> ResizeOperation:
+        """The operation that idles the fleet: Pending, or Completed if every rank is Idle already (under the lock);
+        raises ResizeRefused."""
+        if self.moe:
+            raise ResizeRefused(HTTPStatus.BAD_REQUEST, "an MoE fleet cannot go idle in place (its ranks share "
+                                "collectives; waking needs a fresh group): stop it instead (replicas 0)")
+        if self.frontends > 1:
+            raise ResizeRefused(HTTPStatus.NOT_IMPLEMENTED, f"this fleet has {self.frontends} frontends: only a "
+                                "fleet of one frontend goes idle in place")
+        if request.replicas != self._size:
+            raise ResizeRefused(HTTPStatus.CONFLICT, f"idling keeps the fleet's size: replicas must be {self._size}, "
+                                f"not {request.replicas}")
+        busy = {r.rank: r.state for r in self._ranks.values()
+                if r.state not in (RankState.SERVING, RankState.DEAD, RankState.IDLE)}
+        if busy:
+            raise ResizeRefused(HTTPStatus.CONFLICT, "only a fleet whose ranks are Serving, Dead or Idle goes idle: "
+                                + ", ".join(f"rank {r} is {state}" for r, state in sorted(busy.items())))
+        now = time.time()
+        op = ResizeOperation(id=request.id, from_replicas=self._size, to_replicas=self._size,
+                             phase=ResizePhase.PENDING, started_at=now, drain_timeout_s=request.drain_timeout_s,
+                             join_timeout_s=request.join_timeout_s, message="accepted", idle=True)
+        if all(r.state == RankState.IDLE for r in self._ranks.values()):
+            return dataclasses.replace(op, phase=ResizePhase.COMPLETED, finished_at=now,
+                                       message="the fleet is idle already")
+        return dataclasses.replace(op, ranks=tuple(
+            ResizeRank(r.rank, r.state, "to be drained and released: the fleet goes idle")
+            for r in sorted(self._ranks.values(), key=lambda r: r.rank)))
+
+    def idle(self) -> bool:
+        """Whether the fleet is idle or going idle: every rank Idle, or an idling operation runs. Its endpoint then
+        answers (`/health` 200) and requests wait for the wake (`frontend.hold`): idle, not broken."""
+        with self._lock:
+            current = self._ops.get(self._current) if self._current else None
+            if current is not None and current.idle and not current.phase.terminal:
+                return True
+            return bool(self._ranks) and all(r.state == RankState.IDLE for r in self._ranks.values())
 
     def _remember(self, op: ResizeOperation) -> None:
         self._ops[op.id] = op
@@ -475,7 +523,10 @@ class Fleet:
                 spilled_total=rec.spilled_total,
             ))
         troubled = [r for r in ranks if r.state in (RankState.DEAD, RankState.UNRESPONSIVE)]
-        if troubled:
+        if ranks and all(r.state == RankState.IDLE for r in ranks):
+            state = FleetState.IDLE
+            message = f"idle: {len(ranks)} rank(s) released; requests wait at the frontend for the wake"
+        elif troubled:
             state = FleetState.DEGRADED
             message = "; ".join(f"rank {r.rank} {r.state}: {r.message}" for r in troubled)
         elif view is not None:  # a Stalled rank is said, not a degraded fleet: it is back at its next step

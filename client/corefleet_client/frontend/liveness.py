@@ -64,7 +64,9 @@ logger = logging.getLogger("corefleet.frontend")
 LIVENESS_UTILITY = "is_sleeping"
 # How often the watcher checks the ranks' outputs for a stall (probes go every liveness interval).
 OUTPUT_CHECK_S = 0.1
-_DOWN = (RankState.DEAD, RankState.UNRESPONSIVE)
+_DOWN = (RankState.DEAD, RankState.UNRESPONSIVE, RankState.IDLE)
+# Ranks without an engine: nothing to watch.
+_GONE = (RankState.DEAD, RankState.IDLE)
 
 
 def connection_lost(e: zmq.ZMQError) -> str:
@@ -158,7 +160,7 @@ class Liveness:
             del self.progress[rank]
         for rank, engine in members.items():
             record = self.members.records.get(rank)
-            if record is None or record.state == RankState.DEAD or rank in self.members.lost:
+            if record is None or record.state in _GONE or rank in self.members.lost:
                 self.probes.pop(rank, None)
                 continue
             probe = self.probes.get(rank)
@@ -301,7 +303,7 @@ class Liveness:
         """The rank's connection is gone: it is Dead and its requests fail (a draining rank leaves all the same)."""
         members = self.members
         record = members.records.get(rank)
-        if record is None or record.state == RankState.DEAD or rank in members.lost:
+        if record is None or record.state in _GONE or rank in members.lost:
             return
         lost = members.requests_on(rank)
         if record.state == RankState.DRAINING:

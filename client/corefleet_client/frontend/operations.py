@@ -3,8 +3,9 @@
 
 `Fleet.start_resize` records an operation and calls `run_resize` from the admin server's thread;
 the operation then runs as a task on vLLM's event loop, by the component for its kind: a
-replacement of Dead dense ranks (`frontend.replace`), an elastic-EP resize of an MoE fleet
-(`frontend.elastic`), or a dense scale-up or scale-down (`frontend.resize`). Whatever ends it is
+replacement of Dead (or Idle: a wake) dense ranks and the idling of a dense fleet
+(`frontend.replace`), an elastic-EP resize of an MoE fleet (`frontend.elastic`), or a dense
+scale-up or scale-down (`frontend.resize`). Whatever ends it is
 recorded on the operation: `ResizeFailed` with its `fleet_intact`, a shutdown (the fleet must be
 recreated), or an unexpected error (logged, and the fleet recreated too). A follower's part of
 frontend 0's resize (several frontends) runs by `frontend.followers` up to Prepared, and goes on
@@ -84,6 +85,8 @@ class ResizeOperations:
                 await (self.follower.scale_up(op) if op.scale_up else self.follower.scale_down(op))
             elif op.replace:
                 await self.replacement.replace(op)
+            elif op.idle:
+                await self.replacement.idle(op)
             elif self.fleet.moe:
                 await (self.elastic.scale_up(op) if op.scale_up else self.elastic.scale_down(op))
             elif op.scale_up:

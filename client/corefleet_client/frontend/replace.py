@@ -70,14 +70,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from typing import TYPE_CHECKING, Protocol
 
 from corefleet_client.admin import RELEASE_UTILITY, RankState, ResizeOperation, ResizePhase
 from corefleet_client.frontend.fleet import describe, identity
 from corefleet_client.frontend.handshake import handshake_address, handshake_failure
 from corefleet_client.frontend.membership import Membership
-from corefleet_client.frontend.resize import DRAIN_POLL_S, drain, stop_routing_to
+from corefleet_client.frontend.resize import DRAIN_POLL_S, drain, serve_on, stop_routing_to
 from corefleet_client.frontend.types import COMMIT_GRACE_S, Cancels, FollowerLost, ResizeFailed, pass_over
 
 if TYPE_CHECKING:  # followers.py builds on this module's commit
@@ -107,13 +107,15 @@ class Replacement:
 
     async def replace(self, op: ResizeOperation) -> None:
         ranks = sorted(op.replace)
-        live = [rank for rank in ranks if self.fleet.record(rank).state != RankState.DEAD]
+        states = {rank: self.fleet.record(rank).state for rank in ranks}
+        live = [rank for rank, state in states.items() if state not in (RankState.DEAD, RankState.IDLE)]
+        waking = {rank for rank, state in states.items() if state == RankState.IDLE}  # the wake of an idle fleet
         try:
             following = await self._followers_drained(op, ranks)
             if live:
                 await self._vacate(op, live)
             async with self.keeping_kv_cache_size():
-                await self._join(op, ranks)
+                await self._join(op, ranks, waking)
             following = await self._followers_prepared(op, ranks, following)
         except ResizeFailed as e:
             if self.followers is not None:
@@ -221,32 +223,76 @@ class Replacement:
         """Whether the rank's connection is gone (the liveness watcher saw it: a draining rank is recorded lost)."""
         return rank in self.members.lost or self.fleet.record(rank).state == RankState.DEAD
 
-    async def _join(self, op: ResizeOperation, ranks: list[int]) -> None:
-        """Steps 1 and 2; on a failure nothing changed: the ranks stay Dead and unroutable, the others serve on."""
+    async def _join(self, op: ResizeOperation, ranks: list[int], waking: Collection[int] = ()) -> None:
+        """Steps 1 and 2; on a failure nothing changed: the ranks stay Dead (or Idle: `waking`, an idle fleet's) and
+        unroutable, the others serve on."""
         joiner = self.members.joiner
         address = handshake_address(self.members.client.vllm_config.parallel_config)
+
+        def state(rank: int) -> RankState:
+            return RankState.IDLE if rank in waking else RankState.DEAD
+
+        doing = "woken" if waking else "replaced"
         try:
             # 1. The new engines' handshake, in a thread, bounded by the join timeout.
             self.fleet.update_resize(op.id, phase=ResizePhase.PREPARING,
                                      message=f"waiting for a new engine for {describe(ranks)} to handshake "
                                              f"on {address}")
             for rank in ranks:
-                self.fleet.set_rank(rank, RankState.DEAD, f"being replaced by {op.id}: waiting for a new "
-                                                          "engine's HELLO")
+                self.fleet.set_rank(rank, state(rank), f"being {doing} by {op.id}: waiting for a new engine's "
+                                                       "HELLO")
             self.cancels.check(op)
             joiner.discard_stale_ready_responses()
             await joiner.join(op, ranks, address)
             for rank in ranks:
-                self.fleet.set_rank(rank, RankState.DEAD, f"being replaced by {op.id}: the new engine is "
-                                                          "READY; reading its ready response")
+                self.fleet.set_rank(rank, state(rank), f"being {doing} by {op.id}: the new engine is READY; "
+                                                       "reading its ready response")
             # 2. Their ready responses (sent on the requests socket before READY).
             await joiner.read_ready_responses(ranks)
             self.cancels.check(op)
         except Exception as raised:
             e = handshake_failure(raised, f"Replacement {op.id}", "engines")
             for rank in ranks:
-                self.fleet.set_rank(rank, RankState.DEAD, f"replacement {op.id} failed: {e}")
+                self.fleet.set_rank(rank, state(rank), f"{'wake' if rank in waking else 'replacement'} {op.id} "
+                                                       f"failed: {e}")
             raise e from None
+
+    # ---- an idle fleet (scale to zero: ResizeRequest.idle) ---------------------------------------------------
+    async def idle(self, op: ResizeOperation) -> None:
+        """The fleet goes idle: its serving ranks get no new request (those that come wait at the frontend:
+        `frontend.hold`), their in-flight requests finish (those left after the drain timeout end with an error),
+        their engines are released (their pods may stop), and every rank is Idle: no engine is watched or routed to
+        until a replacement of the Idle ranks wakes the fleet. A request that comes during the drain stops it: the
+        ranks serve on, the operation fails with the fleet intact. Once the engines are released the fleet is idle;
+        a request that comes then waits for the wake."""
+        members = self.members
+        ranks = [r.rank for r in op.ranks]
+        live = [rank for rank in ranks if self.fleet.record(rank).state == RankState.SERVING]
+        why = f"the fleet goes idle ({op.id})"
+        if live:
+            self.fleet.update_resize(op.id, phase=ResizePhase.DRAINING, message=f"{why}: draining {describe(live)}")
+            stop_routing_to(members, op, live, why=why)
+            try:
+                await drain(members, self.cancels, op, live, stop=self._demand)
+            except ResizeFailed:
+                serve_on(members, live)
+                raise
+            for rank in live:
+                await self._release(rank)
+        self.fleet.update_resize(op.id, phase=ResizePhase.COMMITTING, message=f"{describe(ranks)} released")
+        for rank in ranks:
+            self.probes.forget(rank)
+            members.lost.pop(rank, None)
+            members.stop_routing(rank, f"rank {rank} is {RankState.IDLE}: the fleet is idle ({op.id}); it serves "
+                                       "again once woken")
+            self.fleet.set_rank(rank, RankState.IDLE, f"idled by {op.id}: its engine was released")
+        logger.info("Resize %s: the fleet is idle; %s released", op.id, describe(ranks))
+        self.fleet.finish_resize(op.id, message=f"the fleet is idle: {describe(ranks)} released; a replacement of "
+                                                "them wakes it")
+
+    def _demand(self) -> str | None:
+        waiting = self.fleet.demand()
+        return None if not waiting else (f"{waiting} request(s) came while the fleet was going idle: it serves on")
 
     def commit_rank(self, op: ResizeOperation, rank: int) -> None:
         """The rank serves again, with fresh routing counters (see the module docstring, step 3)."""

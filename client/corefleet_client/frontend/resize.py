@@ -37,6 +37,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import zmq
@@ -84,12 +85,17 @@ def serve_on(members: Membership, leaving: list[int]) -> None:
         members.fleet.set_rank(rank, RankState.SERVING)
 
 
-async def drain(members: Membership, cancels: Cancels, op: ResizeOperation, leaving: list[int]) -> None:
-    """Until the leaving ranks' in-flight requests finished, or the drain timeout passed (then they end with a 503)."""
+async def drain(members: Membership, cancels: Cancels, op: ResizeOperation, leaving: list[int],
+                stop: Callable[[], str | None] | None = None) -> None:
+    """Until the leaving ranks' in-flight requests finished, or the drain timeout passed (then they end with a 503).
+    `stop`: checked at each poll, as a cancel is; a reason stops the drain (ResizeFailed, the fleet intact)."""
     deadline = time.monotonic() + op.drain_timeout_s
     shown: dict[int, int] = {}
     while True:
         cancels.check(op)
+        why = None if stop is None else stop()
+        if why is not None:
+            raise ResizeFailed(why)
         busy = {rank: members.in_flight(rank) for rank in leaving}
         busy = {rank: n for rank, n in busy.items() if n > 0}
         for rank in leaving:

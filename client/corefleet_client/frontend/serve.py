@@ -137,6 +137,7 @@ def serve(opts: argparse.Namespace, token: str, vllm_argv: Sequence[str]) -> int
     fleet = Fleet(model=served, data_parallel_size=args.data_parallel_size, vllm_version=vllm.__version__,
                   frontends=options.client_count, client_index=options.client_index)
     hold = Hold(HoldSettings(max_requests=opts.hold_requests, timeout_s=opts.hold_timeout), fleet.closed)
+    fleet.demand = lambda: hold.counts.waiting  # a request waiting stops the fleet going idle
     prometheus_client.REGISTRY.register(FleetCollector(fleet, hold))  # beside vLLM's series on /metrics
     # Frontend 0 drives the others through each resize, over their admin APIs (the same port on each one's host).
     followers = Followers.of(options.frontend_addresses, opts.admin_port, token) if not options.follower else None
