@@ -36,7 +36,9 @@ On the real-vLLM fleet (README's main job):
 
 And a single-rank emulated fleet (vLLM's plain async client under corefleet's) serves, aborts and reports
 its dead engine, and then holds a request for a rank up to its hold timeout and answers 503 with Retry-After
-(issue 28); and a 2-rank real-vLLM fleet of a model whose prefill is slow (bench_routing's: 43 M
+(issue 28); the real-vLLM fleet goes idle in place, its engines stop, requests wait at the frontend, and a
+replacement of its Idle ranks by new engines serves them all (issue 28); and a 2-rank real-vLLM fleet of a
+model whose prefill is slow (bench_routing's: 43 M
 parameters, ~0.3 ms a prompt token on 2 vCPUs) keeps routing to a rank that sends nothing for seconds while it
 prefills a long prompt: not Stalled, not avoided (issue 26).
 
@@ -93,6 +95,8 @@ VICTIM = 1
 DOOMED = 3  # requests on the victim when it dies: its stale load outweighs a local routing increment on rank 0
 JOIN_TIMEOUT = 420.0  # a new real vLLM engine starting and handshaking on 2 busy cores
 POLL = 0.05
+# The real-vLLM fleet's: requests held while it is idle wait for new engines to start (JOIN_TIMEOUT's reason).
+VLLM_HOLD = (64, 420.0)
 # The single-rank fleet's --hold-requests and --hold-timeout: a short hold, so that its test sees both limits.
 SINGLE_RANK_HOLD = (2, 3.0)
 # A model whose prefill of one long prompt takes seconds (bench_routing's shape, its context 8192), in chunked-prefill
@@ -111,7 +115,8 @@ def _long_context_model(tmp: Path) -> str:
 
 def _vllm(tmp: Path) -> Generator[Fleet, None, None]:
     return start(tmp, local.ENGINE_VLLM, REPLICAS[local.ENGINE_VLLM], _long_context_model(tmp), flags(LONG_CONTEXT),
-                 max_tokens_long=LONG_CONTEXT - 64, token_delay_ms=None, ready_timeout=600, liveness_timeout=8)
+                 max_tokens_long=LONG_CONTEXT - 64, token_delay_ms=None, ready_timeout=600, liveness_timeout=8,
+                 hold=VLLM_HOLD)
 
 
 def _emulated(tmp: Path) -> Generator[Fleet, None, None]:
@@ -615,6 +620,80 @@ def test_a_killed_engine_core_is_reported_dead_and_its_rank_replaced_in_place(vl
         ("engine-0", local.ROLE_ENGINE, 0))} == survivors
     assert fleet.engine_pid(VICTIM) == new_pid
     assert not [(p.name, rc) for p, rc in fleet.fleet.exited()], "a fleet process exited"
+
+
+HELD = 6  # requests that come while the fleet is idle
+
+
+def test_an_idle_fleet_keeps_its_endpoint_holds_requests_and_serves_them_all_once_woken_in_place(
+        vllm_fleet: Fleet) -> None:
+    """Issue 28: the fleet goes idle in place (a stream in flight finishes first; every engine is released), its
+    engines stop (as the operator deletes their pods) and nothing turns Dead; its endpoint answers; requests that come
+    wait at the frontend; a replacement of its Idle ranks by new engines (the wake) serves every one of them. The
+    frontend and the coordinator run throughout."""
+    fleet = vllm_fleet
+    survivors = {role: fleet.pid(role) for role in (local.ROLE_FRONTEND, local.ROLE_COORDINATOR)}
+    ranks = tuple(range(VLLM_REPLICAS))
+    before = metric(fleet.url, "corefleet_frontend_requests_held_total") or 0.0
+    in_flight = fleet.stream(64)
+    try:
+        assert in_flight.next_event() is not None
+        started, _ = fleet.admin.start_resize(ResizeRequest(id="idle-1", replicas=VLLM_REPLICAS, idle=True,
+                                                            drain_timeout_s=120))
+        assert started
+        done = wait_until(lambda: (o := fleet.admin.resize("idle-1")) is not None and o.phase.terminal and o, 150,
+                          "the fleet to go idle", interval=POLL)
+        events = in_flight.rest()
+    finally:
+        in_flight.close()
+    assert (done.phase, done.error) == (ResizePhase.COMPLETED, ""), done
+    assert not [e for e in events if "error" in e], events[-3:]
+    assert events[-1]["choices"][0]["finish_reason"] == "length"  # drained: it finished before the fleet idled
+    for rank in ranks:
+        fleet.kill_engine(rank)  # what the operator does once the fleet is Idle: its engine pods go
+
+    outcomes: list[tuple[float, int, dict[str, Any]]] = []
+
+    def held(i: int) -> None:
+        code, _, body = post_completion(fleet.url, f"held {i}")
+        outcomes.append((time.monotonic(), code, body))
+
+    threads = [threading.Thread(target=held, args=(i,)) for i in range(HELD)]
+    for thread in threads:
+        thread.start()
+    wait_until(lambda: metric(fleet.url, "corefleet_frontend_requests_waiting") == HELD, 60,
+               f"{HELD} requests waiting", interval=POLL)
+    # Idle, not broken: every liveness interval since the engines stopped left the ranks Idle.
+    status = fleet.status()
+    assert status.state == FleetState.IDLE, status
+    assert [r.state for r in status.ranks] == [RankState.IDLE] * VLLM_REPLICAS, status
+    assert fleet.health() == 200
+    assert outcomes == []
+
+    # The wake: new engines for the ranks (their pods, recreated), then a replacement of the Idle ranks.
+    woken_at = time.monotonic()
+    for rank in ranks:
+        fleet.restart_engine(rank)
+    started, _ = fleet.admin.start_resize(ResizeRequest(id="wake-1", replicas=VLLM_REPLICAS, replace=ranks,
+                                                        join_timeout_s=JOIN_TIMEOUT))
+    assert started
+    done = wait_until(lambda: (o := fleet.admin.resize("wake-1")) is not None and o.phase.terminal and o,
+                      JOIN_TIMEOUT + 30, "the wake", interval=POLL)
+    joined_at = time.monotonic()
+    assert (done.phase, done.error) == (ResizePhase.COMPLETED, ""), done
+    for thread in threads:
+        thread.join(120)
+    assert sorted(code for _, code, _ in outcomes) == [200] * HELD, outcomes
+    answered = sorted(at - joined_at for at, _, _ in outcomes)
+    print(f"\nwake: engines started and joined in {joined_at - woken_at:.1f} s; the held requests answered "
+          f"{answered[0]:.2f} to {answered[-1]:.2f} s after the wake completed")
+    status = fleet.status()
+    assert status.state == FleetState.SERVING, status
+    assert metric(fleet.url, "corefleet_frontend_requests_waiting") == 0
+    assert metric(fleet.url, "corefleet_frontend_requests_held_total") == before + HELD
+    assert {role: fleet.pid(role) for role in survivors} == survivors
+    code, body = fleet.complete("after the wake")
+    assert code == 200, body
 
 
 def test_the_supervisor_replaces_a_killed_frontend_and_coordinator_in_place_the_engines_serve_on(

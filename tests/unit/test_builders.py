@@ -661,16 +661,10 @@ def test_several_frontends_each_know_every_frontends_address_and_their_own_index
 ])
 def test_the_frontends_routing_comes_from_the_spec_and_its_parser_takes_it(routing: dict[str, Any],
                                                                            expected: list[str]) -> None:
-    from corefleet_client.commands import LAUNCHER_ARGS_END
-    from corefleet_client.frontend import __main__ as frontend_main
     from corefleet_client.frontend import serve
 
-    fleet = make_ecs("a").set("frontend", {"routing": routing}).obj()
-    args = _container(builders.frontend_pod(fleet, dp_size=2, coordinator_address="c"))["args"]
-    ours = args[:args.index(LAUNCHER_ARGS_END)]
-    start = ours.index("--routing")
-    assert ours[start:start + len(expected)] == expected
-    options = serve.fleet_options(frontend_main.build_parser().parse_args(ours))
+    opts = _frontend_flags({"routing": routing}, expected)
+    options = serve.fleet_options(opts)
     assert options.routing.value == expected[1]
     if len(expected) > 2:
         assert (options.affinity.prefix_tokens, options.affinity.balance) == (int(expected[3]), float(expected[5]))
@@ -682,13 +676,18 @@ def test_the_frontends_routing_comes_from_the_spec_and_its_parser_takes_it(routi
 ])
 def test_the_frontends_hold_comes_from_the_spec_and_its_parser_takes_it(hold: dict[str, Any],
                                                                         expected: list[str]) -> None:
+    opts = _frontend_flags({"hold": hold}, expected)
+    assert (opts.hold_requests, opts.hold_timeout) == (int(expected[1]), float(expected[3]))
+
+
+def _frontend_flags(frontend: dict[str, Any], expected: list[str]) -> Any:
+    """The frontend pod's own flags for this `spec.frontend`: `expected` among them, as its parser reads them all."""
     from corefleet_client.commands import LAUNCHER_ARGS_END
     from corefleet_client.frontend import __main__ as frontend_main
 
-    fleet = make_ecs("a").set("frontend", {"hold": hold}).obj()
+    fleet = make_ecs("a").set("frontend", frontend).obj()
     args = _container(builders.frontend_pod(fleet, dp_size=2, coordinator_address="c"))["args"]
     ours = args[:args.index(LAUNCHER_ARGS_END)]
-    start = ours.index("--hold-requests")
+    start = ours.index(expected[0])
     assert ours[start:start + len(expected)] == expected
-    opts = frontend_main.build_parser().parse_args(ours)
-    assert (opts.hold_requests, opts.hold_timeout) == (int(expected[1]), float(expected[3]))
+    return frontend_main.build_parser().parse_args(ours)
