@@ -321,6 +321,10 @@ class FleetStatus(_Ranked):
     ranks: tuple[RankStatus, ...] = field(default_factory=tuple)
     message: str = ""
     resize: ResizeOperation | None = None  # the resize in flight, else the last one
+    requests_waiting: int = 0  # requests held for a rank now (no rank takes requests: frontend.hold)
+    # Seconds since a request was last in flight or waiting at this frontend (at the liveness interval's
+    # granularity; 0 while any is): how long the fleet has been quiet, for idling it after a quiet period.
+    quiet_s: float = 0.0
 
     def rank(self, rank: int) -> RankStatus:
         found: RankStatus = super().rank(rank)
@@ -338,6 +342,8 @@ class FleetStatus(_Ranked):
             ranks=ranks,
             message=data.get("message", ""),
             resize=None if resize is None else ResizeOperation.from_json(resize),
+            requests_waiting=int(data.get("requests_waiting", 0)),
+            quiet_s=float(data.get("quiet_s", 0.0)),
         )
 
 

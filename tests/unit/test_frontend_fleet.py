@@ -263,6 +263,25 @@ def test_operations_round_trip_through_json() -> None:
     assert ResizeRequest.from_json(ResizeRequest(id="a", replicas=2).to_json()) == ResizeRequest(id="a", replicas=2)
 
 
+def test_the_fleet_tells_how_long_it_has_been_quiet_and_how_many_requests_wait(setup: Setup) -> None:
+    """What the operator reads to idle a quiet fleet and to wake an idle one (issue 28), over the admin API."""
+    fleet, now, waiting = setup.fleet, [100.0], [0]
+    fleet.clock = lambda: now[0]
+    fleet.demand = lambda: waiting[0]
+    setup.serve()
+    fleet.note_busy(True)  # the liveness watcher's tick: a request in flight
+    now[0] += 0.5
+    assert (setup.client.fleet().quiet_s, setup.client.fleet().requests_waiting) == (0.5, 0)
+    fleet.note_busy(False)
+    now[0] += 61.25
+    fleet.note_busy(False)
+    assert setup.client.fleet().quiet_s == 61.75  # since the last tick that saw a request
+    waiting[0] = 3
+    fleet.note_busy(True)  # a request waiting is not quiet
+    status = setup.client.fleet()
+    assert (status.quiet_s, status.requests_waiting) == (0.0, 3)
+
+
 def test_livez_fails_only_once_the_serving_event_loop_stalls(setup: Setup) -> None:
     """The frontend pod's livenessProbe (admin /livez, no token): a frontend blocked in vLLM's startup
     handshake is alive; a serving one is alive while its liveness watcher ticks (each tick beats)."""

@@ -147,11 +147,20 @@ class Fleet:
         # Requests waiting for a rank now (`frontend.hold`; set by serve): a request that comes while the fleet goes
         # idle stops the idling.
         self.demand: Callable[[], int] = lambda: 0
+        self.clock: Callable[[], float] = time.monotonic
+        self._busy_at: float | None = None  # when a request was last seen in flight or waiting (`note_busy`)
 
     # ---- liveness of the frontend itself ----------------------------------------------------------
     def beat(self) -> None:
         """The event loop made progress (called by the liveness watcher on every tick)."""
         self._beat = time.monotonic()
+
+    def note_busy(self, busy: bool) -> None:
+        """Whether a request is in flight or waiting now (the liveness watcher tells, every interval)."""
+        now = self.clock()
+        with self._lock:
+            if busy or self._busy_at is None:
+                self._busy_at = now
 
     def stalled_for(self) -> float:
         """Seconds since the last beat; 0 until the loop serves (it blocks in vLLM's startup handshake)."""
@@ -499,7 +508,7 @@ class Fleet:
     # ---- the admin API's view ------------------------------------------------------------------
     def snapshot(self) -> FleetStatus:
         with self._lock:
-            view, size, progress = self._view, self._size, self._join_progress
+            view, size, progress, busy_at = self._view, self._size, self._join_progress, self._busy_at
             records = [dataclasses.replace(r) for r in sorted(self._ranks.values(), key=lambda r: r.rank)]
             ops = list(self._ops.values())
             current = self._ops.get(self._current) if self._current else None
@@ -536,8 +545,10 @@ class Fleet:
         else:
             state, message = FleetState.STARTING, "engines joining"
         resize = current if current is not None else (ops[-1] if ops else None)
+        quiet = 0.0 if busy_at is None else max(0.0, self.clock() - busy_at)
         return FleetStatus(state=state, model=self.model, data_parallel_size=size, vllm_version=self.vllm_version,
-                           ranks=tuple(ranks), message=message, resize=resize)
+                           ranks=tuple(ranks), message=message, resize=resize, requests_waiting=self.demand(),
+                           quiet_s=round(quiet, 3))
 
     def dead(self) -> dict[int, str]:
         with self._lock:

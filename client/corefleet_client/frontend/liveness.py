@@ -141,6 +141,7 @@ class Liveness:
     async def tick(self, now: float) -> None:
         options = self.options
         self.fleet.beat()  # the pod's livenessProbe (admin /livez) reads it
+        self.fleet.note_busy(bool(self.members.client.reqs_in_flight) or self.fleet.demand() > 0)
         last, self._last_tick = self._last_tick, now
         if last is not None and now - last > options.liveness_interval_s + options.liveness_timeout_s:
             logger.warning("The frontend's event loop stalled for %.1fs (over the liveness timeout of %gs): "
