@@ -57,6 +57,9 @@ COREFLEET_METRICS = {
     "corefleet_frontend_rank_requests_routed_by_prefix": "counter",
     "corefleet_frontend_ranks": "gauge",
     "corefleet_frontend_resize_phase": "gauge",
+    "corefleet_frontend_requests_waiting": "gauge",
+    "corefleet_frontend_requests_held": "counter",
+    "corefleet_frontend_requests_hold_refused": "counter",
 }
 PROMETHEUS_METRICS = {"up"}  # made by Prometheus itself
 SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
