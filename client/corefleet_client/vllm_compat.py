@@ -68,15 +68,19 @@ The changes:
    than the reader decodes, the reader never yields: the output handler, every streaming response,
    the admin API's and the liveness watcher's work wait. Seen with two fast CPU engines: the first
    token of a stream reached the client after 10-30 s, and the liveness watcher, starved as long,
-   declared a healthy rank dead. It yields once the reader ran `OUTPUT_READER_SLICE_S` (2 ms) without a
+   declared a healthy rank dead. It yields once the reader ran `OUTPUT_READER_SLICE_S` (10 ms) without a
    pause, not after every message: yielding per message made vLLM's output handler run per message, so
    every streamed token woke its HTTP response alone (one SSE chunk a token, where stock vLLM merges what
    arrived meanwhile into one), which cost the frontend 2.6x stock's CPU per streamed request with fast
    engines (bench_frontend.py --stream: 149 against 366 req/s; 401 against 419 with the slice). A receive
    that finds no message waiting is a pause (the loop runs other tasks then), and the next slice starts
    when it returns: counting the pause as reading made the reader yield again at the first message after
-   most pauses, so a request's tokens came in 1.10 stream chunks where stock's came in 1.00. The
-   cleanup in `BackgroundResources` still sees vLLM's socket.
+   most pauses, so a request's tokens came in 1.10 stream chunks where stock's came in 1.00. The slice was
+   2 ms until 2026-12-05: on a slower machine a slice ended within more requests' bursts of tokens (1.14-1.24
+   chunks a request, frontend CPU per streamed request 1.07x stock's, requests/s 0.93x); with 10 ms, 1.00
+   chunks, 0.99x the CPU, 1.01x the requests/s (bench_frontend.py --stream, K=1, pinned). While engines
+   flood the reader, every other task of the frontend waits at most that long; stock's reader never yields.
+   The cleanup in `BackgroundResources` still sees vLLM's socket.
 8. `install_public_route_filter` wraps `build_app` as `vllm.entrypoints.launchers.api_server.entry`
    calls it (`build_and_serve`): the FastAPI app vLLM builds loses `/scale_elastic_ep` and
    `/is_scaling_elastic_ep` (vllm/entrypoints/serve/elastic_ep/api_router.py, attached by
@@ -270,7 +274,7 @@ def fail_requests(async_llm: AsyncLLM, request_ids: Iterable[str], message: str,
 
 
 # How long vLLM's engine-output reader may run without letting other tasks run (change 7).
-OUTPUT_READER_SLICE_S = 0.002
+OUTPUT_READER_SLICE_S = 0.010
 
 
 class YieldingSocket:

@@ -115,14 +115,16 @@ def reader_pauses(socket: Any, messages: int, work_s: float) -> tuple[int, int]:
 
 def test_a_reader_of_a_busy_socket_starves_the_loop_and_the_yielding_socket_does_not() -> None:
     assert reader_starves_others(AlwaysReady())  # why change 7 exists
-    # 0.2 ms of decoding per message, 500 messages (0.1 s): the other task runs once the reader has read for a slice
-    # (2 ms: 10 messages, and the one whose read ends the slice) ...
-    runs, most = reader_pauses(vllm_compat.YieldingSocket(AlwaysReady()), 500, 0.0002)
+    # 0.2 ms of decoding per message, for 20 slices: the other task runs once the reader has read for a slice
+    # (10 ms: 50 messages, and the one whose read ends the slice) ...
+    per_slice = round(vllm_compat.OUTPUT_READER_SLICE_S / 0.0002)
+    messages = 20 * per_slice
+    runs, most = reader_pauses(vllm_compat.YieldingSocket(AlwaysReady()), messages, 0.0002)
     assert runs >= 10
-    assert most <= round(vllm_compat.OUTPUT_READER_SLICE_S / 0.0002) + 1
+    assert most <= per_slice + 1
     # ... yet the reader reads several messages per pause (vLLM's output handler then merges a request's tokens
     # into one chunk of its stream, as stock vLLM's does), not one message per pause.
-    assert runs < 500 / 3
+    assert runs < messages / 3
 
 
 class PausingSocket:
@@ -145,7 +147,7 @@ class PausingSocket:
 
 def test_a_reader_that_paused_starts_a_new_slice_and_is_not_made_to_yield_again(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    # Messages come in threes, 3 ms apart (more than a slice): the reader waits for each three's first one, so other
+    # Messages come in threes, 1.5 slices apart: the reader waits for each three's first one, so other
     # tasks run then; an extra yield right after the pause would let the output handler run between the three and
     # split a request's tokens over more chunks of its stream than stock vLLM's (bench_frontend.py's token events).
     forced = 0
@@ -161,9 +163,10 @@ def test_a_reader_that_paused_starts_a_new_slice_and_is_not_made_to_yield_again(
             await socket.recv_multipart(copy=False)
 
     monkeypatch.setattr(asyncio, "sleep", counted)
-    asyncio.run(read(vllm_compat.YieldingSocket(PausingSocket(every=3, pause_s=0.003)), 120))
+    pause_s = 1.5 * vllm_compat.OUTPUT_READER_SLICE_S
+    asyncio.run(read(vllm_compat.YieldingSocket(PausingSocket(every=3, pause_s=pause_s)), 120))
     # 40 pauses; the reader's runs between them take microseconds, so a slice ends only where the machine preempted
-    # this process for 2 ms in one of them (the reader counted each pause's 3 ms as reading before the fix: 40)
+    # this process for a slice in one of them (the reader counted each pause as reading before the fix: 40)
     assert forced < 10
 
 
