@@ -929,6 +929,14 @@ def test_single_rank_fleet_serves_aborts_and_reports_its_dead_engine(single_rank
     assert metric(fleet.url, "corefleet_frontend_requests_held_total") == 1 + limit
     assert metric(fleet.url, 'corefleet_frontend_requests_hold_refused_total{reason="timeout"}') == 1 + limit
     assert metric(fleet.url, 'corefleet_frontend_requests_hold_refused_total{reason="full"}') == 1
+    # A replacement on its way keeps the endpoint (requests wait for it), until it fails: no engine was started.
+    started, _ = fleet.admin.start_resize(ResizeRequest(id="replace-0", replicas=1, replace=(0,), join_timeout_s=5))
+    assert started
+    wait_until(lambda: fleet.health() == 200, 5, "/health 200 while the replacement runs", interval=POLL)
+    failed = wait_until(lambda: (o := fleet.admin.resize("replace-0")) is not None and o.phase.terminal and o, 30,
+                        "the replacement without an engine to fail", interval=POLL)
+    assert failed.phase == ResizePhase.FAILED, failed
+    assert fleet.health() == 503
     # What needs no engine is not held: the tokenizer answers at once.
     req = urllib.request.Request(f"{fleet.url}/tokenize", headers={"Content-Type": "application/json"},
                                  data=json.dumps({"model": MODEL_NAME, "prompt": "Hello"}).encode())

@@ -182,9 +182,10 @@ def test_the_hold_is_exported_waiting_held_and_refused_by_reason() -> None:
 
 @pytest.mark.parametrize(("serving", "idle", "healthy"), [(True, False, True), (False, True, True),
                                                            (False, False, False)])
-def test_health_is_503_while_no_rank_serves_unless_the_fleet_is_idle(serving: bool, idle: bool,
-                                                                      healthy: bool) -> None:
-    """An idle fleet's endpoint answers (requests wait at the hold for its wake): idle, not broken."""
+def test_health_is_503_while_no_rank_serves_unless_ranks_are_on_their_way(serving: bool, idle: bool,
+                                                                           healthy: bool) -> None:
+    """An idle fleet's endpoint answers (requests wait at the hold for its wake): idle, not broken; so does one whose
+    ranks a replacement gives new engines (`Fleet.awaits_ranks`)."""
     from types import SimpleNamespace
 
     from vllm.v1.engine.exceptions import EngineDeadError
@@ -192,7 +193,7 @@ def test_health_is_503_while_no_rank_serves_unless_the_fleet_is_idle(serving: bo
     from corefleet_client.frontend.client import KubeDPLBClient
 
     client = SimpleNamespace(_members=SimpleNamespace(any_serving=lambda: serving,
-                                                      fleet=SimpleNamespace(idle=lambda: idle)))
+                                                      fleet=SimpleNamespace(awaits_ranks=lambda: idle)))
     if healthy:
         KubeDPLBClient.check_fleet_health(client)  # type: ignore[arg-type]
     else:

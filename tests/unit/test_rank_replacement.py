@@ -600,6 +600,23 @@ def test_a_request_that_comes_while_the_fleet_goes_idle_stops_it_and_the_ranks_s
     assert not fleet.idle()
 
 
+def test_ranks_are_awaited_while_the_fleet_is_idle_or_a_replacement_runs() -> None:
+    """What keeps `/health` at 200 while no rank serves (`Fleet.awaits_ranks`): not a fleet whose ranks are lost and
+    that nothing replaces."""
+    fleet = Fleet("tiny", 1)
+    fleet.serving(IdleView(), Runner())
+    assert not fleet.awaits_ranks()
+    fleet.set_rank(0, RankState.DEAD, "connection to the engine lost")
+    assert not fleet.awaits_ranks()  # lost, and nothing on its way: /health 503
+    started, op = fleet.start_resize(ResizeRequest(id="rep-1", replicas=1, replace=(0,)))
+    assert started
+    assert fleet.awaits_ranks()  # a new engine is on its way: requests wait for it
+    fleet.finish_resize(op.id, error="no HELLO within the join timeout")
+    assert not fleet.awaits_ranks()
+    fleet.set_rank(0, RankState.IDLE, "idled")
+    assert fleet.awaits_ranks()
+
+
 def test_a_wake_that_fails_leaves_the_fleet_idle_not_broken() -> None:
     fleet, client, _ = idle_fleet()
     client.handshake_error = TimeoutError("no HELLO within 30s")

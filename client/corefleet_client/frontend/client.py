@@ -201,10 +201,10 @@ class KubeDPLBClient(DPLBAsyncMPClient):  # type: ignore[misc]  # vLLM is not ty
             vllm_compat.set_stat_loggers(async_llm, stat_loggers)
 
     def check_fleet_health(self) -> None:
-        """Called by `/health` (vllm_compat change 3): 503 only while no rank is Serving, unless the fleet is idle or
-        going idle (requests wait for its wake: idle, not broken)."""
+        """Called by `/health` (vllm_compat change 3): 503 only while no rank is Serving, unless ranks are on their
+        way (the fleet is idle or going idle, or a replacement runs: `Fleet.awaits_ranks`): requests wait for them."""
         members = self._members
-        if not members.any_serving() and not members.fleet.idle():
+        if not members.any_serving() and not members.fleet.awaits_ranks():
             raise EngineDeadError()
 
     # ---- routing -------------------------------------------------------------------------------

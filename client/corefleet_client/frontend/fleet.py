@@ -398,6 +398,16 @@ class Fleet:
                 return True
             return bool(self._ranks) and all(r.state == RankState.IDLE for r in self._ranks.values())
 
+    def awaits_ranks(self) -> bool:
+        """Whether ranks are on their way, so that a frontend with no rank serving is not broken: the fleet is idle
+        or going idle, or a replacement (a wake included) gives ranks new engines now. `/health` stays 200 then and
+        requests wait for the ranks (`frontend.hold`), instead of the endpoint leaving the Service."""
+        with self._lock:
+            current = self._ops.get(self._current) if self._current else None
+            if current is not None and current.replace and not current.phase.terminal:
+                return True
+        return self.idle()
+
     def _remember(self, op: ResizeOperation) -> None:
         self._ops[op.id] = op
         while len(self._ops) > HISTORY:
