@@ -600,6 +600,24 @@ def test_a_request_that_comes_while_the_fleet_goes_idle_stops_it_and_the_ranks_s
     assert not fleet.idle()
 
 
+def test_an_engine_that_dies_while_the_fleet_goes_idle_leaves_it_idle_all_the_same() -> None:
+    fleet = Fleet("tiny", 2)
+    client = FakeClient(fleet)
+    fleet.serving(IdleView(), Runner())
+    releasing(client)
+
+    def one_dies() -> None:
+        client.members.lost[1] = "connection to the engine lost"  # what the liveness watcher records for a leaver
+        client.engine_inflight[identity(1)] = 0  # its request failed with it
+        client.engine_inflight[identity(0)] = 0
+
+    op = idle(client, one_dies)
+    assert (op.phase, op.error) == (ResizePhase.COMPLETED, ""), op
+    assert [fleet.record(r).state for r in range(2)] == [RankState.IDLE, RankState.IDLE]
+    assert client.members.lost == {}  # a wake starts from Idle ranks, none remembered as lost
+    assert fleet.snapshot().state == FleetState.IDLE
+
+
 def test_ranks_are_awaited_while_the_fleet_is_idle_or_a_replacement_runs() -> None:
     """What keeps `/health` at 200 while no rank serves (`Fleet.awaits_ranks`): not a fleet whose ranks are lost and
     that nothing replaces."""
