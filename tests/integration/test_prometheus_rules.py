@@ -67,17 +67,20 @@ SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), 
 # vLLM's (checked against its source below).
 SCRAPE_LABELS = {"namespace", "fleet", "pod", "job", "instance"}
 COREFLEET_LABELS = {"result", "verb", "resource", "code", "phase", "direction", "state", "engine", "le", "quantile",
-                    "decision"}
+                    "decision", "reason"}
 VLLM_LABELS = {"engine", "model_name", "finished_reason"}
 
 REQUIRED_RECORDS = {"corefleet:rank_in_flight_requests", "corefleet:fleet_in_flight_requests",
-                    "corefleet:fleet_in_flight_requests_per_rank"}
+                    "corefleet:fleet_in_flight_requests_per_rank", "corefleet:fleet_requests_waiting",
+                    "corefleet:fleet_demand_requests"}
 REQUIRED_ALERTS = {
     "CorefleetOperatorDown", "CorefleetReconcileErrors", "CorefleetFleetDegraded", "CorefleetFleetFailed",
     "CorefleetRecoveryLoop", "CorefleetRanksNotReady", "CorefleetResizeStuck", "CorefleetResizeFailed",
     "CorefleetRankStalled", "CorefleetRankImbalance", "CorefleetKVCacheNearFull", "CorefleetQueueTimeHigh",
-    "CorefleetErrorRate", "CorefleetAtMaxReplicas",
+    "CorefleetErrorRate", "CorefleetAtMaxReplicas", "CorefleetWakeSlow", "CorefleetRequestsRefusedByHold",
 }
+# Phases of a fleet scaled to zero (spec.idle): no engine and no ready rank by design, not a fault.
+IDLE_PHASES = ("Idle", "Waking")
 # Recording rules whose values the promtool unit tests check (promql_expr_test).
 VALUE_TESTED_RECORDS = REQUIRED_RECORDS | {
     "corefleet:fleet_rank_load_skew", "corefleet:fleet_kv_cache_usage_perc:max", "corefleet:fleet_prompt_tokens:rate5m",
@@ -229,6 +232,43 @@ def test_rules_have_the_required_names_and_conventions() -> None:
     by_name = {r["record"]: r["expr"] for r in rules if "record" in r}
     assert "by (namespace, fleet, engine)" in by_name["corefleet:rank_requests_running"]
     assert "by (namespace, fleet)" in by_name["corefleet:fleet_in_flight_requests"]
+    assert "by (namespace, fleet)" in by_name["corefleet:fleet_requests_waiting"]
+
+
+def test_the_adapter_serves_recording_rules_that_exist() -> None:
+    """Each rule of manifests/samples/prometheus-adapter-rules.yaml lists one recording rule of ours, by
+    its (namespace, fleet) labels, and serves it under the name the HPA samples ask for."""
+    records = {r["record"] for r in all_rules() if "record" in r}
+    adapter = yaml.safe_load((REPO / "manifests" / "samples" / "prometheus-adapter-rules.yaml").read_text())["rules"]
+    served = {}
+    for rule in adapter:
+        [record] = pq.metric_names(rule["seriesQuery"])
+        assert record in records, f"{rule['seriesQuery']}: no recording rule {record}"
+        assert rule["name"]["matches"] == f"^{record}$"
+        assert rule["resources"]["overrides"] == {"namespace": {"resource": "namespace"},
+                                                  "fleet": {"group": "corefleet.io", "resource": "enginecoresets"}}
+        served[rule["name"]["as"]] = record
+    assert served == {"corefleet_fleet_in_flight_requests": "corefleet:fleet_in_flight_requests",
+                      "corefleet_fleet_demand_requests": "corefleet:fleet_demand_requests"}
+    for sample in sorted((REPO / "manifests" / "samples").glob("hpa*.yaml")):
+        for metric in yaml.safe_load(sample.read_text())["spec"]["metrics"]:
+            assert metric["object"]["metric"]["name"] in served, sample.name
+
+
+def test_alerts_on_readiness_leave_idle_and_waking_fleets_alone() -> None:
+    """A fleet scaled to zero has no ready rank and no engine series by design: every alert that reads
+    readiness ends in the same exclusion of the Idle and Waking phases (unit-tested both ways in
+    prometheus-rules.test.yaml), and a wake has an alert of its own."""
+    phases = "|".join(IDLE_PHASES)
+    exclusion = ("unless on (namespace, fleet) max by (namespace, fleet) "
+                 f'(corefleet_fleet_phase{{job="corefleet-operator", phase=~"{phases}"}}) == 1')
+    alerts = {r["alert"]: " ".join(r["expr"].split()) for r in all_rules() if "alert" in r}
+    reading_readiness = [name for name, expr in alerts.items() if "corefleet_fleet_ranks_ready" in expr]
+    assert reading_readiness
+    for name in reading_readiness:
+        assert alerts[name].endswith(exclusion), f"{name} does not leave Idle/Waking fleets alone: {alerts[name]}"
+    assert alerts["CorefleetWakeSlow"].startswith("max by (namespace, fleet) (corefleet_fleet_phase{"
+                                                 'job="corefleet-operator", phase="Waking"})')
 
 
 def test_every_alert_fires_and_stays_silent_in_the_unit_tests() -> None:
