@@ -47,6 +47,7 @@ class StartResize:
     join_timeout_s: float
     replace: tuple[int, ...] = ()  # a replacement in place: these Dead ranks get new engines (replicas unchanged)
     vacate: bool = False  # the replaced ranks' pods are being removed: drain and release them first
+    idle: bool = False  # go idle: drain every rank and release its engine (replicas unchanged)
 
 
 @dataclass(frozen=True)

@@ -100,7 +100,8 @@ class FrontendAPI:
             logger.warning("resize %s: the frontend pod has no address yet; asking again later", action.resize_id)
             return
         request = ResizeRequest(id=action.resize_id, replicas=action.replicas, drain_timeout_s=action.drain_timeout_s,
-                                join_timeout_s=action.join_timeout_s, replace=action.replace, vacate=action.vacate)
+                                join_timeout_s=action.join_timeout_s, replace=action.replace, vacate=action.vacate,
+                                idle=action.idle)
         try:
             started, op = await asyncio.to_thread(self._client(pod, token).start_resize, request)
         except AdminError as e:

@@ -741,6 +741,18 @@ class ScalingSpec:
 
 
 @dataclass(frozen=True)
+class IdleSpec:
+    afterSeconds: int | None = field(default=None, metadata=meta(
+        "Go idle after this many seconds with no request in flight or waiting at the frontend: every rank drains, "
+        "then the engine pods are deleted (their GPUs given back) while the frontend and coordinator stay, so the "
+        "endpoint keeps answering. Unset: the fleet idles only at replicas 0.", minimum=10, maximum=30 * 86400))
+    wakeOnRequest: bool = field(default=True, metadata=meta(
+        "A request that arrives while the fleet is idle wakes it (new engine pods join in place at the size it "
+        "idled at) and is served once they do; it waits at the frontend meanwhile (frontend.hold). Applies while "
+        "replicas > 0; at replicas 0 an autoscaler wakes the fleet by raising replicas."))
+
+
+@dataclass(frozen=True)
 class EngineCoreSetSpec:
     model: str = field(metadata=meta(
         "Model served by every rank: a Hugging Face id, or a path inside the image; with spec.storage (pvc, "
@@ -768,6 +780,10 @@ class EngineCoreSetSpec:
         "Where the weights come from: exactly one of a PersistentVolumeClaim, a node-local path, an OCI image "
         "volume, or the Hugging Face hub with a shared cache. Mounted at mountPath in every engine and the "
         "frontend (it needs the tokenizer). Without it, model is a hub id or a path inside the image."))
+    idle: IdleSpec | None = field(default=None, metadata=meta(
+        "Scale to zero: with it, replicas 0 (an HPA at minReplicas 0, KEDA, kubectl scale) makes the fleet idle "
+        "instead of stopping it: no engine pod and no GPU, the frontend and coordinator stay, requests wait at the "
+        "frontend and wake it. Dense fleets with one frontend only. Without it, replicas 0 stops the whole fleet."))
     networkPolicy: bool = field(default=False, metadata=meta(
         "Create a NetworkPolicy that lets fleet pods reach each other on any TCP port (vLLM's data-plane "
         "ports are ephemeral), lets anyone reach the frontend's HTTP port, and only the operator its admin "
@@ -780,6 +796,11 @@ class EngineCoreSetSpec:
         ("!self.expertParallel || self.frontend.replicas == 1",
          "frontend.replicas must be 1 with expertParallel: true: vLLM's elastic EP tells only its first client "
          "(frontend) of a resize, so the others would route to ranks that left", ""),
+        ("!has(self.idle) || !self.expertParallel",
+         "idle is for dense fleets: an MoE fleet (expertParallel: true) cannot wake in place from zero ranks (vLLM's "
+         "elastic EP would need a fresh expert-parallel group): use replicas 0 without idle to stop it", ""),
+        ("!has(self.idle) || self.frontend.replicas == 1",
+         "idle needs frontend.replicas 1: an idle fleet's requests wait at its one frontend, which wakes it", ""),
         (f"!(self.frontend.port in [{C.FRONTEND_ADMIN_PORT}, {C.DP_RPC_PORT}])",
          f"frontend.port must not be {C.FRONTEND_ADMIN_PORT} or {C.DP_RPC_PORT}: they carry the fleet's admin "
          "and handshake traffic", ""),
@@ -838,6 +859,11 @@ class EngineCoreSetSpec:
         if self.expertParallel and self.frontend.replicas != 1:
             raise SpecError("spec.frontend.replicas", "must be 1 with expertParallel: true (vLLM's elastic EP tells "
                                                       "only its first client of a resize)")
+        if self.idle is not None and self.expertParallel:
+            raise SpecError("spec.idle", "is for dense fleets: an MoE fleet (expertParallel: true) cannot wake in "
+                                         "place from zero ranks")
+        if self.idle is not None and self.frontend.replicas != 1:
+            raise SpecError("spec.idle", "needs frontend.replicas 1 (an idle fleet's requests wait at its frontend)")
         reserved_env = self.reserved_env
         for i, var in enumerate(self.engine.env):
             if var.get("name") in reserved_env:
@@ -915,7 +941,7 @@ RESERVED_PORTS = (C.FRONTEND_ADMIN_PORT, C.DP_RPC_PORT)
 # ---- status -----------------------------------------------------------------------------------
 RankPhase = Literal["Pending", "Joining", "Serving", "Draining", "Retired", "Failed"]
 FleetPhase = Literal["Pending", "Starting", "Running", "Restarting", "Scaling", "Recovering", "Stopped", "Degraded",
-                     "Failed"]
+                     "Failed", "Idle", "Waking"]
 OperationPhase = Literal["Pending", "Preparing", "Draining", "Committing", "Completed", "Failed"]
 OPERATION_DONE: tuple[OperationPhase, ...] = ("Completed", "Failed")
 # A member: the coordinator or a frontend, by the name its pod has after the fleet's (`coordinator`, `frontend`,
@@ -986,6 +1012,11 @@ class OperationStatus:
         "A replacement of the frontend or coordinator in place that interrupted a replacement of ranks: those ranks. "
         "Their new pods are deleted (a new frontend attaches to the other engines and starts with these Dead), and "
         "they are replaced again once the members serve; empty otherwise.", maxItems=C.MAX_REPLICAS))
+    idle: bool = field(default=False, metadata=meta(
+        "Going idle (fromReplicas == toReplicas): the frontend drains every rank and releases its engine; the "
+        "engine pods are deleted once it has."))
+    wake: bool = field(default=False, metadata=meta(
+        "A wake (with replace: every rank): an idle fleet's new engine pods join in place."))
     cancelling: str = field(default="", metadata=meta(
         "A replacement of the coordinator in place that interrupted a replacement of ranks (`detached`) that the "
         "frontend, which lives on, still runs: that replacement's id, which the frontend is told to cancel until the "
@@ -1001,6 +1032,25 @@ class OperationStatus:
     @property
     def scale_up(self) -> bool:
         return self.toReplicas > self.fromReplicas
+
+
+IdleCause = Literal["Quiet", "ReplicasZero"]
+
+
+@dataclass(frozen=True)
+class IdleStatus:
+    since: str = field(metadata=meta("When the fleet went idle.", format="date-time"))
+    cause: IdleCause = field(default="Quiet", metadata=meta(
+        "Why: Quiet (spec.idle.afterSeconds without a request; a request wakes it) or ReplicasZero (spec.replicas "
+        "0; replicas > 0 wakes it)."))
+    wakeFailures: int = field(default=0, metadata=meta("Wakes that failed since it went idle.", minimum=0))
+    retryAt: str | None = field(default=None, metadata=meta(
+        "After a failed wake: the next wake does not start before this (the recovery backoff).", format="date-time"))
+    message: str = field(default="", metadata=meta(
+        f"Why the last wake failed (at most {C.MAX_STATUS_MESSAGE} characters).", maxLength=C.MAX_STATUS_MESSAGE))
+
+    def __post_init__(self) -> None:
+        _bound(self, "message", C.MAX_STATUS_MESSAGE)
 
 
 @dataclass(frozen=True)
@@ -1047,6 +1097,9 @@ class EngineCoreSetStatus:
     frontends: tuple[FrontendStatus, ...] = field(default=(), metadata=meta(
         "The current incarnation's frontend pods (spec.frontend.replicas) and which of them serve.",
         maxItems=C.MAX_FRONTENDS))
+    idle: IdleStatus | None = field(default=None, metadata=meta(
+        "While the fleet is idle (spec.idle): since when and why; no engine pod runs, replicas is the size it wakes "
+        "to."))
     redundantExperts: int | None = field(default=None, metadata=meta(
         "MoE fleets: the redundant experts (vLLM's num_redundant_experts) at the committed size after the last "
         "in-place resize, as the frontend computed them. Elastic EP keeps the physical experts per rank; a "

@@ -89,6 +89,8 @@ class FleetObs:
     ranks: Mapping[int, RankObs] = field(default_factory=dict)
     size: int | None = None  # the frontend's committed size (`data_parallel_size`), if it said
     resize: FrontendResize | None = None  # the resize it runs, if one does
+    requests_waiting: int = 0  # requests held at the frontend, waiting for a rank that takes requests
+    quiet_s: float | None = None  # seconds since a request was last in flight or held there (None: not said)
 
 
 @dataclass(frozen=True)
@@ -237,10 +239,11 @@ def frontend_pod(observed: Observed, fleet: str) -> PodObs | None:
 
 def fleet_view_due(observed: Observed) -> bool:
     """Whether this reconcile asks the frontend for its view of the ranks (`GET /v1/fleet`): while the fleet
-    serves at its committed size (Running, or Degraded: a dead rank makes the frontend unready) and no resize
+    serves at its committed size (Running, or Degraded: a dead rank makes the frontend unready) or is Idle (whether
+    requests wait for it to wake), and no resize
     runs (a resize is followed through its own operation; `FrontendObs.fleet` has the view while the frontend
     does not know the operation yet)."""
-    return observed.status.phase in ("Running", "Degraded") and resize_in_flight(observed) is None
+    return observed.status.phase in ("Running", "Degraded", "Idle") and resize_in_flight(observed) is None
 
 
 def _epoch(value: Any) -> float | None:
@@ -273,8 +276,11 @@ def fleet_obs(fleet: Mapping[str, Any]) -> FleetObs:
         ranks[int(r["rank"])] = RankObs(rank=int(r["rank"]), state=str(r.get("state", "")), since=since,
                                         message=str(r.get("message") or ""))
     size = fleet.get("data_parallel_size")
+    waiting, quiet = fleet.get("requests_waiting"), fleet.get("quiet_s")
     return FleetObs(reachable=True, ranks=ranks, size=size if isinstance(size, int) and not isinstance(size, bool)
-                    else None, resize=_running_resize(fleet.get("resize")))
+                    else None, resize=_running_resize(fleet.get("resize")),
+                    requests_waiting=waiting if isinstance(waiting, int) and not isinstance(waiting, bool) else 0,
+                    quiet_s=float(quiet) if isinstance(quiet, int | float) and not isinstance(quiet, bool) else None)
 
 
 def _running_resize(operation: Any) -> FrontendResize | None:

@@ -57,7 +57,7 @@ from corefleet_operator.observe import (
     observe,
     resize_in_flight,
 )
-from corefleet_operator.planner import FRONTEND_POLL_SECONDS, Plan, PlanSettings, plan, plan_invalid
+from corefleet_operator.planner import FRONTEND_POLL_SECONDS, IDLE_POLL_SECONDS, Plan, PlanSettings, plan, plan_invalid
 from corefleet_operator.status import DEGRADED, set_condition, status_patch
 
 logger = logging.getLogger(__name__)
@@ -276,7 +276,9 @@ class FleetReconciler:
         fresh_removal = bool(removing - self.removals_seen)
         self.removals_seen = removing
         if fleet_view_due(observed) and (fresh_removal or self.clock.monotonic() >= self.fleet_view_at):
-            self.fleet_view_at = self.clock.monotonic() + FRONTEND_POLL_SECONDS
+            # An idle fleet's frontend is asked more often: whether requests wait for it to wake.
+            every = IDLE_POLL_SECONDS if observed.status.phase == "Idle" else FRONTEND_POLL_SECONDS
+            self.fleet_view_at = self.clock.monotonic() + every
             view = await self.frontend.fleet(frontend_at, observed.admin_token)
             return dataclasses.replace(observed, fleet=view)
         return observed

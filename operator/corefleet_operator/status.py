@@ -23,6 +23,7 @@ from corefleet_operator.models import (
     FleetPhase,
     FleetRef,
     FrontendStatus,
+    IdleStatus,
     OperationStatus,
     RankPhase,
     RankStatus,
@@ -55,6 +56,7 @@ class Decision:
     recovery: RecoveryStatus | None = None  # the recovery streak the fleet is in
     max_recoveries: int = 0  # spec.scaling.maxRecoveries
     redundant_experts: int | None = None  # MoE: R at `replicas` after the last in-place resize
+    idle: IdleStatus | None = None  # the fleet is idle (`planner.idle`)
 
 
 def exhausted_message(recovery: RecoveryStatus, budget: int) -> str:
@@ -181,6 +183,7 @@ def compute_status(fleet: FleetRef, generation: int, old: EngineCoreSetStatus, p
         endpoint=endpoint(fleet),
         frontends=frontends,
         redundantExperts=decision.redundant_experts,
+        idle=decision.idle,
     )
 
 
@@ -190,6 +193,8 @@ def _available(f: _Facts) -> Condition:
         return f.cond(AVAILABLE, False, "RecoveriesExhausted", "the fleet was given up")
     if f.decision.phase == "Stopped":
         return f.cond(AVAILABLE, False, "Stopped", "replicas is 0")
+    if f.decision.phase in ("Idle", "Waking") and f.decision.idle is not None:
+        return f.cond(AVAILABLE, False, f.decision.phase, _idle_message(f))
     if f.frontend_ready and f.ready > 0:
         count = f.fleet.spec.frontend.replicas
         through = f" through {f.frontends_ready}/{count} frontends" if count > 1 else ""
@@ -211,6 +216,10 @@ def _progressing(f: _Facts) -> Condition:
     if f.replacing and op is not None:
         return f.cond(PROGRESSING, True, "ReplacingRanks", f"{op.id}: {_ranks(op.replace)} replaced in place "
                                                            f"({op.phase})")
+    if phase == "Waking" and op is not None:
+        return f.cond(PROGRESSING, True, "Waking", f"{op.id}: {op.message} ({op.phase})")
+    if phase == "Idle":
+        return f.cond(PROGRESSING, False, "Idle", _idle_message(f))
     if phase in ("Running", "Stopped", "Degraded"):
         return f.cond(PROGRESSING, False, "Complete", f"fleet at {f.n} ranks")
     if phase == "Scaling" and op is not None:
@@ -223,6 +232,10 @@ def _progressing(f: _Facts) -> Condition:
 def _scaling(f: _Facts) -> Condition:
     """Scaling: a resize in place runs, or why none does."""
     op, desired, n = f.op, f.decision.desired, f.n
+    if f.resizing and op is not None and op.idle:
+        return f.cond(SCALING, True, "GoingIdle", f"{op.id} {op.phase}: {op.message}")
+    if f.decision.phase in ("Idle", "Waking"):
+        return f.cond(SCALING, False, f.decision.phase, _idle_message(f))
     if f.resizing and op is not None:
         direction = "ScalingUp" if op.scale_up else "ScalingDown"
         return f.cond(SCALING, True, direction, f"resize {op.id} ({op.fromReplicas} -> {op.toReplicas}) "
@@ -246,6 +259,11 @@ def _degraded(f: _Facts, started: str) -> Condition:
     unschedulable = sorted(p.name for p in f.by_name.values() if not p.node and p.message)
     if f.given_up and d.recovery is not None:
         return f.cond(DEGRADED, True, "RecoveriesExhausted", exhausted_message(d.recovery, d.max_recoveries))
+    if d.idle is not None and d.idle.wakeFailures and d.phase in ("Idle", "Waking"):
+        return f.cond(DEGRADED, True, "WakeFailed", f"{d.idle.wakeFailures} wake(s) failed in a row, the last: "
+                                                    f"{d.idle.message}; next try no sooner than {d.idle.retryAt}")
+    if f.replacing and op is not None and op.wake:
+        return f.cond(DEGRADED, False, "AsExpected", "")
     if f.replacing and op is not None and op.members:
         return f.cond(DEGRADED, True, "MemberReplacing", f"{_members_of(op)} lost: replaced in place ({op.phase}: "
                                                          f"{op.message}); the engines run on")
@@ -269,6 +287,18 @@ def _degraded(f: _Facts, started: str) -> Condition:
     if d.phase == "Degraded":
         return f.cond(DEGRADED, True, "RankNotReady", f"{f.ready}/{n} ranks serving")
     return f.cond(DEGRADED, False, "AsExpected", "")
+
+
+def _idle_message(f: _Facts) -> str:
+    """What an idle (or waking) fleet's conditions say."""
+    idle = f.decision.idle
+    assert idle is not None
+    if f.decision.phase == "Waking":
+        return f"waking at {f.n} ranks (idle since {idle.since}): requests wait at the frontend until a rank serves"
+    wakes = ("replicas > 0 wakes it" if idle.cause == "ReplicasZero" or f.fleet.spec.idle is None
+             or not f.fleet.spec.idle.wakeOnRequest else "a request wakes it")
+    return (f"idle since {idle.since} ({'replicas is 0' if idle.cause == 'ReplicasZero' else 'no requests'}): no "
+            f"engine pod; the endpoint answers, requests wait at the frontend; {wakes} (at {f.n} ranks)")
 
 
 def _recovering_message(f: _Facts) -> str:

@@ -121,6 +121,10 @@ INVALID: dict[str, tuple[dict[str, Any], list[str]]] = {
                                ["frontend.port must not be 8001 or 29550: they carry the fleet's admin"]),
     "moe-two-frontends": ({"expertParallel": True, "frontend": {"replicas": 2}},
                           ["frontend.replicas must be 1 with expertParallel: true: vLLM's elastic EP tells only"]),
+    "moe-idle": ({"expertParallel": True, "idle": {}}, ["idle is for dense fleets: an MoE fleet"]),
+    "idle-two-frontends": ({"idle": {"afterSeconds": 600}, "frontend": {"replicas": 2}},
+                           ["idle needs frontend.replicas 1"]),
+    "idle-too-soon": ({"idle": {"afterSeconds": 1}}, ["spec.idle.afterSeconds", "greater than or equal to 10"]),
 }
 
 

@@ -71,6 +71,9 @@ def refused(raw: dict[str, Any]) -> SpecError:
     (spec(frontend={"replicas": 9}), "spec.frontend.replicas", "9 exceeds the maximum 8"),
     (spec(frontend={"replicas": 2}, expertParallel=True), "spec.frontend.replicas",
      "must be 1 with expertParallel: true"),
+    (spec(idle={}, expertParallel=True), "spec.idle", "is for dense fleets"),
+    (spec(idle={"afterSeconds": 60}, frontend={"replicas": 2}), "spec.idle", "needs frontend.replicas 1"),
+    (spec(idle={"afterSeconds": 5}), "spec.idle.afterSeconds", "minimum"),
 ])
 def test_a_spec_beyond_a_bound_is_refused_naming_the_field(raw: dict[str, Any], path: str, text: str) -> None:
     err = refused(raw)

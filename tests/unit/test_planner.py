@@ -66,6 +66,7 @@ class Op:
     cancel: str = ""
     replace: tuple[int, ...] = ()  # a replacement in place: these Dead ranks get new engines
     redundant: int | None = None  # MoE: R' at the new size
+    idle: bool = False  # going idle: every rank drains and its engine is released
 
     def obs(self) -> ResizeObs:
         return ResizeObs(id=self.id, phase=self.phase, ranks=dict(self.ranks), message=self.phase.lower(),
@@ -88,6 +89,10 @@ class Frontend:
     engines: dict[int, str] = field(default_factory=dict)  # rank -> the UID of the pod whose engine it is connected to
     experts: int | None = None  # MoE: the model's experts E (R' = (E + R) * to / frm - E)
     redundant: int = 0  # MoE: R at the committed size
+    idle: set[int] = field(default_factory=set)  # Idle ranks: drained and released by going idle, until a wake
+    waiting: int = 0  # requests held, waiting for a rank (its view's requests_waiting)
+    quiet: float = 0.0  # seconds since a request was in flight or held (its view's quiet_s)
+    interrupt_idle: bool = False  # a request arrives while the fleet drains to idle: going idle fails
 
     def running(self) -> list[Op]:
         return [o for o in self.ops.values() if o.phase not in ("Completed", "Failed")]
@@ -149,12 +154,14 @@ class World:
     def fleet_view(self) -> FleetObs:
         if self.frontend_pod() is None or not self.frontend.reachable:
             return FleetObs(reachable=False, error="connection refused")
-        ranks = {r: self.rank_states.get(r, RankObs(r, "Dead" if r in self.frontend.dead else "Serving"))
+        ranks = {r: self.rank_states.get(r, RankObs(r, "Idle" if r in self.frontend.idle else
+                                                    "Dead" if r in self.frontend.dead else "Serving"))
                  for r in range(self.frontend.size)}
         running = self.frontend.running()
         resize = FrontendResize(from_replicas=running[0].frm, to_replicas=running[0].to, replace=running[0].replace,
                                 account=running[0].obs()) if running else None
-        return FleetObs(reachable=True, ranks=ranks, size=self.frontend.size, resize=resize)
+        return FleetObs(reachable=True, ranks=ranks, size=self.frontend.size, resize=resize,
+                        requests_waiting=self.frontend.waiting, quiet_s=self.frontend.quiet)
 
     @property
     def epoch(self) -> float:
@@ -178,9 +185,18 @@ class World:
             f.refuse = ""
             return
         assert not f.running(), f"a second resize started while {f.running()[0].id} runs"
-        if a.replace:  # a replacement: only of Dead ranks, in a fleet of that size (else 409)
+        if a.idle:  # going idle: every rank drains (no resize may be asked of an idle fleet but a wake)
             assert a.replicas == f.size, (a, f.size)
-            if not set(a.replace) <= f.dead:
+            f.ops[a.resize_id] = Op(a.resize_id, f.size, f.size, phase="Draining", idle=True,
+                                    ranks={r: ("Draining", "") for r in range(f.size)})
+            if f.idle == set(range(f.size)):  # idle already: completed at once
+                f.ops[a.resize_id].phase = "Completed"
+            f.started += 1
+            return
+        assert not f.idle or a.replace, f"a resize of an idle fleet: {a}"
+        if a.replace:  # a replacement: only of Dead (or, waking, Idle) ranks, in a fleet of that size (else 409)
+            assert a.replicas == f.size, (a, f.size)
+            if not set(a.replace) <= f.dead | f.idle:
                 f.refuse_seen[a.resize_id] = f"the frontend refused it (409): ranks {list(a.replace)} are not Dead"
                 return
             f.ops[a.resize_id] = Op(a.resize_id, f.size, f.size, phase="Preparing", replace=a.replace,
@@ -208,6 +224,7 @@ class World:
         if pod is None or pod.uid != f.uid:  # a new frontend process: it knows only its built size
             f.ops.clear()
             f.dead.clear()
+            f.idle.clear()
             f.engines.clear()
             name = f"{self.fleet.name}-frontend"
             f.redundant = self.built_redundant.get(name, 0) if pod is not None else 0
@@ -224,13 +241,22 @@ class World:
         replacing = {r for op in f.running() for r in op.replace}
         for r in range(f.size):  # an engine whose pod ended or went has lost its connection: Dead
             engine = self.pods.get(f"{self.fleet.name}-engine-{r}")
-            if r in replacing:
+            if r in replacing or r in f.idle:
                 continue
             if engine is None or engine.terminating or engine.phase in ("Failed", "Succeeded") \
                     or f.engines.setdefault(r, engine.uid) != engine.uid:
                 f.dead.add(r)
         for op in f.running():
             op.age += 1
+            if op.idle:
+                if f.interrupt_idle:
+                    op.phase, op.error = "Failed", "a request arrived while the fleet drained: the ranks serve on"
+                    op.ranks = {r: ("Serving", "") for r in op.ranks}
+                elif op.age >= 2:
+                    op.phase, f.idle = "Completed", set(range(f.size))
+                    op.ranks = {r: ("Idle", "") for r in op.ranks}
+                    f.engines.clear()
+                continue
             if op.replace:
                 new = [self.pods.get(f"{self.fleet.name}-engine-{r}") for r in op.replace]
                 if op.cancel:
@@ -240,6 +266,7 @@ class World:
                     op.phase = "Completed"
                     op.ranks = {r: ("Serving", "") for r in op.replace}
                     f.dead -= set(op.replace)
+                    f.idle -= set(op.replace)
                     f.engines.update({r: p.uid for r, p in zip(op.replace, new, strict=True) if p is not None})
                 elif op.age > f.join_steps:
                     op.phase, op.error = "Failed", "the new engine did not join within the join timeout"
@@ -353,12 +380,12 @@ class World:
             if op is not None and self.frontend_pod() is not None and op.phase in ("Pending", "Preparing"):
                 op.cancel = a.reason
 
-    def converge(self, max_steps: int = 60, tick: int = 1) -> None:
+    def converge(self, max_steps: int = 60, tick: int = 1, phases: tuple[str, ...] = ("Running", "Stopped")) -> None:
         for _ in range(max_steps):
             p = self.step()
             self.clock += tick - 1
-            if not p.actions and self.status.phase in ("Running", "Stopped") and p.status == self.status \
-                    and self.status.replicas == self.fleet.spec.replicas:
+            if not p.actions and self.status.phase in phases and p.status == self.status \
+                    and (self.status.replicas == self.fleet.spec.replicas or self.status.phase == "Idle"):
                 quiet = plan(self.fleet, self.observed(), self.now)
                 if not quiet.actions and quiet.status == self.status:
                     return
@@ -407,6 +434,11 @@ def check_invariants(world: World, before: Observed, p: Plan) -> None:
         if q.name not in deleted or q.fleet_generation != gen or q.spec_hash != want_hash:
             continue
         if new.replicas == 0 or new.phase == "Failed":  # stopped, or given up (check_recovery_invariants)
+            continue
+        if new.idle is not None and q.role == constants.ROLE_ENGINE:
+            # an idle fleet's engines go once the frontend released them (or those of a wake that failed)
+            assert old.idle is not None or (op_seen is not None and op_seen.phase == "Completed"
+                                            and old.operation is not None and old.operation.idle), (q.name, new)
             continue
         if new.operation is not None and not new.operation.done \
                 and q.name in {member(world.fleet.name, m) for m in new.operation.members}:
@@ -531,6 +563,9 @@ def check_replacement_invariants(world: World, before: Observed, p: Plan, create
     check_member_invariants(world, before, p, created, started and op is not None and bool(op.members))
     if started and op is not None and op.members:
         return
+    if op is not None and op.wake:
+        check_wake_invariants(world, before, p, started)
+        return
     if started:
         assert op is not None
         # Only a dense fleet that served, with its frontend and coordinator Ready, replaces ranks in place; each
@@ -564,6 +599,41 @@ def check_replacement_invariants(world: World, before: Observed, p: Plan, create
             assert before.frontend is not None
             assert before.frontend.fleet is not None
             assert all(before.frontend.fleet.ranks[r].state == "Dead" for r in a.replace), before.frontend
+
+
+def check_wake_invariants(world: World, before: Observed, p: Plan, started: bool) -> None:
+    """A wake: only of an idle fleet, every rank at the size it idled at, in place; not a loss; one that fails leaves it
+    idle."""
+    old, new = before.status, p.status
+    op = new.operation
+    assert op is not None
+    if new.fleetGeneration != old.fleetGeneration:  # its frontend or coordinator lost: recreated, awake
+        assert (op.phase, new.idle, started) == ("Failed", None, False), (op, new)
+        return
+    assert new.recoveries == old.recoveries
+    if started:
+        assert old.idle is not None, old
+        assert old.phase == "Idle", old
+        assert old.operation is None or old.operation.done
+        assert op.replace == tuple(range(old.replicas))
+        assert (op.fromReplicas, op.toReplicas) == (old.replicas,) * 2
+        assert [e.reason for e in p.events].count("FleetWaking") == 1
+    if not op.done:
+        assert new.phase == "Waking"
+        assert new.idle is not None
+    if op.phase == "Failed" and not (old.operation is not None and old.operation.id == op.id and old.operation.done):
+        assert new.idle is not None
+        assert new.idle.wakeFailures >= 1
+    if op.phase == "Completed":
+        assert new.idle is None
+    for a in p.actions:
+        if isinstance(a, StartResize):
+            assert a.replace == op.replace
+            assert not a.idle
+            seen = before.frontend.fleet if before.frontend is not None and before.frontend.fleet is not None \
+                else before.fleet
+            assert seen is not None
+            assert all(seen.ranks[r].state in ("Idle", "Dead") for r in a.replace), seen
 
 
 def check_member_invariants(world: World, before: Observed, p: Plan, created: list[Mapping[str, Any]],
@@ -2884,3 +2954,308 @@ def test_a_change_of_the_frontend_count_recreates_the_fleet_as_a_configuration_c
     frontends = sorted(n for n, q in w.pods.items() if q.role == constants.ROLE_FRONTEND)
     assert frontends == constants.frontend_names("a", after)
     assert w.status.recoveries == 0
+
+
+# ---- scale to zero in place (spec.idle) -----------------------------------------------------------
+def running_idle(replicas: int = 2, after: int | None = None, wake_on_request: bool = True) -> World:
+    idle: dict[str, Any] = {"wakeOnRequest": wake_on_request}
+    if after is not None:
+        idle["afterSeconds"] = after
+    w = new_world(make_ecs("a").replicas(replicas).max_replicas(8).set("idle", idle).obj())
+    w.converge()
+    assert w.status.phase == "Running"
+    return w
+
+
+def until_phase(w: World, phase: str, max_steps: int = 60) -> None:
+    step_until(w, lambda p: p.status.phase == phase, max_steps=max_steps, what=phase)
+
+
+def engine_pods(w: World) -> list[str]:
+    return sorted(n for n, q in w.pods.items() if q.role == constants.ROLE_ENGINE)
+
+
+def members_uids(w: World) -> dict[str, str]:
+    return {n: q.uid for n, q in w.pods.items() if q.role != constants.ROLE_ENGINE}
+
+
+def condition(w: World, ctype: str) -> tuple[str, str, str]:
+    c = next(c for c in w.current().conditions if c.type == ctype)
+    return c.status, c.reason, c.message
+
+
+def test_replicas_zero_with_idle_set_idles_in_place_and_replicas_back_wakes_it_in_place() -> None:
+    w = running_idle(2)
+    members = members_uids(w)
+    w.scale(0)
+    until_phase(w, "Idle")
+    w.converge(phases=("Idle",))
+
+    status = w.current()
+    assert engine_pods(w) == []
+    assert members_uids(w) == members
+    assert status.replicas == 2
+    assert status.readyReplicas == 0
+    assert status.ranks == ()
+    assert status.idle is not None
+    assert status.idle.cause == "ReplicasZero"
+    assert status.fleetGeneration == 1
+    assert status.recoveries == 0
+    assert condition(w, "Available")[:2] == ("False", "Idle")
+    assert condition(w, "Degraded")[:2] == ("False", "AsExpected")
+    assert w.frontend.idle == {0, 1}
+    assert len(w.events("FleetIdling")) == 1
+    assert len(w.events("FleetIdle")) == 1
+    assert not w.events("Stopping")
+    assert not w.events("RankLost")
+
+    w.scale(2)
+    until_phase(w, "Waking")
+    w.converge()
+    status = w.current()
+    assert status.phase == "Running"
+    assert status.idle is None
+    assert status.readyReplicas == 2
+    assert engine_pods(w) == ["a-engine-0", "a-engine-1"]
+    assert members_uids(w) == members
+    assert status.fleetGeneration == 1
+    assert status.recoveries == 0
+    assert w.frontend.idle == set()
+    assert len(w.events("FleetWaking")) == 1
+    assert len(w.events("FleetAwake")) == 1
+    assert "replicas is 2" in w.events("FleetWaking")[0]
+    assert not w.events("FleetReady")[1:]  # the fleet was ready once: at its creation
+
+
+def test_a_quiet_fleet_idles_after_its_idle_period_and_a_held_request_wakes_it() -> None:
+    w = running_idle(2, after=300)
+    w.frontend.quiet = 299
+    for _ in range(5):
+        w.step()
+    assert w.status.phase == "Running"
+    assert not w.events("FleetIdling")
+
+    w.frontend.quiet = 300
+    until_phase(w, "Idle")
+    idle = w.current().idle
+    assert idle is not None
+    assert idle.cause == "Quiet"
+    asks = w.fleet_asks
+    for _ in range(20):  # idle: its frontend is asked every pass whether requests wait
+        p = w.step()
+        assert p.status.phase == "Idle"
+        assert not p.actions
+        assert p.requeue_after is not None
+        assert p.requeue_after <= 1.0
+    assert w.fleet_asks == asks + 20
+    assert engine_pods(w) == []
+
+    w.frontend.waiting = 3
+    p = w.step()
+    assert p.status.phase == "Waking"
+    assert "3 request(s) waiting" in w.events("FleetWaking")[0]
+    assert sorted(a.obj["metadata"]["name"] for a in p.actions if isinstance(a, Apply)
+                  and a.obj["kind"] == "Pod") == ["a-engine-0", "a-engine-1"]  # created in the same pass
+    w.frontend.waiting = 0
+    w.converge()
+    assert w.status.phase == "Running"
+    assert w.status.replicas == 2
+    assert w.frontend.idle == set()
+
+
+def test_without_wake_on_request_a_held_request_does_not_wake_the_fleet_but_replicas_does_then_resizes() -> None:
+    w = running_idle(2, after=60, wake_on_request=False)
+    w.frontend.quiet = 61
+    until_phase(w, "Idle")
+    w.frontend.waiting = 5
+    for _ in range(10):
+        assert w.step().status.phase == "Idle"
+    assert "a request wakes it" not in condition(w, "Available")[2]
+
+    w.scale(3)  # another size: it wakes at the size it idled at, then resizes in place
+    until_phase(w, "Waking")
+    w.frontend.quiet = 0
+    w.converge(max_steps=80)
+    assert w.status.replicas == 3
+    assert w.status.phase == "Running"
+    assert w.status.fleetGeneration == 1
+    assert "replicas is 3 (it idled at 2)" in w.events("FleetWaking")[0]
+    assert len(w.events("ResizeCompleted")) == 1
+    assert w.status.recoveries == 0
+
+
+def test_a_request_during_the_drain_to_idle_cancels_it_and_the_fleet_serves_on() -> None:
+    w = running_idle(2)
+    engines = {n: w.pods[n].uid for n in engine_pods(w)}
+    w.frontend.interrupt_idle = True
+    w.scale(0)
+    step_until(w, lambda p: any(e.reason == "IdleCancelled" for e in p.events), what="IdleCancelled")
+    assert w.status.phase == "Running"
+    assert w.status.idle is None
+    assert {n: w.pods[n].uid for n in engine_pods(w)} == engines  # nothing deleted, nothing lost
+    assert "a request arrived" in w.events("IdleCancelled")[0]
+    for _ in range(20):  # at replicas 0 it is tried again, not at once
+        w.step()
+    assert len(w.events("FleetIdling")) == 1
+    w.frontend.interrupt_idle = False
+    w.clock += int(RESIZE_RETRY_SECONDS)
+    until_phase(w, "Idle")
+    assert len(w.events("FleetIdling")) == 2
+    assert engine_pods(w) == []
+
+
+def test_a_wake_that_cannot_succeed_leaves_the_fleet_idle_says_why_and_retries_after_the_backoff() -> None:
+    w = running_idle(2, after=60)
+    members = members_uids(w)
+    w.frontend.quiet = 61
+    until_phase(w, "Idle")
+    w.crash = {"a-engine-1"}  # its container exits as soon as it starts
+    w.frontend.waiting = 4
+    step_until(w, lambda p: any(e.reason == "WakeFailed" for e in p.events), what="WakeFailed")
+    status = w.current()
+    assert status.idle is not None
+    assert status.idle.wakeFailures == 1
+    assert "rank 1" in status.idle.message
+    assert status.idle.retryAt is not None
+    assert status.operation is not None
+    assert status.operation.wake
+    assert status.operation.phase == "Failed"
+    assert condition(w, "Degraded")[:2] == ("True", "WakeFailed")
+    assert w.frontend.ops[status.operation.id].phase == "Failed"  # cancelled at the frontend: its ranks stay Idle
+    until_phase(w, "Idle")
+    assert engine_pods(w) == []
+    assert members_uids(w) == members
+    assert w.status.fleetGeneration == 1
+    assert w.status.recoveries == 0
+    assert not w.events("RankLost")
+    # the next wake waits for the backoff (10 s after the first failure)
+    retry_at = status.idle.retryAt
+    while w.now < retry_at:
+        assert w.step().status.phase == "Idle"
+    w.crash = set()
+    w.converge()
+    assert w.status.phase == "Running"
+    assert w.status.idle is None
+    assert len(w.events("FleetWaking")) == 2
+    assert members_uids(w) == members
+
+
+def test_wake_failures_back_off_longer_each_time() -> None:
+    w = running_idle(1, after=60)
+    w.frontend.quiet = 61
+    until_phase(w, "Idle")
+    w.crash = {"a-engine-0"}
+    w.frontend.waiting = 1
+    waits = []
+    for failures in (1, 2, 3):
+        step_until(w, lambda p: p.status.idle is not None and p.status.idle.wakeFailures == failures,  # noqa: B023
+                   what=f"failure {failures}")
+        idle = w.current().idle
+        assert idle is not None
+        waits.append(seconds(w.now, idle.retryAt) + 1)
+    assert waits[0] < waits[1] < waits[2]
+
+
+def test_an_operator_restart_at_any_step_of_going_idle_and_waking_changes_nothing() -> None:
+    baseline = running_idle(2)
+    baseline.scale(0)
+    baseline.converge(phases=("Idle",))
+    steps = len(baseline.log)
+    for k in range(1, 25):
+        w = running_idle(2)
+        members = members_uids(w)
+        start = len(w.log)
+        w.scale(0)
+        for i in range(80):
+            w.drop_actions = i in (k, k + 1)  # the operator dies after writing its status, twice in a row
+            if w.step().status.phase == "Idle" and not w.frontend.running():
+                break
+        w.converge(phases=("Idle",))
+        assert (engine_pods(w), members_uids(w)) == ([], members), k
+        w.scale(2)
+        for i in range(80):
+            w.drop_actions = i in (k, k + 3)
+            w.step()
+        w.converge()
+        assert (w.status.phase, w.status.fleetGeneration, w.status.recoveries) == ("Running", 1, 0), k
+        assert members_uids(w) == members, k
+        assert len(w.log) - start < 200
+    assert steps > 0
+
+
+def test_a_lost_frontend_while_idle_recreates_the_fleet_awake() -> None:
+    w = running_idle(2)
+    w.scale(0)
+    until_phase(w, "Idle")
+    w.fail("a-frontend", "container frontend exited with 137 (OOMKilled)")
+    step_until(w, lambda p: p.status.fleetGeneration == 2, what="incarnation 2")
+    assert w.status.idle is None
+    assert w.status.recoveries == 1
+    w.scale(2)
+    w.converge()
+    assert w.status.phase == "Running"
+    assert len(engine_pods(w)) == 2
+
+
+def test_spec_idle_removed_while_idle_wakes_at_replicas_and_stops_at_zero() -> None:
+    w = running_idle(2, after=60)
+    w.frontend.quiet = 61
+    until_phase(w, "Idle")
+    w.set_spec(replace(w.fleet.spec, idle=None))
+    w.converge()
+    assert w.status.phase == "Running"
+    assert "spec.idle was removed" in w.events("FleetWaking")[0]
+
+    w = running_idle(2)
+    w.scale(0)
+    until_phase(w, "Idle")
+    w.set_spec(replace(w.fleet.spec, idle=None))
+    w.converge()
+    assert w.status.phase == "Stopped"
+    assert w.pods == {}
+
+
+def test_random_idle_wake_resize_and_failure_sequences_keep_the_invariants_and_converge() -> None:
+    rng = random.Random(20261205)
+    for trial in range(60):
+        w = running_idle(rng.randint(1, 3), after=rng.choice([None, 60]))
+        for _ in range(rng.randint(10, 50)):
+            roll = rng.random()
+            live = [n for n, q in w.pods.items() if not q.terminating and q.phase == "Running"]
+            if roll < 0.06 and live:
+                w.fail(rng.choice(live))
+            elif roll < 0.2:
+                w.scale(rng.choice([0, 0, 1, 2, 3]))
+            elif roll < 0.27:
+                w.drop_actions = True
+            elif roll < 0.32:
+                w.frontend.reachable = not w.frontend.reachable
+            elif roll < 0.4:
+                w.frontend.quiet = rng.choice([0.0, 120.0])
+                w.frontend.waiting = rng.choice([0, 0, 2])
+            elif roll < 0.44:
+                w.frontend.interrupt_idle = not w.frontend.interrupt_idle
+            elif roll < 0.47:
+                w.crash = {"a-engine-0"} if not w.crash else set()
+            w.step()
+            w.clock += rng.choice([0, 0, 5, 60])
+        w.frontend.reachable, w.frontend.interrupt_idle, w.crash = True, False, set()
+        w.frontend.quiet, w.frontend.waiting = 0.0, 0
+        spec = w.fleet.spec
+        w.clock += int(RESIZE_RETRY_SECONDS)
+        w.converge(max_steps=300, tick=10, phases=("Idle", "Stopped") if spec.replicas == 0 else ("Running", "Idle"))
+        if spec.replicas > 0 and w.status.phase == "Idle":  # idle after its quiet period: a request wakes it
+            idle = w.current().idle
+            assert idle is not None, trial
+            assert (idle.cause, spec.idle is not None) == ("Quiet", True), trial
+            w.frontend.waiting = 1
+            until_phase(w, "Waking")
+            w.frontend.waiting = 0
+            w.converge(max_steps=300, tick=10)
+        if spec.replicas == 0:
+            assert w.status.idle is not None or w.status.phase == "Stopped", trial
+            assert engine_pods(w) == [], trial
+        else:
+            assert (w.status.replicas, w.status.idle) == (spec.replicas, None), trial
+            assert engine_pods(w) == [f"a-engine-{i}" for i in range(spec.replicas)], trial
+        assert len(w.frontend.running()) == 0, trial

@@ -13,11 +13,12 @@ states the rules it implements:
    streak; a lost status adopted from the pods). A fleet given up stays so until its spec changes
    (`recovery`).
 2. `follow`: the operation in flight followed one step: a resize in place (`resize`), a replacement
-   of lost dense ranks in place (`replace`), or one of a dense fleet's lost frontend and/or
-   coordinator in place, the engines serving on (`members`).
+   of lost dense ranks in place (`replace`), one of a dense fleet's lost frontend and/or
+   coordinator in place, the engines serving on (`members`), or going idle or waking (`idle`).
 3. `losses`: what the current incarnation lost, and whether its configuration changed.
 4. `step`: the next step: recreate, replace ranks or members in place, or give up (`recovery`:
-   streak, backoff, budget); then a new size: resize, recreate, stop or wait.
+   streak, backoff, budget); then go idle or wake (`idle`); then a new size: resize, recreate, stop or
+   wait.
 5. `children`: the pods and other children to apply and delete.
 6. `phase` and `ranks`: the fleet's phase and the rank statuses, for `status.compute_status`.
 7. `requeue`: when to look again.
@@ -42,6 +43,7 @@ from corefleet_operator.planner.common import (
     seconds_between,
 )
 from corefleet_operator.planner.follow import follow_operation
+from corefleet_operator.planner.idle import IDLE_POLL_SECONDS
 from corefleet_operator.planner.losses import FRONTEND_POLL_SECONDS, UNRESPONSIVE_SECONDS, find_losses
 from corefleet_operator.planner.phase import fleet_phase, phase_events, ready_timeout_event
 from corefleet_operator.planner.ranks import rank_statuses
@@ -73,6 +75,7 @@ __all__ = [
     "BACKOFF_MAX_SECONDS",
     "FRONTEND_GRACE_SECONDS",
     "FRONTEND_POLL_SECONDS",
+    "IDLE_POLL_SECONDS",
     "OPERATION_PHASES",
     "OPTIONAL_KINDS",
     "REDUNDANT_EXPERTS_POLL_SECONDS",
@@ -112,7 +115,7 @@ def plan(fleet: FleetRef, observed: Observed, now: str, settings: PlanSettings =
     if given_up is not None:
         return plan_given_up(fleet, observed, given_up, basis.old.recoveries, (), now)
     observed, basis = frontends_resize(fleet, observed, basis, now)
-    flight = follow_operation(fleet, observed, basis, now)
+    flight = follow_operation(fleet, observed, basis, now, settings)
     losses = find_losses(fleet, observed, basis, flight, now)
     step = next_step(fleet, observed, basis, flight, losses, settings, now)
     if isinstance(step, Plan):
@@ -136,7 +139,8 @@ def decide(fleet: FleetRef, basis: Basis, step: Step, children: Children, phase:
                     replicas=step.committed, ranks=rank_statuses(fleet, step, children), operation=step.operation,
                     new_incarnation=step.new_incarnation and not basis.fresh, desired=fleet.spec.replicas,
                     retry_in=retry_in, recovery=step.recovery, max_recoveries=fleet.spec.scaling.maxRecoveries,
-                    redundant_experts=children.redundant_experts)
+                    redundant_experts=children.redundant_experts,
+                    idle=step.idle if step.committed > 0 and not step.new_incarnation else None)
 
 
 def plan_invalid(error: SpecError, observed: Observed, now: str) -> Plan:

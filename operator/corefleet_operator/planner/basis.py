@@ -42,7 +42,8 @@ class Basis:
     terminating: tuple[PodObs, ...]  # pods being deleted
     live_by_name: Mapping[str, PodObs]
     current: Mapping[str, PodObs]  # live pods of the current incarnation, by name
-    members: frozenset[str]  # the member pods at the committed size (coordinator, frontend, engines)
+    members: frozenset[str]  # the member pods at the committed size (coordinator, frontend, engines; no engine
+    #                          while the fleet is idle: `planner.idle`)
     events: tuple[Event, ...] = ()  # StatusLost (adopted), Creating (fresh)
 
     @property
@@ -73,7 +74,8 @@ def begin(fleet: FleetRef, observed: Observed, now: str) -> Basis:
                  terminating=tuple(p for p in observed.pods if p.terminating),
                  live_by_name={p.name: p for p in live},
                  current={p.name: p for p in live if p.fleet_generation == generation},
-                 members=frozenset(desired_pod_names(fleet, committed)), events=events)
+                 members=frozenset(desired_pod_names(fleet, committed, idle=old.idle is not None and not fresh)),
+                 events=events)
 
 
 def adopt(fleet: FleetRef, observed: Observed) -> tuple[EngineCoreSetStatus, Event] | None:

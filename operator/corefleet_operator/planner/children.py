@@ -13,8 +13,9 @@
   budget following the committed size is no repair); nothing is written when nothing changed. Children
   the spec switched off (`OPTIONAL_KINDS`) are deleted. A stopped fleet keeps its endpoint, Secret and
   policy, and has no pods.
-* The operation's own requests to the frontend (`StartResize`, `CancelResize`) and a replacement's
-  deletes of the old pods come first.
+* The operation's own requests to the frontend (`StartResize`, `CancelResize`; going idle's, a failed
+  wake's cancel) and a replacement's deletes of the old pods come first. An idle fleet keeps no engine
+  pod (`Step.resting`): they are deleted once the frontend has released them.
 
 Pure module: no kopf, no Kubernetes client, no I/O.
 """
@@ -77,7 +78,7 @@ def child_actions(fleet: FleetRef, observed: Observed, basis: Basis, flight: Fli
         wanted.difference(basis.live_by_name, held_pods(fleet, step, awaiting))
     objects = desired_objects(fleet, observed, step, redundant, fleet_redundant)
     applies, created, repaired = _apply(observed, objects, creatable, basis.fresh)
-    actions = (*operation_actions(step), *(delete_pod(p) for p in stale),
+    actions = (*operation_actions(step), *step.idle_actions, *(delete_pod(p) for p in stale),
                *(step.replacing.actions if step.replacing_now and step.replacing is not None else ()),
                *applies, *_switched_off(observed, objects))
     events = (*_retired_events(step, stale), *repaired, *_recovering_event(fleet, observed, step, created))
@@ -90,7 +91,7 @@ def wanted_pods(fleet: FleetRef, step: Step) -> frozenset[str]:
     """The pods the fleet keeps: its members at the committed size and the engines of the ranks it keeps."""
     if not step.committed:
         return frozenset()
-    return frozenset(desired_pod_names(fleet, step.committed)) \
+    return frozenset(desired_pod_names(fleet, step.committed, idle=step.resting)) \
         | {constants.engine_name(fleet.name, r) for r in step.keep_ranks}
 
 
@@ -134,7 +135,7 @@ def desired_objects(fleet: FleetRef, observed: Observed, step: Step, redundant: 
         return builders.fleet_objects(fleet, admin_token=observed.admin_token)
     spec = fleet.spec
     # A drain may remove one engine rank at a time, never while a resize or a replacement runs.
-    disruptions = 0 if step.in_flight or step.replacing_now else 1
+    disruptions = 0 if step.in_flight or step.replacing_now or step.idling_now else 1
     children = builders.fleet_children(fleet, dp_size=step.committed, admin_token=observed.admin_token,
                                        fleet_generation=step.generation, num_redundant_experts=fleet_redundant,
                                        engine_disruptions=disruptions, frontend_attach=step.attaching,

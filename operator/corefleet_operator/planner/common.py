@@ -73,12 +73,12 @@ def sooner(a: float | None, b: float) -> float:
 
 
 # ---- pods -----------------------------------------------------------------------------------------
-def desired_pod_names(fleet: FleetRef, replicas: int) -> list[str]:
-    """The member pods of a fleet of `replicas` ranks (none for a stopped fleet)."""
+def desired_pod_names(fleet: FleetRef, replicas: int, idle: bool = False) -> list[str]:
+    """The member pods of a fleet of `replicas` ranks (none for a stopped fleet; no engine for an idle one)."""
     if replicas == 0:
         return []
     return [constants.coordinator_name(fleet.name), *constants.frontend_names(fleet.name, fleet.spec.frontend.replicas),
-            *(constants.engine_name(fleet.name, r) for r in range(replicas))]
+            *(constants.engine_name(fleet.name, r) for r in range(0 if idle else replicas))]
 
 
 def pod_ready(pod: PodObs | None) -> bool:

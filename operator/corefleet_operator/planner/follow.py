@@ -3,8 +3,9 @@
 
 A resize (`planner.resize`) is followed from the frontend's account of it, a replacement of lost dense
 ranks in place (`planner.replace`) and one of the frontend and/or coordinator (`planner.members`)
-through their own steps. The ranks and member pods an operation moves are its business: their pods'
-ends are not losses (`planner.losses`). A fresh fleet has no operation to follow.
+through their own steps; so are going idle and a wake (a replacement of every rank), whose failure leaves
+the fleet idle rather than losing it (`planner.idle`). The ranks and member pods an operation moves are
+its business: their pods' ends are not losses (`planner.losses`). A fresh fleet has no operation to follow.
 
 MoE: the redundant experts belong to the committed size they were reported for
 (`status.redundantExperts` at `status.replicas`; after a resize that completes now, R' at the new size).
@@ -18,10 +19,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from corefleet_operator.actions import Event
-from corefleet_operator.models import FleetRef, OperationStatus
+from corefleet_operator.actions import Action, Event
+from corefleet_operator.models import FleetRef, IdleStatus, OperationStatus
 from corefleet_operator.observe import Observed
 from corefleet_operator.planner.basis import Basis
+from corefleet_operator.planner.common import PlanSettings
+from corefleet_operator.planner.idle import IdleStep, continue_idle, wake_failed
 from corefleet_operator.planner.members import (
     after_replacement,
     after_resize,
@@ -30,6 +33,8 @@ from corefleet_operator.planner.members import (
 )
 from corefleet_operator.planner.replace import ReplaceStep, continue_replace
 from corefleet_operator.planner.resize import ResizeStep, continue_resize
+
+DEFAULT_SETTINGS = PlanSettings()
 
 
 @dataclass(frozen=True)
@@ -44,11 +49,16 @@ class Flight:
     moving_members: frozenset[str] = frozenset()  # the frontend and/or coordinator pods the operation replaces
     redundant_size: int = 0  # MoE: the committed size `redundant_experts` is for
     redundant_experts: int | None = None
+    idling: IdleStep | None = None  # going idle, followed this pass
+    idle: IdleStatus | None = None  # the fleet's idleness after this pass (`status.idle`)
+    idle_actions: tuple[Action, ...] = ()  # going idle's request to the frontend, a failed wake's cancel
+    idle_events: tuple[Event, ...] = ()  # a failed wake's
 
     @property
     def events(self) -> tuple[Event, ...]:
         return (self.resize.events if self.resize is not None else ()) \
-            + (self.replacing.events if self.replacing is not None else ())
+            + (self.replacing.events if self.replacing is not None else ()) \
+            + (self.idling.events if self.idling is not None else ()) + self.idle_events
 
     @property
     def lost(self) -> tuple[str, ...]:
@@ -57,13 +67,20 @@ class Flight:
                                      self.replacing.lost if self.replacing is not None else "") if why)
 
 
-def follow_operation(fleet: FleetRef, observed: Observed, basis: Basis, now: str) -> Flight:
+def follow_operation(fleet: FleetRef, observed: Observed, basis: Basis, now: str,
+                     settings: PlanSettings = DEFAULT_SETTINGS) -> Flight:
     """Follow the operation in flight, if any, one step."""
     old, running = basis.old, basis.running
     still = Flight(operation=old.operation, committed=basis.committed, redundant_size=old.replicas,
-                   redundant_experts=old.redundantExperts)
+                   redundant_experts=old.redundantExperts, idle=None if basis.fresh else old.idle)
     if running is None or basis.fresh:
         return still
+    if running.idle:
+        idling = continue_idle(fleet, observed, running, now)
+        return replace(still, operation=idling.operation, idling=idling, moving=frozenset(range(basis.committed)),
+                       idle=idling.idle or still.idle, idle_actions=idling.actions)
+    if running.wake:
+        return _follow_wake(fleet, observed, basis, running, still, settings, now)
     if running.members:
         replacing = continue_members(fleet, observed, running, basis.current, now)
         return replace(still, operation=replacing.operation, replacing=replacing, moving=frozenset(running.detached),
@@ -82,4 +99,20 @@ def follow_operation(fleet: FleetRef, observed: Observed, basis: Basis, now: str
                      moving=resize.joining | resize.leaving, moving_members=after_resize(fleet))
     if resize.operation.phase == "Completed" and resize.committed != old.replicas:
         flight = replace(flight, redundant_size=resize.committed, redundant_experts=resize.redundant_experts)
+    return flight
+
+
+def _follow_wake(fleet: FleetRef, observed: Observed, basis: Basis, running: OperationStatus, still: Flight,
+                 settings: PlanSettings, now: str) -> Flight:
+    """A wake is a replacement of every rank (`planner.replace`); one that fails leaves the fleet idle (not a loss)."""
+    replacing = continue_replace(fleet, observed, running, basis.current, None, now)
+    flight = replace(still, operation=replacing.operation, replacing=replacing, moving=frozenset(running.replace))
+    if replacing.lost:
+        idle = still.idle or IdleStatus(since=now)
+        failed, idle, actions, event = wake_failed(fleet.spec, idle, running, replacing.lost, settings.backoff_scale,
+                                                   now)
+        return replace(flight, operation=failed, replacing=replace(replacing, operation=failed, lost="", actions=()),
+                       idle=idle, idle_actions=actions, idle_events=(event,))
+    if replacing.operation.phase == "Completed":
+        return replace(flight, idle=None)
     return flight

@@ -188,9 +188,9 @@ def interrupted_resize(fleet: FleetRef, basis: Basis, roles: Iterable[MemberRole
     """A dense resize in flight that the lost frontend was running (it lives in the frontend process, so it ends with
     it): a scale-up is rolled back to its old size, a scale-down finished at its new one (`size_after`)."""
     running = basis.running
-    if running is None or running.members or running.replace or fleet.spec.expertParallel \
+    if running is None or running.members or running.replace or running.idle or fleet.spec.expertParallel \
             or constants.ROLE_FRONTEND not in set(roles):
-        return None
+        return None  # (going idle: the fleet is recreated, awake)
     return running
 
 
@@ -200,9 +200,9 @@ def interrupted_replacement(fleet: FleetRef, basis: Basis, roles: Iterable[Membe
     module's `detached`; a frontend that lives on is told to cancel its part: `cancelling`)."""
     running = basis.running
     lost = set(roles)
-    if running is None or running.members or not running.replace or fleet.spec.expertParallel \
+    if running is None or running.members or not running.replace or running.wake or fleet.spec.expertParallel \
             or not lost & {constants.ROLE_FRONTEND, constants.ROLE_COORDINATOR}:
-        return None
+        return None  # (a wake: the fleet is recreated, awake)
     return running
 
 

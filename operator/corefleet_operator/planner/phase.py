@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The planner's fifth phase: the fleet's phase, from what stands after this pass's actions.
 
-In order: Stopped (no ranks, no pods left); Degraded while lost ranks are replaced in place (the other
+In order: Stopped (no ranks, no pods left); Waking, Idle, and Scaling while going idle (`planner.idle`);
+Degraded while lost ranks are replaced in place (the other
 ranks serve on), or a lost frontend and/or coordinator (the engines run on); Scaling while a resize
 runs; a fleet recreated this pass stays Recovering, Restarting or Starting; Running once every member
 pod is Ready; still Recovering or Restarting until then; Degraded when a fleet that served has all its
@@ -29,6 +30,12 @@ def fleet_phase(fleet: FleetRef, basis: Basis, step: Step, children: Children) -
     old = basis.old
     if step.committed == 0 and not standing and not basis.terminating:
         return "Stopped"
+    if step.waking:
+        return "Waking"
+    if step.resting:
+        return "Idle"
+    if step.idling_now:
+        return "Scaling"
     if step.replacing_now:
         return "Degraded"  # the other ranks (the engines) serve on while the lost ones (members) are replaced
     if step.in_flight:
@@ -57,7 +64,7 @@ def phase_events(fleet: FleetRef, observed: Observed, basis: Basis, step: Step,
     """FleetReady, Stopped, and ResizeQueued (a new `replicas` while a resize runs), each told once."""
     old = basis.old
     events = []
-    if phase == "Running" and old.phase not in ("Running", "Scaling"):
+    if phase == "Running" and old.phase not in ("Running", "Scaling", "Waking"):
         events.append(Event("Normal", "FleetReady", f"all {step.committed} ranks serving {fleet.spec.model}"))
     if phase == "Stopped" and old.phase != "Stopped":
         events.append(Event("Normal", "Stopped", "replicas is 0: the fleet has no pods"))

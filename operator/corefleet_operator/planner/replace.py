@@ -207,7 +207,8 @@ def _ask_once_dead(spec: EngineCoreSetSpec, observed: Observed, frontend: Fronte
     seen = frontend.fleet if frontend.fleet is not None else observed.fleet
     states = {rank: (seen.ranks[rank].state if seen is not None and rank in seen.ranks else "unknown")
               for rank in op.replace}
-    if seen is not None and seen.reachable and all(state == "Dead" for state in states.values()):
+    ready = ("Dead", "Idle") if op.wake else ("Dead",)  # a wake takes the new engines in Idle ranks' place
+    if seen is not None and seen.reachable and all(state in ready for state in states.values()):
         return replace(step, actions=(*step.actions, _ask(spec, op)),
                        operation=replace(op, message=f"asking the frontend to replace {what}"))
     shown = ", ".join(f"rank {rank} {state}" for rank, state in sorted(states.items()))
@@ -224,6 +225,12 @@ def _completed(step: ReplaceStep, names: Mapping[int, str], current: Mapping[str
                                                message=f"the frontend serves on {what} again; waiting for the "
                                                        f"pod(s) of {listed(unready)} to be Ready"))
     took = seconds_between(op.startedAt, now)
+    if op.wake:
+        return replace(step, operation=replace(op, phase="Completed", finishedAt=now,
+                                               message=f"awake: {what} serving {took:.0f}s after the wake began"),
+                       events=(Event("Normal", "FleetAwake", f"{op.id}: the fleet is awake, {what} serving again "
+                                                             f"{took:.0f}s after the wake began (new pods joined "
+                                                             "in place; held requests are served)"),))
     return replace(step, operation=replace(op, phase="Completed", finishedAt=now,
                                            message=f"{what} replaced in place in {took:.0f}s"),
                    events=(Event("Normal", "RankReplaced", f"replacement {op.id}: {what} replaced in place (new "

@@ -4,7 +4,8 @@
 What changes without a Kubernetes event is looked at on time: an operation's progress on the frontend
 (`RESIZE_POLL_SECONDS`; a replacement's backoff end), a failed resize's retry, a recovery's backoff
 end, an MoE scale-up's R' (`REDUNDANT_EXPERTS_POLL_SECONDS`), the readiness deadlines (the fleet's, and
-each pod's), and the frontend's view of the ranks of a fleet that serves (`FRONTEND_POLL_SECONDS`).
+each pod's), and the frontend's view of the ranks of a fleet that serves (`FRONTEND_POLL_SECONDS`) or is
+idle (`IDLE_POLL_SECONDS`: whether requests wait for it to wake).
 
 Pure module: no kopf, no Kubernetes client, no I/O.
 """
@@ -16,6 +17,7 @@ from collections.abc import Iterable
 from corefleet_operator.models import EngineCoreSetStatus, FleetRef
 from corefleet_operator.observe import PodObs
 from corefleet_operator.planner.common import seconds_between, sooner
+from corefleet_operator.planner.idle import IDLE_POLL_SECONDS
 from corefleet_operator.planner.losses import FRONTEND_POLL_SECONDS
 from corefleet_operator.planner.resize import REDUNDANT_EXPERTS_POLL_SECONDS, RESIZE_POLL_SECONDS
 from corefleet_operator.planner.step import Step
@@ -26,7 +28,7 @@ def operation_wake(step: Step, backoff: float, awaiting_experts: bool) -> float 
     """When the step's own clock runs out: a failed resize's retry, the operation in flight's next poll (a
     replacement's backoff end), a recovery's backoff end (`backoff`), an MoE scale-up's R'."""
     wake = step.retry_in
-    if step.in_flight:
+    if step.in_flight or step.idling_now:
         wake = RESIZE_POLL_SECONDS
     if step.replacing_now and step.replacing is not None:  # the frontend is followed, or the backoff's end awaited
         wake = step.replacing.wait if step.replacing.wait else RESIZE_POLL_SECONDS
@@ -49,4 +51,6 @@ def requeue_after(fleet: FleetRef, step: Step, status: EngineCoreSetStatus, stan
             requeue = sooner(requeue, max(1.0, timeout - seconds_between(p.unready_since, now) + 1))
     if status.phase in ("Running", "Degraded") and not step.in_flight:
         requeue = sooner(requeue, FRONTEND_POLL_SECONDS)  # the frontend's view of the ranks is read this often
+    if status.phase == "Idle":
+        requeue = sooner(requeue, IDLE_POLL_SECONDS)  # whether requests wait for the fleet to wake
     return requeue

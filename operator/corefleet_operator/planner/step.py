@@ -28,13 +28,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from corefleet_operator import builders, constants
-from corefleet_operator.actions import Event
-from corefleet_operator.models import FleetPhase, FleetRef, OperationStatus, RecoveryStatus
+from corefleet_operator.actions import Action, Event
+from corefleet_operator.models import FleetPhase, FleetRef, IdleStatus, OperationStatus, RecoveryStatus
 from corefleet_operator.observe import Observed
 from corefleet_operator.planner import recovery as rec
 from corefleet_operator.planner.basis import Basis
 from corefleet_operator.planner.common import Plan, PlanSettings, listed
 from corefleet_operator.planner.follow import Flight
+from corefleet_operator.planner.idle import IdleStep, idle_cause, start_idle, start_wake, wake_reason, wake_wait
 from corefleet_operator.planner.losses import Losses
 from corefleet_operator.planner.members import (
     MAX_MEMBER_REPLACEMENTS,
@@ -49,8 +50,14 @@ from corefleet_operator.planner.members import (
     ranks_with_members,
     start_members,
 )
-from corefleet_operator.planner.replace import ReplaceStep, in_place, removed_while_serving, start_replace
-from corefleet_operator.planner.resize import ResizeStep, retry_wait, start_resize
+from corefleet_operator.planner.replace import (
+    ReplaceStep,
+    continue_replace,
+    in_place,
+    removed_while_serving,
+    start_replace,
+)
+from corefleet_operator.planner.resize import RESIZE_RETRY_SECONDS, ResizeStep, retry_wait, start_resize
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,26 @@ class Step:
     replacing: ReplaceStep | None = None  # a replacement (of ranks, or of members) followed or started this pass
     events: tuple[Event, ...] = ()  # what the pass has told so far
     retry_in: float | None = None  # a failed resize to this size is tried again in this many seconds
+    idling: IdleStep | None = None  # going idle, followed or started this pass
+    idle: IdleStatus | None = None  # the fleet is idle (`status.idle`): no engine pod unless it wakes
+    idle_actions: tuple[Action, ...] = ()  # going idle's request to the frontend, a failed wake's cancel
+
+    @property
+    def idling_now(self) -> bool:
+        """The fleet goes idle after this pass (its ranks drain; not once a loss ended the idling)."""
+        op = self.operation
+        return self.idling is not None and not self.new_incarnation and op is not None and not op.done \
+            and op.id == self.idling.operation.id
+
+    @property
+    def waking(self) -> bool:
+        """An idle fleet wakes after this pass (its new engine pods join)."""
+        return self.replacing_now and self.replacing is not None and self.replacing.operation.wake
+
+    @property
+    def resting(self) -> bool:
+        """The fleet is idle after this pass, not waking: it keeps no engine pod."""
+        return self.idle is not None and not self.new_incarnation and self.committed > 0 and not self.waking
 
     @property
     def in_flight(self) -> bool:
@@ -112,7 +139,9 @@ class Step:
 
     @property
     def keep_ranks(self) -> frozenset[int]:
-        """The engine ranks whose pods the fleet keeps."""
+        """The engine ranks whose pods the fleet keeps (none while it rests idle)."""
+        if self.resting:
+            return frozenset()
         return frozenset(range(self.committed)) | self.joining | self.leaving
 
 
@@ -121,7 +150,8 @@ def first_step(basis: Basis, flight: Flight) -> Step:
     return Step(generation=basis.generation, committed=flight.committed, phase=basis.old.phase,
                 new_incarnation=basis.fresh, operation=flight.operation, recovery=basis.streak,
                 recoveries=basis.old.recoveries, resize=flight.resize, replacing=flight.replacing,
-                events=basis.events + flight.events)
+                events=basis.events + flight.events, idling=flight.idling, idle=flight.idle,
+                idle_actions=flight.idle_actions)
 
 
 def next_step(fleet: FleetRef, observed: Observed, basis: Basis, flight: Flight, losses: Losses,
@@ -130,7 +160,35 @@ def next_step(fleet: FleetRef, observed: Observed, basis: Basis, flight: Flight,
     step = after_losses(fleet, observed, basis, losses, first_step(basis, flight), settings, now)
     if isinstance(step, Plan):
         return step
-    return new_size(fleet, basis, step, now)
+    return new_size(fleet, basis, idle_or_wake(fleet, observed, basis, step, now), now)
+
+
+def idle_or_wake(fleet: FleetRef, observed: Observed, basis: Basis, step: Step, now: str) -> Step:
+    """With nothing in flight: an idle fleet wakes when it should, a Running one goes idle when it should
+    (`planner.idle`)."""
+    spec = fleet.spec
+    if step.new_incarnation or step.in_flight or step.replacing_now or step.idling is not None:
+        return step  # (an idling that ended this pass: one operation a pass, the next one after its status is written)
+    if step.idle is not None:
+        reason = wake_reason(spec, step.idle, observed.fleet, step.committed)
+        if not reason:
+            return step
+        wait = wake_wait(step.idle, now)
+        if wait:
+            return replace(step, retry_in=wait)
+        op, event = start_wake(step.committed, step.generation, reason, now)
+        replacing = continue_replace(fleet, observed, op, basis.current, None, now)
+        return replace(step, operation=replacing.operation, replacing=replacing,
+                       events=(*step.events, event, *replacing.events))
+    if basis.old.phase != "Running" or basis.old.fleetGeneration != step.generation or step.phase != "Running":
+        return step
+    cause = idle_cause(spec, observed.fleet, step.committed, step.operation, RESIZE_RETRY_SECONDS, now)
+    if cause is None:
+        return step
+    seen = observed.fleet
+    idling = start_idle(spec, step.committed, step.generation, cause, seen.quiet_s if seen is not None else None, now)
+    return replace(step, operation=idling.operation, idling=idling, idle_actions=idling.actions,
+                   events=(*step.events, *idling.events))
 
 
 def after_losses(fleet: FleetRef, observed: Observed, basis: Basis, losses: Losses, step: Step,
@@ -314,9 +372,13 @@ def new_size(fleet: FleetRef, basis: Basis, step: Step, now: str) -> Step:
     """`spec.replicas` differing from the committed size, with nothing else decided and no operation running."""
     spec = fleet.spec
     desired = spec.replicas
-    if step.new_incarnation or step.in_flight or step.replacing_now or desired == step.committed:
+    if step.new_incarnation or step.in_flight or step.replacing_now or step.idling_now or desired == step.committed:
         return step
     old = basis.old
+    if step.idle is not None and (desired > 0 or spec.idle is not None):
+        return step  # it wakes first (`idle_or_wake`), then resizes
+    if desired == 0 and spec.idle is not None:
+        return step  # it goes idle once it runs (`idle_or_wake`)
     if desired == 0:
         return replace(step, committed=0, events=(*step.events, Event(
             "Normal", "Stopping", f"replicas is 0: deleting the fleet's {step.committed} ranks")))
