@@ -36,6 +36,7 @@ Heavy (real vLLM, up to 3 engines, ~9 GiB): on shared machines run the e2e tier 
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import json
 import os
@@ -112,6 +113,8 @@ def sample(image: str, *, emulator: bool = False) -> dict[str, Any]:
     # period, not the liveness probe's), so its drain timeout is short.
     drain = 15 if emulator else DRAIN_TIMEOUT
     spec["scaling"].update(readyTimeoutSeconds=int(START_TIMEOUT), drainTimeoutSeconds=drain)
+    # Requests held while the idle fleet wakes wait for real engines to start as containers here (see IDLE_WAKE_*).
+    spec["frontend"]["hold"] = {"timeoutSeconds": int(START_TIMEOUT)}
     return ecs
 
 
@@ -468,6 +471,98 @@ def test_a_frontend_killed_mid_scale_up_is_replaced_and_the_resize_rolled_back_t
         (3, before["fleetGeneration"], before["recoveries"] + 1), st
     assert [r.state for r in s.fleet.admin().fleet().ranks] == [RankState.SERVING] * 3
     completion(s.url())
+
+
+IDLE_WAKE_REQUESTS = 50
+IDLE_AFTER_S = 10
+
+
+def held_stream(url: str, sent: float) -> tuple[bool, float, str]:
+    """One streamed completion sent to an idle fleet: whether it was served whole, when its first token came
+    (seconds after `sent`), and what went wrong if not."""
+    body = json.dumps({"model": SERVED, "prompt": "Hello", "max_tokens": 8, "stream": True}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    first = -1.0
+    try:
+        with urllib.request.urlopen(req, timeout=START_TIMEOUT + 60) as r:
+            for line in r:
+                if line.startswith(b"data: {") and first < 0:
+                    first = time.time() - sent
+                if line.strip() == b"data: [DONE]":
+                    return first >= 0, first, ""
+    except (OSError, ValueError) as e:
+        return False, first, f"{type(e).__name__}: {e}"
+    return False, first, "the stream ended without [DONE]"
+
+
+def epoch(stamp: str) -> float:
+    return datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+def test_an_idle_fleet_gives_its_engines_back_keeps_its_endpoint_and_50_held_requests_wake_it(setup: Setup) -> None:
+    """Issue 28: with `spec.idle.afterSeconds`, the quiet fleet drains and its engine pods go (their resources
+    given back), the frontend and coordinator containers stay; then 50 concurrent requests arrive at the Service:
+    they wait at the frontend, the operator wakes the fleet (new engine pods, joined in place), and every request is
+    served. corefleet's own time (the request to the engine pods' creation, and the engines serving to the first
+    token) is measured beside the engines' own start (container start to serving)."""
+    s = setup
+    f = s.fleet
+    name = f.name
+    f.scale(2)
+    s.settle(2)
+    members = {n: p["metadata"]["uid"] for n, p in f.pods().items() if "engine" not in n}
+    events = len(f.events())
+    s.cp.kubectl("patch", "ecs", name, "-n", NS, "--type=merge", "-p",
+                 json.dumps({"spec": {"idle": {"afterSeconds": IDLE_AFTER_S}}}))
+    try:
+        def idle() -> bool:
+            return f.status().get("phase") == "Idle" and not any("engine" in n for n in f.pods())
+
+        wait_until(idle, 240, "the fleet idle, its engine pods gone", interval=0.5, diagnose=f.describe)
+        st = f.status()
+        assert {n: p["metadata"]["uid"] for n, p in f.pods().items()} == members  # the endpoint's pods stay
+        assert st["idle"]["cause"] == "Quiet", st
+        assert (st["readyReplicas"], st["replicas"]) == (0, 2), st
+        assert {c["type"]: c["reason"] for c in st["conditions"]}["Available"] == "Idle", st
+        told = [r for r, _ in f.events()[events:]]
+        assert {"FleetIdling", "FleetIdle"} <= set(told), told
+        fleet_view = f.admin().fleet()
+        assert [r.state for r in fleet_view.ranks] == [RankState.IDLE] * 2
+        assert fleet_view.requests_waiting == 0
+
+        url = s.url()
+        sent = time.time()
+        with concurrent.futures.ThreadPoolExecutor(IDLE_WAKE_REQUESTS) as pool:
+            futures = [pool.submit(held_stream, url, sent) for _ in range(IDLE_WAKE_REQUESTS)]
+            results = [fut.result() for fut in futures]
+        failed = [why for ok, _, why in results if not ok]
+        assert not failed, Counter(failed).most_common(3)
+        first_token = min(t for _, t, _ in results)
+
+        st = f.status()
+        assert (st["phase"], st["replicas"], st.get("idle")) == ("Running", 2, None), st
+        pods = f.pods()
+        assert {n: p["metadata"]["uid"] for n, p in pods.items() if "engine" not in n} == members
+        engines = [pods[constants.engine_name(name, r)] for r in (0, 1)]
+        created = max(epoch(p["metadata"]["creationTimestamp"]) for p in engines)  # whole seconds
+        container = max(epoch(p["status"]["containerStatuses"][0]["state"]["running"]["startedAt"]) for p in engines)
+        serving = max(r.since or 0.0 for r in f.admin().fleet().ranks)  # the last rank serving (the frontend's clock)
+        told = [r for r, _ in f.events()[events:]]
+        assert (told.count("FleetWaking"), told.count("FleetAwake")) == (1, 1), told
+        assert not {"RankLost", "MemberLost", "Recovering", "WakeFailed"} & set(told), told
+        measured = {"first_token_s": round(first_token, 2), "to_pods_created_s": round(created - sent, 2),
+                    "container_start_s": round(container - created, 2),
+                    "engines_own_start_s": round(serving - container, 2),
+                    "serving_to_first_token_s": round(sent + first_token - serving, 2)}
+        print(f"idle fleet woken by {IDLE_WAKE_REQUESTS} requests: {measured}")
+        # corefleet's part: noticing the held requests and creating the pods (creationTimestamp: whole seconds, so up
+        # to 1 s more), then releasing the held requests once a rank serves.
+        assert measured["to_pods_created_s"] + measured["serving_to_first_token_s"] <= 2.0, measured
+        completion(url)
+    finally:
+        s.cp.kubectl("patch", "ecs", name, "-n", NS, "--type=json", "-p",
+                     json.dumps([{"op": "remove", "path": "/spec/idle"}]), check=False)
+    s.settle(2)
 
 
 def test_the_sample_with_emulator_engines_runs_as_containers_and_serves(setup: Setup, emu: FleetView) -> None:
