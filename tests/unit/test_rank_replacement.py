@@ -27,6 +27,7 @@ from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
+from unittest import mock
 
 import pytest
 
@@ -633,6 +634,21 @@ def test_ranks_are_awaited_while_the_fleet_is_idle_or_a_replacement_runs() -> No
     assert not fleet.awaits_ranks()
     fleet.set_rank(0, RankState.IDLE, "idled")
     assert fleet.awaits_ranks()
+
+
+def test_while_an_idle_fleet_wakes_a_held_request_is_told_so() -> None:
+    fleet, client, _ = idle_fleet()
+    members_closed = client.members.closed  # the view: the real membership
+    with mock.patch.object(IdleView, "closed", side_effect=members_closed):
+        idle_why = fleet.closed()
+        assert idle_why is not None
+        assert "the fleet is idle (idle-1)" in idle_why
+        started, _ = fleet.start_resize(ResizeRequest(id="wake-1", replicas=2, replace=(0, 1)))
+        assert started
+        waking = fleet.closed()
+    assert waking is not None
+    assert waking.startswith("the fleet is waking (wake-1: ")
+    assert waking.endswith(idle_why)
 
 
 def test_a_wake_that_fails_leaves_the_fleet_idle_not_broken() -> None:

@@ -235,10 +235,17 @@ class Fleet:
             self.set_rank(rank, RankState.DEAD if rank in dead else RankState.SERVING, dead.get(rank, ""))
 
     def closed(self) -> str | None:
-        """None while some rank takes new requests; else why none does (on vLLM's event loop: `frontend.hold`)."""
+        """None while some rank takes new requests; else why none does (on vLLM's event loop: `frontend.hold`): an
+        idle fleet that wakes says so first."""
         with self._lock:
             view = self._view
-        return "the fleet is starting" if view is None else view.closed()
+            current = self._ops.get(self._current) if self._current else None
+        if view is None:
+            return "the fleet is starting"
+        why = view.closed()
+        if why is not None and current is not None and current.replace and not current.phase.terminal and self.idle():
+            return f"the fleet is waking ({current.id}: {current.message}); {why}"
+        return why
 
     def commit_size(self, size: int) -> None:
         with self._lock:
