@@ -45,8 +45,11 @@ CUSTOM_METRICS_GROUP = "custom.metrics.k8s.io"
 CUSTOM_METRICS_VERSIONS = {"v1beta1": 100, "v1beta2": 200}
 
 
-# The custom metric manifests/samples/prometheus-adapter-rules.yaml serves, on the EngineCoreSet.
+# The custom metrics manifests/samples/prometheus-adapter-rules.yaml serves, on the EngineCoreSet: its
+# in-flight requests (hpa.yaml), and its demand, those plus the requests held at its frontend, which an
+# idle fleet has too (hpa-scale-to-zero.yaml).
 FLEET_METRIC = "corefleet_fleet_in_flight_requests"
+DEMAND_METRIC = "corefleet_fleet_demand_requests"
 
 
 def quantity(q: str) -> float:

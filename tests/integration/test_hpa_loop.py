@@ -5,11 +5,15 @@ fleet's in-flight requests, prometheus-adapter serves them by manifests/samples/
 writes the EngineCoreSet's /scale, and the API server applies the CRD's rules to that write.
 
 No operator runs: the test plays its part on the status subresource (status.replicas, the committed
-size, and status.selector, which /scale reports). A small exporter serves vLLM's per-rank gauges
-(`vllm:num_requests_running`/`_waiting`, with vLLM's `engine` label and the `namespace`/`fleet`
-labels the chart's PodMonitor adds) and Prometheus computes `corefleet:fleet_in_flight_requests`
-from them with a recording rule, as the product's rules do. The control plane is this module's own,
-with a 1 s HPA sync period.
+size, and status.selector, which /scale reports) and on the series (an idle fleet's engines, and so
+their series, are gone). A small exporter serves vLLM's per-rank gauges (`vllm:num_requests_running`/
+`_waiting`, with vLLM's `engine` label) and the frontend's `corefleet_frontend_requests_waiting` (requests
+held while no rank takes them), with the `namespace`/`fleet`/`pod` labels the chart's PodMonitor adds, and
+Prometheus evaluates the chart's own recording rules (charts/corefleet/files/prometheus-rules.yaml) on
+them: `corefleet:fleet_in_flight_requests` for hpa.yaml, `corefleet:fleet_demand_requests` for
+hpa-scale-to-zero.yaml (minReplicas 0). The control plane is this module's own, with a 1 s HPA sync
+period; its Kubernetes (1.37) has the HPAScaleToZero feature gate on by default, so it runs without
+feature-gate flags.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import sys
 import threading
 import urllib.error
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -36,6 +40,7 @@ from corefleet_harness.localcluster import LocalControlPlane, resolve_bin_dir
 from corefleet_harness.support import wait_until
 from corefleet_operator import constants
 from metricsstack import (
+    DEMAND_METRIC,
     FLEET_METRIC,
     MetricsStackError,
     Prometheus,
@@ -51,16 +56,9 @@ REPO = Path(__file__).resolve().parents[2]
 SAMPLES = REPO / "manifests" / "samples"
 FLEET = "qwen3-dense"  # the name in the samples
 METRIC = FLEET_METRIC
+RULES_FILE = REPO / "charts" / "corefleet" / "files" / "prometheus-rules.yaml"
 ECS = f"/apis/{constants.API_VERSION}/namespaces/{{ns}}/{constants.PLURAL}/{FLEET}"
 HPA = f"/apis/autoscaling/v2/namespaces/{{ns}}/horizontalpodautoscalers/{FLEET}"
-# What the product's recording rules compute (there via per-rank rules), from the exporter's gauges.
-RULES = """
-groups:
-  - name: corefleet-test
-    rules:
-      - record: corefleet:fleet_in_flight_requests
-        expr: sum by (namespace, fleet) (vllm:num_requests_running + vllm:num_requests_waiting)
-"""
 
 
 def load(name: str) -> dict[str, Any]:
@@ -69,7 +67,8 @@ def load(name: str) -> dict[str, Any]:
 
 
 class RankGauges:
-    """An exporter of vLLM's per-rank request gauges on 127.0.0.1, labelled with the fleet and its rank.
+    """An exporter of vLLM's per-rank request gauges on 127.0.0.1, labelled with the fleet and its rank,
+    and of the requests its frontend holds (`corefleet_frontend_requests_waiting`).
 
     `set` swaps in a whole fleet's values at once, so no scrape sees half an update (a partial sum
     would make the HPA act on a load that never was). Served in the text format 0.0.4 only:
@@ -78,7 +77,9 @@ class RankGauges:
     """
 
     def __init__(self) -> None:
-        self._ranks: dict[tuple[str, str, str], tuple[int, int]] = {}
+        # (namespace, fleet, engine) -> (running, waiting); (namespace, fleet, frontend pod) -> requests held.
+        # One tuple, swapped whole: a scrape reads both parts of the same update.
+        self._state: tuple[dict[tuple[str, str, str], tuple[int, int]], dict[tuple[str, str, str], int]] = ({}, {})
         self.registry = prometheus_client.CollectorRegistry()
         self.registry.register(self)
         registry = self.registry
@@ -99,21 +100,30 @@ class RankGauges:
         threading.Thread(target=self.server.serve_forever, name="rank-gauges", daemon=True).start()
         self.target = f"127.0.0.1:{self.server.server_port}"
 
-    def set(self, namespace: str, ranks: dict[int, tuple[int, int]]) -> int:
-        """(running, waiting) per rank of the fleet in `namespace`; returns the fleet's total."""
-        others = {k: v for k, v in self._ranks.items() if k[0] != namespace}
-        self._ranks = others | {(namespace, FLEET, str(rank)): rw for rank, rw in ranks.items()}
-        return sum(r + w for r, w in ranks.values())
+    def set(self, namespace: str, ranks: dict[int, tuple[int, int]], held: int = 0) -> int:
+        """(running, waiting) per rank of the fleet in `namespace` (none: an idle fleet, its engines gone)
+        and the requests its frontend holds; returns the fleet's demand (all of them)."""
+        old_ranks, old_held = self._state
+        ranks_now = {k: v for k, v in old_ranks.items() if k[0] != namespace}
+        held_now = {k: v for k, v in old_held.items() if k[0] != namespace}
+        ranks_now |= {(namespace, FLEET, str(rank)): rw for rank, rw in ranks.items()}
+        held_now[(namespace, FLEET, f"{FLEET}-frontend")] = held
+        self._state = (ranks_now, held_now)
+        return sum(r + w for r, w in ranks.values()) + held
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        ranks = self._ranks  # one snapshot per scrape
+        ranks, held = self._state  # one snapshot per scrape
         labels = ["namespace", "fleet", "engine"]
         running = GaugeMetricFamily("vllm:num_requests_running", "Running requests", labels=labels)
         waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Waiting requests", labels=labels)
         for key, (r, w) in ranks.items():
             running.add_metric(list(key), r)
             waiting.add_metric(list(key), w)
-        yield from (running, waiting)
+        frontend = GaugeMetricFamily("corefleet_frontend_requests_waiting", "Requests waiting for a rank",
+                                     labels=["namespace", "fleet", "pod"])
+        for key, n in held.items():
+            frontend.add_metric(list(key), n)
+        yield from (running, waiting, frontend)
 
     def close(self) -> None:
         self.server.shutdown()
@@ -142,7 +152,8 @@ def gauges() -> Iterator[RankGauges]:
 def prometheus(tmp_path_factory: pytest.TempPathFactory, gauges: RankGauges) -> Iterator[Prometheus]:
     scrape = {"job_name": "corefleet-frontend", "honor_labels": True,
               "static_configs": [{"targets": [gauges.target]}]}
-    with Prometheus(tmp_path_factory.mktemp("prometheus"), [scrape], {"corefleet.rules.yml": RULES}) as prom:
+    with Prometheus(tmp_path_factory.mktemp("prometheus"), [scrape],
+                    {"corefleet.rules.yml": RULES_FILE.read_text()}) as prom:
         yield prom
 
 
@@ -193,8 +204,8 @@ def conditions(obj: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {c["type"]: c for c in obj.get("status", {}).get("conditions", [])}
 
 
-def apply_hpa(cp: LocalControlPlane, ns: str, **spec: Any) -> dict[str, Any]:
-    obj = copy.deepcopy(load("hpa.yaml"))
+def apply_hpa(cp: LocalControlPlane, ns: str, sample: str = "hpa.yaml", **spec: Any) -> dict[str, Any]:
+    obj = copy.deepcopy(load(sample))
     obj["spec"].update(spec)
     cp.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(obj))
     return obj
@@ -208,6 +219,16 @@ def served_metric(adapter: PrometheusAdapter, path: str) -> dict[str, Any] | Non
             return None
         raise
     return obj
+
+
+def rescaled(cp: LocalControlPlane, ns: str, *parts: str) -> str:
+    """The HPA's SuccessfulRescale event whose message has every one of `parts` (events are posted after the
+    scale write, asynchronously: waited for)."""
+    def found() -> str | None:
+        return next((m for m in hpa_events(cp, ns, "SuccessfulRescale") if all(p in m for p in parts)), None)
+
+    return wait_until(found, 30, f"a SuccessfulRescale event with {parts}",
+                      diagnose=lambda: f"events: {hpa_events(cp, ns, 'SuccessfulRescale')}")
 
 
 def describe(cp: LocalControlPlane, ns: str) -> str:
@@ -288,41 +309,116 @@ def test_hpa_above_the_fleets_max_replicas_is_refused_on_scale(
     assert not hpa_events(cp, ns, "SuccessfulRescale")
 
 
+def test_hpa_at_min_replicas_0_idles_the_fleet_and_a_held_request_wakes_it(
+        cp: LocalControlPlane, adapter: PrometheusAdapter, gauges: RankGauges, prometheus: Prometheus,
+        ns: str) -> None:
+    """hpa-scale-to-zero.yaml: no demand -> spec.replicas 0 (the fleet idles: engines and their series go,
+    the frontend stays and its demand reads 0, so the HPA keeps reading it at zero); a request held at
+    the frontend -> the HPA writes spec.replicas >= 1 (the operator wakes the fleet)."""
+    version = cp.request("GET", "/version")
+    assert (int(version["major"]), int(version["minor"].rstrip("+"))) >= (1, 37), (
+        f"Kubernetes {version['gitVersion']}: HPAScaleToZero is alpha (off) before 1.37; this control plane "
+        "would need --feature-gates=HPAScaleToZero=true on kube-apiserver and kube-controller-manager")
+    create_fleet(cp, ns, replicas=1)  # the operator's status: 1 committed rank
+    gauges.set(ns, {0: (0, 0)})  # one rank serving, no request: demand 0
+    demand = f"namespaces/{ns}/{constants.PLURAL}.{constants.GROUP}/{FLEET}/{DEMAND_METRIC}"
+    wait_until(lambda: served_metric(adapter, demand), 60, f"{DEMAND_METRIC} on the custom-metrics API",
+               diagnose=adapter.log_tail)
+
+    # The sample, with a 1 s scale-down window in place of its 300 s.
+    sample = load("hpa-scale-to-zero.yaml")
+    behavior = copy.deepcopy(sample["spec"]["behavior"])
+    behavior["scaleDown"]["stabilizationWindowSeconds"] = 1
+    apply_hpa(cp, ns, "hpa-scale-to-zero.yaml", behavior=behavior)
+    wait_until(lambda: spec_replicas(cp, ns) == 0, 90, "spec.replicas 0 through /scale",
+               diagnose=lambda: describe(cp, ns))
+    rescaled(cp, ns, "New size: 0", "All metrics below target")
+    scaled_to_zero = wait_until(lambda: conditions(hpa(cp, ns)).get("ScaledToZero", {}).get("status") == "True",
+                                30, "ScaledToZero=True", diagnose=lambda: describe(cp, ns))
+    assert scaled_to_zero
+
+    # The operator idles the fleet: its engine is deleted, so vLLM's series and the in-flight rule go;
+    # the frontend stays, holding nothing. status.replicas stays 1, the size it wakes to.
+    gauges.set(ns, {})
+    prometheus.wait_for(f'corefleet:fleet_in_flight_requests{{namespace="{ns}"}}', lambda r: not r, 30,
+                        "no in-flight series for the idle fleet")
+    [idle] = prometheus.wait_for(f'corefleet:fleet_demand_requests{{namespace="{ns}"}}', lambda r: len(r) == 1, 30,
+                                 "the idle fleet's demand")
+    assert float(idle["value"][1]) == 0
+    [served] = wait_until(lambda: served_metric(adapter, demand), 30, f"{DEMAND_METRIC} of the idle fleet",
+                          diagnose=adapter.log_tail)["items"]
+    assert quantity(served["value"]) == 0
+    # At zero the HPA still reads it (it scaled to zero itself): scaling stays active, no metric error.
+    active = conditions(hpa(cp, ns)).get("ScalingActive", {})
+    assert (active.get("status"), active.get("reason")) == ("True", "ValidMetricFound"), describe(cp, ns)
+    assert not hpa_events(cp, ns, "FailedGetObjectMetric")
+    assert spec_replicas(cp, ns) == 0
+
+    # A request arrives and waits at the frontend: no engine series at all, demand 1.
+    assert gauges.set(ns, {}, held=1) == 1
+    wait_until(lambda: spec_replicas(cp, ns) >= 1, 60, "spec.replicas >= 1 for a held request",
+               diagnose=lambda: describe(cp, ns))
+    assert spec_replicas(cp, ns) == 1  # ceil(1 / 32)
+    # (The controller words an Object metric's reason "external metric <name>(nil) above target".)
+    rescaled(cp, ns, "New size: 1", DEMAND_METRIC, "above target")
+    woke = wait_until(lambda: conditions(hpa(cp, ns)).get("ScaledToZero", {}).get("status") == "False", 30,
+                      "ScaledToZero=False after the wake", diagnose=lambda: describe(cp, ns))
+    assert woke
+
+
 # ---- the samples ----------------------------------------------------------------------------------------
-def test_hpa_sample_targets_the_sample_fleet_within_its_max_replicas(cp: LocalControlPlane, ns: str) -> None:
-    h, fleet = load("hpa.yaml"), load("enginecoreset.yaml")
+@pytest.mark.parametrize(("sample", "min_replicas", "metric"), [("hpa.yaml", 1, METRIC),
+                                                              ("hpa-scale-to-zero.yaml", 0, DEMAND_METRIC)])
+def test_hpa_samples_target_the_sample_fleet_within_its_max_replicas(
+        cp: LocalControlPlane, ns: str, sample: str, min_replicas: int, metric: str) -> None:
+    h, fleet = load(sample), load("enginecoreset.yaml")
     target = {"apiVersion": constants.API_VERSION, "kind": constants.KIND, "name": fleet["metadata"]["name"]}
     assert h["spec"]["scaleTargetRef"] == target
     assert h["spec"]["metrics"][0]["object"]["describedObject"] == target
-    assert h["spec"]["metrics"][0]["object"]["metric"]["name"] == METRIC
-    assert h["spec"]["minReplicas"] == 1
+    assert h["spec"]["metrics"][0]["object"]["metric"]["name"] == metric
+    assert h["spec"]["minReplicas"] == min_replicas
     assert h["spec"]["maxReplicas"] == fleet["spec"]["maxReplicas"]
     assert h["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 300
-    # Offline, as the chart is checked (test_chart.py), and by the API server, unknown fields refused by both.
+    assert h["spec"]["metrics"][0]["object"]["target"] == load("hpa.yaml")["spec"]["metrics"][0]["object"]["target"]
+    # Offline, as the chart is checked (test_chart.py), and by the API server, unknown fields refused by both
+    # (minReplicas 0: the API server's HPAScaleToZero gate, on by default in 1.37).
     v = subprocess.run([str(Path(sys.executable).with_name("kubernetes-validate")), "--strict", "-k", "1.37.0",
-                        str(SAMPLES / "hpa.yaml")], capture_output=True, text=True, check=False, timeout=120)
+                        str(SAMPLES / sample)], capture_output=True, text=True, check=False, timeout=120)
     assert v.returncode == 0, v.stdout + v.stderr
     assert "passed for resource horizontalpodautoscaler/qwen3-dense" in v.stdout
-    r = cp.kubectl("apply", "-n", ns, "--dry-run=server", "--validate=strict", "-f", str(SAMPLES / "hpa.yaml"))
+    r = cp.kubectl("apply", "-n", ns, "--dry-run=server", "--validate=strict", "-f", str(SAMPLES / sample))
     assert "created (server dry run)" in r.stdout
 
 
-def test_keda_sample_scales_the_same_fleet_on_the_same_series(prometheus: Prometheus, gauges: RankGauges) -> None:
-    keda, h = load("keda-scaledobject.yaml"), load("hpa.yaml")
+def test_keda_sample_scales_the_fleet_to_zero_on_the_same_series(prometheus: Prometheus, gauges: RankGauges) -> None:
+    keda, h = load("keda-scaledobject.yaml"), load("hpa-scale-to-zero.yaml")
     assert (keda["apiVersion"], keda["kind"]) == ("keda.sh/v1alpha1", "ScaledObject")
     assert keda["spec"]["scaleTargetRef"] == h["spec"]["scaleTargetRef"]
     assert (keda["spec"]["minReplicaCount"], keda["spec"]["maxReplicaCount"]) == \
-        (h["spec"]["minReplicas"], h["spec"]["maxReplicas"])
+        (h["spec"]["minReplicas"], h["spec"]["maxReplicas"]) == (0, 4)
+    # KEDA itself scales 0 <-> 1: to 0 after cooldownPeriod with the trigger inactive, as the HPA's window.
+    assert keda["spec"]["cooldownPeriod"] == h["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"]
     assert keda["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"] == h["spec"]["behavior"]
     [trigger] = keda["spec"]["triggers"]
     assert (trigger["type"], trigger["metricType"]) == ("prometheus", "AverageValue")
-    assert set(trigger["metadata"]) == {"serverAddress", "query", "threshold"}
+    assert set(trigger["metadata"]) == {"serverAddress", "query", "threshold", "activationThreshold"}
     assert trigger["metadata"]["threshold"] == h["spec"]["metrics"][0]["object"]["target"]["averageValue"]
-    # Its query, on the real Prometheus, is the fleet's in-flight requests (namespace as in the sample).
-    total = gauges.set("default", {0: (7, 2), 1: (4, 0)})
+    assert trigger["metadata"]["activationThreshold"] == "0"  # active (woken) by one request: demand > 0
+    # Its query, on the real Prometheus, is the fleet's demand (namespace as in the sample): in flight
+    # and held while it serves, ...
     query = trigger["metadata"]["query"]
-    [sample] = prometheus.wait_for(query, lambda r: len(r) == 1 and float(r[0]["value"][1]) == total, 30)
-    assert float(sample["value"][1]) == 13
+
+    def value_is(total: float) -> Callable[[list[dict[str, Any]]], bool]:
+        return lambda r: len(r) == 1 and float(r[0]["value"][1]) == total
+
+    total = gauges.set("default", {0: (7, 2), 1: (4, 0)}, held=1)
+    prometheus.wait_for(query, value_is(total), 30)
+    assert total == 14
+    # ... 0 once idle (no engine series; not missing: KEDA reads 0, inactive) and 2 with two requests held.
+    assert gauges.set("default", {}) == 0
+    prometheus.wait_for(query, value_is(0), 30, "an idle fleet's demand: 0")
+    assert gauges.set("default", {}, held=2) == 2
+    prometheus.wait_for(query, value_is(2), 30, "an idle fleet's demand with 2 requests held")
 
 
 def test_prometheus_that_cannot_start_fails_with_its_command_and_log(tmp_path: Path) -> None:
