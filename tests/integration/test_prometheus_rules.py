@@ -21,12 +21,13 @@ import shutil
 import subprocess
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 import yaml
 
 import promqueries as pq
+from corefleet_operator.models import FleetPhase
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "corefleet"
@@ -341,6 +342,46 @@ def test_dashboard_structure() -> None:
     assert rows == ["Overview", "Latency SLOs", "Per rank", "Resize and recovery history", "Frontends"], rows
     for _, expr in pq.dashboard_expressions("ns", "fl"):
         assert "$" not in expr, expr
+
+
+def phase_colors(panel: dict[str, Any]) -> dict[str, str]:
+    """phase -> the colour a panel shows it in: a fixed colour, or the colour its value 1 maps to, by field name."""
+    colors = {}
+    for override in panel["fieldConfig"]["overrides"]:
+        assert override["matcher"]["id"] == "byName", override
+        for prop in override["properties"]:
+            if prop["id"] == "color":
+                colors[override["matcher"]["options"]] = prop["value"]["fixedColor"]
+            elif prop["id"] == "mappings":
+                [mapping] = prop["value"]
+                colors[override["matcher"]["options"]] = mapping["options"]["1"]["color"]
+    return colors
+
+
+def test_dashboards_tell_idle_and_waking_from_broken() -> None:
+    """A fleet scaled to zero (Idle, Waking) shows in colours of its own, never a fault's (Degraded, Failed) nor
+    Running's, wherever a dashboard shows phases; and the requests held at the frontend, and those the hold
+    refused, have panels."""
+    phases = set(get_args(FleetPhase))
+    assert set(IDLE_PHASES) <= phases
+    dashboards = pq.dashboards()
+    phase_panels = {(stem, p["title"]): p for stem, d in dashboards.items() for p in pq.panels(d)
+                    if any("corefleet_fleet_phase" in t["expr"] and "by (phase)" in t["expr"] for t in p["targets"])}
+    assert set(phase_panels) == {("corefleet-fleet", "Phase"), ("corefleet-fleet", "Fleet phase"),
+                                 ("corefleet-operator", "Fleets by phase")}
+    for where, panel in phase_panels.items():
+        colors = phase_colors(panel)
+        assert set(colors) == phases, f"{where}: phases without a colour: {phases - set(colors)}"
+        idle, waking = colors["Idle"], colors["Waking"]
+        assert idle != waking, where
+        assert not {idle, waking} & {colors["Degraded"], colors["Failed"], colors["Running"]}, (where, colors)
+    fleet_exprs = " ".join(t["expr"] for p in pq.panels(dashboards["corefleet-fleet"]) for t in p["targets"])
+    for metric in ("corefleet_frontend_requests_waiting", "corefleet_frontend_requests_held_total",
+                   "corefleet_frontend_requests_hold_refused_total"):
+        assert metric in fleet_exprs, f"the fleet dashboard does not show {metric}"
+    overview = [p for p in dashboards["corefleet-fleet"]["panels"] if p["type"] != "row" and p["gridPos"]["y"] == 1]
+    assert "Held at the frontend" in [p["title"] for p in overview]
+    assert sum(p["gridPos"]["w"] for p in overview) == 24, "the overview's stats fill one row"
 
 
 def test_dashboard_expressions_parse(promtool: str, tmp_path: Path) -> None:
