@@ -539,8 +539,11 @@ def test_an_idle_fleet_gives_its_engines_back_keeps_its_endpoint_and_50_held_req
         assert not failed, Counter(failed).most_common(3)
         first_token = min(t for _, t, _ in results)
 
+        # Running once the new pods are Ready too (the kubelet's readiness probe, after the frontend serves on them).
+        wait_until(lambda: f.status().get("phase") == "Running", 120, "the fleet Running", interval=0.5,
+                   diagnose=f.describe)
         st = f.status()
-        assert (st["phase"], st["replicas"], st.get("idle")) == ("Running", 2, None), st
+        assert (st["replicas"], st.get("idle")) == (2, None), st
         pods = f.pods()
         assert {n: p["metadata"]["uid"] for n, p in pods.items() if "engine" not in n} == members
         engines = [pods[constants.engine_name(name, r)] for r in (0, 1)]
