@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -43,6 +44,7 @@ CONTEXT = 4096  # long enough for requests that stay in flight for tens of secon
 # that never joins fails the resize after it.
 JOIN_TIMEOUT = 60
 SETTLE = 240.0
+HOLD_TIMEOUT = 10  # how long a request waits at the frontend while no rank takes requests (spec.frontend.hold)
 
 
 class Setup:
@@ -67,7 +69,8 @@ def setup(k8s: LocalControlPlane, crd_installed: None, module_namespace: str,
             OperatorProcess(k8s, module_namespace, tmp) as operator:
         ecs = (make_ecs(NAME, module_namespace).model(str(model)).replicas(2).max_replicas(4).tp(1)
                .set("engine.loadFormat", "dummy").set("scaling.readyTimeoutSeconds", JOIN_TIMEOUT)
-               .set("scaling.drainTimeoutSeconds", 60).arg(*ecs_engine_args(SERVED, CONTEXT)).manifest())
+               .set("scaling.drainTimeoutSeconds", 60).set("frontend.hold.timeoutSeconds", HOLD_TIMEOUT)
+               .set("idle", {}).arg(*ecs_engine_args(SERVED, CONTEXT)).manifest())
         k8s.kubectl("apply", "-n", module_namespace, "-f", "-", input=json.dumps(ecs))
         fleet = FleetView(k8s, module_namespace, NAME, runner, SERVED)
         s = Setup(k8s, module_namespace, runner, operator, fleet)
@@ -486,3 +489,61 @@ def assert_rank_0_and_frontend_kept(s: Setup, before: dict[str, Any], uids: dict
     for name in (constants.engine_name(NAME, 0), constants.frontend_name(NAME)):
         assert after[name] == uids[name], f"{name} was recreated"
     assert [r.state for r in s.fleet.admin().fleet().ranks] == [RankState.SERVING] * 2
+
+
+def held_request(url: str) -> tuple[int, dict[str, str], str, float]:
+    """A completion sent while no rank takes requests: its status, headers, body and how long it took."""
+    body = json.dumps({"model": SERVED, "prompt": "Hello", "max_tokens": 4}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    start = time.monotonic()
+    try:
+        with urllib.request.urlopen(req, timeout=HOLD_TIMEOUT + 60) as r:
+            return r.status, dict(r.headers), r.read().decode(), time.monotonic() - start
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read().decode(), time.monotonic() - start
+
+
+def test_a_wake_that_cannot_succeed_leaves_the_fleet_idle_answers_held_requests_503_and_is_retried(
+        setup: Setup) -> None:
+    """Issue 28: `replicas: 0` with `spec.idle` idles the fleet in place (engine pods gone, frontend and coordinator
+    kept); `replicas: 1` wakes it, but the new engine's pod never starts: a request held meanwhile gets 503 with
+    Retry-After within the hold's limit, naming the wake; the wake fails at the join timeout, the fleet stays idle
+    (status.idle and Degraded/WakeFailed say why) and the operator wakes it again after the recovery backoff."""
+    s = setup
+    s.fleet.at(1, SETTLE)
+    members = {n: u for n, u in s.fleet.uids().items() if "engine" not in n}
+    events = len(s.fleet.events())
+    engine = constants.engine_name(NAME, 0)
+
+    def idle() -> bool:
+        return s.fleet.status().get("phase") == "Idle" and engine not in s.fleet.pods()
+
+    s.fleet.scale(0)
+    wait_until(idle, SETTLE, "the fleet idle, its engine pod gone", diagnose=s.fleet.describe)
+    assert {n: u for n, u in s.fleet.uids().items()} == members
+    s.runner.hold.add(engine)  # bound, never started: it never gets ready
+    try:
+        s.fleet.scale(1)
+        wait_until(lambda: s.fleet.status().get("phase") == "Waking", 60, "the wake to start",
+                   diagnose=s.fleet.describe)
+        status, headers, body, took = held_request(f"http://{s.fleet.frontend_ip()}:8000")
+        assert status == 503, body
+        assert HOLD_TIMEOUT - 1 <= took <= HOLD_TIMEOUT + 10, took
+        assert headers.get("Retry-After") == str(HOLD_TIMEOUT), headers
+        assert "the fleet is waking (wake-" in json.loads(body)["error"]["message"], body
+        wait_until(lambda: any(r == "WakeFailed" for r, _ in s.fleet.events()[events:]), JOIN_TIMEOUT + 120,
+                   "the wake to fail", diagnose=s.fleet.describe)
+        st = s.fleet.status()
+        assert st["idle"]["wakeFailures"] == 1, st
+        assert st["idle"]["retryAt"], st
+        assert {c["type"]: c["reason"] for c in st["conditions"]}["Degraded"] == "WakeFailed", st
+    finally:
+        s.runner.hold.discard(engine)
+    s.settle(1)  # the next wake, after the backoff, with an engine that starts
+    told = [r for r, _ in s.fleet.events()[events:]]
+    assert told.count("FleetWaking") == 2, told
+    assert told.count("FleetAwake") == 1, told
+    assert not {"RankLost", "MemberLost", "Recovering"} & set(told), told
+    assert {n: u for n, u in s.fleet.uids().items() if "engine" not in n} == members
+    status, _, body, _ = held_request(f"http://{s.fleet.frontend_ip()}:8000")
+    assert status == 200, body
