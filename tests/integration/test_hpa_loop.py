@@ -175,10 +175,10 @@ def ns(cp: LocalControlPlane) -> Iterator[str]:
 
 
 # ---- what the operator and the user would do -------------------------------------------------------
-def create_fleet(cp: LocalControlPlane, ns: str, replicas: int) -> None:
+def create_fleet(cp: LocalControlPlane, ns: str, replicas: int, **spec: Any) -> None:
     """The sample EngineCoreSet (maxReplicas 4), and the status the operator reports for it."""
     ecs = load("enginecoreset.yaml")
-    ecs["spec"]["replicas"] = replicas
+    ecs["spec"] |= {"replicas": replicas, **spec}
     cp.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(ecs))
     commit(cp, ns, replicas)
 
@@ -319,7 +319,7 @@ def test_hpa_at_min_replicas_0_idles_the_fleet_and_a_held_request_wakes_it(
     assert (int(version["major"]), int(version["minor"].rstrip("+"))) >= (1, 37), (
         f"Kubernetes {version['gitVersion']}: HPAScaleToZero is alpha (off) before 1.37; this control plane "
         "would need --feature-gates=HPAScaleToZero=true on kube-apiserver and kube-controller-manager")
-    create_fleet(cp, ns, replicas=1)  # the operator's status: 1 committed rank
+    create_fleet(cp, ns, replicas=1, idle={})  # spec.idle: replicas 0 idles it; 1 committed rank
     gauges.set(ns, {0: (0, 0)})  # one rank serving, no request: demand 0
     demand = f"namespaces/{ns}/{constants.PLURAL}.{constants.GROUP}/{FLEET}/{DEMAND_METRIC}"
     wait_until(lambda: served_metric(adapter, demand), 60, f"{DEMAND_METRIC} on the custom-metrics API",
