@@ -492,15 +492,16 @@ def assert_rank_0_and_frontend_kept(s: Setup, before: dict[str, Any], uids: dict
 
 
 def held_request(url: str) -> tuple[int, dict[str, str], str, float]:
-    """A completion sent while no rank takes requests: its status, headers, body and how long it took."""
+    """A completion sent while no rank takes requests: its status, headers (lower-case names), body and how long it
+    took."""
     body = json.dumps({"model": SERVED, "prompt": "Hello", "max_tokens": 4}).encode()
     req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
     start = time.monotonic()
     try:
         with urllib.request.urlopen(req, timeout=HOLD_TIMEOUT + 60) as r:
-            return r.status, dict(r.headers), r.read().decode(), time.monotonic() - start
+            return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read().decode(), time.monotonic() - start
     except urllib.error.HTTPError as e:
-        return e.code, dict(e.headers), e.read().decode(), time.monotonic() - start
+        return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read().decode(), time.monotonic() - start
 
 
 def test_a_wake_that_cannot_succeed_leaves_the_fleet_idle_answers_held_requests_503_and_is_retried(
@@ -529,7 +530,7 @@ def test_a_wake_that_cannot_succeed_leaves_the_fleet_idle_answers_held_requests_
         status, headers, body, took = held_request(f"http://{s.fleet.frontend_ip()}:8000")
         assert status == 503, body
         assert HOLD_TIMEOUT - 1 <= took <= HOLD_TIMEOUT + 10, took
-        assert headers.get("Retry-After") == str(HOLD_TIMEOUT), headers
+        assert headers.get("retry-after") == str(HOLD_TIMEOUT), headers
         assert "the fleet is waking (wake-" in json.loads(body)["error"]["message"], body
         wait_until(lambda: any(r == "WakeFailed" for r, _ in s.fleet.events()[events:]), JOIN_TIMEOUT + 120,
                    "the wake to fail", diagnose=s.fleet.describe)
