@@ -504,7 +504,8 @@ def test_an_idle_fleet_gives_its_engines_back_keeps_its_endpoint_and_50_held_req
     given back), the frontend and coordinator containers stay; then 50 concurrent requests arrive at the Service:
     they wait at the frontend, the operator wakes the fleet (new engine pods, joined in place), and every request is
     served. corefleet's own time (the request to the engine pods' creation, and the engines serving to the first
-    token) is measured beside the engines' own start (container start to serving)."""
+    token) is measured beside the engines' own start (container start to serving). A resize after it (2 -> 1) leaves
+    the surviving rank's container."""
     s = setup
     f = s.fleet
     name = f.name
@@ -562,10 +563,18 @@ def test_an_idle_fleet_gives_its_engines_back_keeps_its_endpoint_and_50_held_req
         # to 1 s more), then releasing the held requests once a rank serves.
         assert measured["to_pods_created_s"] + measured["serving_to_first_token_s"] <= 2.0, measured
         completion(url)
+        # The woken ranks are members like any: a later resize (2 -> 1, in place) leaves the survivor's container.
+        survivor = constants.engine_name(name, 0)
+        survivor_container = s.container_id(survivor)
+        f.scale(1)
+        s.settle(1)
+        assert s.container_id(survivor) == survivor_container
+        assert {n: p["metadata"]["uid"] for n, p in f.pods().items() if "engine" not in n} == members
+        completion(url)
     finally:
         s.cp.kubectl("patch", "ecs", name, "-n", NS, "--type=json", "-p",
                      json.dumps([{"op": "remove", "path": "/spec/idle"}]), check=False)
-    s.settle(2)
+    s.settle(f.status()["replicas"])
 
 
 def test_the_sample_with_emulator_engines_runs_as_containers_and_serves(setup: Setup, emu: FleetView) -> None:
