@@ -60,6 +60,11 @@ def seconds_between(start: str | None, end: str) -> float:
     return (finish - begin).total_seconds()
 
 
+def id_stamp(now: str) -> str:
+    """The timestamp in an operation's id: `2026-12-01T10:15:00Z` -> `20261201t101500z`."""
+    return now.replace("-", "").replace(":", "").lower()
+
+
 def later(now: str, seconds: float) -> str:
     """The timestamp `seconds` after `now`."""
     start = parse_time(now)

@@ -45,7 +45,7 @@ from corefleet_operator.models import (
     OperationStatus,
 )
 from corefleet_operator.observe import FleetObs, Observed
-from corefleet_operator.planner.common import FRONTEND_GRACE_SECONDS, later, seconds_between
+from corefleet_operator.planner.common import FRONTEND_GRACE_SECONDS, id_stamp, later, seconds_between
 from corefleet_operator.planner.recovery import backoff_seconds
 
 # While idle, the frontend is asked this often whether requests wait (the wake's latency, before the engines').
@@ -64,7 +64,7 @@ class IdleStep:
 
 def idle_id(kind: str, fleet_generation: int, now: str) -> str:
     """An idling's or a wake's id: readable, unique per incarnation and second (`idle-g1-20261201t101500z`)."""
-    stamp = now.replace("-", "").replace(":", "").lower()
+    stamp = id_stamp(now)
     return f"{kind}-g{fleet_generation}-{stamp}"
 
 

@@ -65,6 +65,7 @@ from corefleet_operator.planner.basis import Basis
 from corefleet_operator.planner.common import (
     FRONTEND_GRACE_SECONDS,
     delete_pod,
+    id_stamp,
     listed,
     pod_ready,
     seconds_between,
@@ -128,7 +129,7 @@ def member_role(fleet: str, name: str) -> MemberRole | None:
 def members_id(roles: Iterable[MemberRole], fleet_generation: int, now: str) -> str:
     """A member replacement's id: readable, unique per incarnation and second
     (`replace-frontend-g3-20261204t101500z`, `replace-coordinator-frontend-g3-...`)."""
-    stamp = now.replace("-", "").replace(":", "").lower()
+    stamp = id_stamp(now)
     return f"replace-{'-'.join(sorted(set(roles)))}-g{fleet_generation}-{stamp}"
 
 

@@ -38,7 +38,14 @@ from corefleet_operator.actions import Action, Event, StartResize
 from corefleet_operator.models import EngineCoreSetSpec, FleetRef, OperationStatus, RecoveryStatus
 from corefleet_operator.observe import FleetObs, FrontendObs, Observed, PodObs
 from corefleet_operator.planner.basis import Basis
-from corefleet_operator.planner.common import FRONTEND_GRACE_SECONDS, delete_pod, listed, pod_ready, seconds_between
+from corefleet_operator.planner.common import (
+    FRONTEND_GRACE_SECONDS,
+    delete_pod,
+    id_stamp,
+    listed,
+    pod_ready,
+    seconds_between,
+)
 from corefleet_operator.status import POD_TERMINAL
 
 
@@ -56,7 +63,7 @@ class ReplaceStep:
 
 def replace_id(ranks: Iterable[int], fleet_generation: int, now: str) -> str:
     """A replacement's id: readable, unique per incarnation and second (`replace-r1-g1-20261201t101500z`)."""
-    stamp = now.replace("-", "").replace(":", "").lower()
+    stamp = id_stamp(now)
     return f"replace-r{'-'.join(str(r) for r in sorted(ranks))}-g{fleet_generation}-{stamp}"
 
 

@@ -54,6 +54,7 @@ from corefleet_operator.planner.basis import Basis
 from corefleet_operator.planner.common import (
     FRONTEND_GRACE_SECONDS,
     desired_pod_names,
+    id_stamp,
     pod_ready,
     seconds_between,
     span,
@@ -121,7 +122,7 @@ def frontends_resize(fleet: FleetRef, observed: Observed, basis: Basis, now: str
 
 def resize_id(frm: int, to: int, fleet_generation: int, now: str) -> str:
     """A resize's id: readable, and unique per incarnation and second (`2to3-g1-20261201t101500z`)."""
-    stamp = now.replace("-", "").replace(":", "").lower()
+    stamp = id_stamp(now)
     return f"{frm}to{to}-g{fleet_generation}-{stamp}"
 
 
