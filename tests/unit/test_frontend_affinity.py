@@ -57,6 +57,9 @@ def test_a_new_prefix_goes_to_its_first_rank_unless_that_has_more_than_one_reque
     loads = dict.fromkeys(IDLE, 1.0)
     assert router().choose(tokens, {**loads, first: 2.0}) == (first, Decision.NEW)
     assert router().choose(tokens, {**loads, first: 3.0}) == (second, Decision.NEW)
+    # With two frontends a request counts twice until the coordinator's next counts: one request of slack is two.
+    assert router().choose(tokens, {**loads, first: 3.0}, slack=2.0) == (first, Decision.NEW)
+    assert router().choose(tokens, {**loads, first: 4.0}, slack=2.0) == (second, Decision.NEW)
     # Random prompts: spread as by load, within one request of it.
     r = router()
     loads = dict.fromkeys(IDLE, 0.0)
@@ -141,6 +144,50 @@ def test_the_next_turn_of_a_conversation_goes_where_the_last_went_even_past_a_sh
         choice = r.choose(turns[conv], loads)
         assert choice == (first_ranks[conv], Decision.AFFINITY)
         loads[choice[0]] += 1
+
+
+def conversations(count: int, turns: int) -> list[list[list[int]]]:
+    """Each conversation's prompts, turn by turn (each the whole conversation so far): half of them open with a
+    prompt of one block, shorter than the key (2 blocks), the other half with one longer than the key."""
+    out = []
+    for conv in range(count):
+        prompts = [prompt(3000 + conv, BLOCK + 2 if conv % 2 else 3 * BLOCK)]
+        for turn in range(1, turns):
+            prompts.append(prompts[-1] + prompt(4000 + 100 * conv + turn, 5))
+        out.append(prompts)
+    return out
+
+
+def test_two_frontends_taking_turns_keep_each_conversation_on_one_rank_from_its_second_turn() -> None:
+    """Without shared state: turns alternate between two frontends (the Service spreads connections). A first turn
+    shorter than the key goes by its own blocks; from the second turn on, every turn of a conversation goes to one
+    rank on both frontends (the second turn is placed by the whole key, not held by the shorter first turn)."""
+    frontends = (router(), router())
+    moved_after_first = 0
+    for conv, prompts in enumerate(conversations(40, 6)):
+        ranks = []
+        for turn, tokens in enumerate(prompts):
+            choice = frontends[(conv + turn) % 2].choose(tokens, IDLE)
+            assert choice is not None
+            ranks.append(choice[0])
+        assert set(ranks[1:]) == {ranks[1]}, (conv, ranks)
+        if len(prompts[0]) >= 2 * BLOCK:  # a first turn that covers the key is where the rest go
+            assert ranks[0] == ranks[1], (conv, ranks)
+        moved_after_first += ranks[0] != ranks[1]
+    assert moved_after_first > 0  # some short first turns' own blocks chose another rank than their key
+
+
+def test_a_replaced_frontend_sends_each_conversation_where_its_predecessor_did() -> None:
+    """A frontend's memory is lost with it; its replacement places every conversation it had routed (with no load to
+    move it) on the rank the lost one used, as new prefixes by their key."""
+    lost, replacement = router(), router()
+    placed = {}
+    for conv, prompts in enumerate(conversations(40, 4)):
+        choices = [lost.choose(tokens, IDLE) for tokens in prompts[:3]]
+        assert choices[-1] is not None
+        placed[conv] = choices[-1][0]
+        assert replacement.choose(prompts[3], IDLE) == (placed[conv], Decision.NEW), conv
+    assert len(set(placed.values())) == len(IDLE)
 
 
 def test_a_rank_that_left_is_no_longer_continued_and_the_memory_is_bounded() -> None:

@@ -34,6 +34,7 @@ from vllm.v1.serial_utils import MsgpackEncoder, UtilityResult
 
 from corefleet_client import vllm_compat
 from corefleet_client.admin import FleetState, RankState
+from corefleet_client.frontend.affinity import block_hashes, rendezvous
 from corefleet_client.frontend.client import KubeDPLBClient
 from corefleet_client.frontend.fleet import Fleet, identity
 from corefleet_client.frontend.handshake import Handshake
@@ -827,6 +828,34 @@ def test_vllms_output_hook_tells_progress_and_drops_what_a_stalled_rank_sends_fo
                 client, EngineCoreOutputs(engine_index=0, finished_requests={"moved"}))
             assert "moved" not in client.reqs_in_flight
             assert client.engine_inflight[identity(0)] == 0
+        finally:
+            stop_watching(client)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(("frontends", "counted", "first_rank_kept"),
+                         [(1, 2, False), (2, 2, True), (2, 3, False)])
+def test_a_new_prefix_keeps_its_first_rank_within_one_request_in_the_loads_unit(frontends: int, counted: int,
+                                                                               first_rank_kept: bool) -> None:
+    """With two frontends each request a frontend routes counts twice in vLLM's loads until the coordinator's next
+    counts: a new prefix's first rank two over the least loaded is within one request, and every frontend sends the
+    prefix there; with one frontend the loads are exact in-flight counts, and two over is two requests."""
+    async def main() -> None:
+        engines = Engines()
+        client = make_client(3, engines, timeout=30.0, routing=RoutingPolicy.PREFIX_AFFINITY,
+                             affinity=AffinitySettings(prefix_tokens=8))
+        client.client_count = frontends
+        try:
+            tokens = list(range(200, 212))
+            first = rendezvous(block_hashes(tokens, 4)[1], range(3))[0]
+            if frontends == 1:
+                client.engine_inflight[identity(first)] = counted
+            else:
+                client.lb_engines[first] = [counted, 0, 0.0]
+            request = SimpleNamespace(request_id="r", data_parallel_rank=None, pooling_params=None,
+                                      prompt_token_ids=tokens)
+            assert (client.get_core_engine_for_request(request) == identity(first)) is first_rank_kept
         finally:
             stop_watching(client)
 

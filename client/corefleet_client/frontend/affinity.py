@@ -15,19 +15,26 @@ misses the cache the previous one built. This router keeps them together, bounde
   keys it now wins (about 1/N), a rank that leaves gives away only its own. Prompts that share nothing
   are spread as by load (within one request of it).
 * **Then it stays there.** Each routed prompt's hash over all its full blocks, and a new prefix's key,
-  are remembered with their rank (a bounded LRU), and a request's block-aligned prefixes are looked up,
-  longest first: the next turn of a conversation (whose prompt is the whole conversation so far) goes
-  where the last turn went, and a shared system prompt to where it went first, even where the key's
-  order would now pick another rank.
+  are remembered with their rank (a bounded LRU), and a request's block-aligned prefixes that cover its
+  key are looked up, longest first: the next turn of a conversation (whose prompt is the whole
+  conversation so far) goes where the last turn went, and a shared system prompt to where it went first,
+  even where the key's order would now pick another rank. A remembered prefix shorter than the request's
+  key does not hold it: a conversation whose first turn was shorter than the key is placed by its key
+  (its whole key) at its second turn, as every other frontend would place it, at the cost of that first
+  turn's cache (fewer than `prefix_tokens` tokens) once.
 * **Bounded loads** (consistent hashing with bounded loads): that rank takes the request only while its
   load stays within `balance` times the mean load after it; otherwise the request spills to the key's
   next rank in rendezvous order that has room, which then holds the prompt too. A hot prefix spreads
   over as many ranks as its load needs, and no rank runs past the bound while another has room.
 
 Loads are the client's (`Membership.routing_loads`: its exact in-flight count per rank when it is the
-fleet's only frontend, else vLLM's measure). The memory is per frontend: with several
-frontends, a request that reaches a frontend which has not routed its prefix goes where a new prefix
-goes, the same rank as on the frontend that did unless load moved it then.
+fleet's only frontend, else vLLM's measure, in which each request a frontend routes counts once per
+frontend until the coordinator's next counts: "within one request" is then within `slack`, the number of
+frontends). The memory is per frontend: with several frontends, or after a frontend is replaced, a
+request that reaches a frontend which has not routed its key goes where a new prefix goes: the same rank
+as on the frontend that did, unless load moved it on either (a spill, or a first rank busier than the
+slack), so without shared state every frontend sends a conversation to one rank from its second turn
+on (from its first where that covers the key).
 
 Pure: no vLLM, no event loop, no clock. The client (`frontend.client`) asks `choose` for each new
 request that is not pinned to a rank, and counts the decision (`Decision`) per rank.
@@ -87,22 +94,25 @@ class PrefixAffinity:
         # The hash of a routed prompt's full blocks, and of a new prefix's key -> the rank it went to.
         self._routed: OrderedDict[bytes, int] = OrderedDict()
 
-    def choose(self, tokens: Sequence[int] | None, loads: Mapping[int, float]) -> tuple[int, Decision] | None:
+    def choose(self, tokens: Sequence[int] | None, loads: Mapping[int, float],
+               slack: float = 1.0) -> tuple[int, Decision] | None:
         """The rank for a new request with prompt `tokens` among `loads` (the ranks that take requests, with their
-        loads), and why; None where the prompt has no full block (route by load)."""
+        loads), and why; None where the prompt has no full block (route by load). `slack`: how far over the least
+        loaded a new prefix's first rank may be and still take it (one request, in the loads' unit)."""
         if not tokens or not loads:
             return None
         hashes = block_hashes(tokens, self.block_size)
         if not hashes:
             return None
-        key = hashes[min(len(hashes), self._key_blocks) - 1]
-        held = self._held(hashes)
+        key_length = min(len(hashes), self._key_blocks)
+        key = hashes[key_length - 1]
+        held = self._held(hashes[key_length - 1:])
         if held is None:
-            # A prefix this frontend has not routed (or whose rank left): the first rank in the key's order that is
+            # A key this frontend has not routed (or whose rank left): the first rank in the key's order that is
             # within one request of the least loaded (every frontend's first choice, unless it is busier than that);
             # from now on the prefix and its continuations follow it.
             low = min(loads.values())
-            rank = next(r for r in rendezvous(key, loads) if loads[r] <= low + 1)
+            rank = next(r for r in rendezvous(key, loads) if loads[r] <= low + slack)
             self._remember(key, rank)
             self._remember(hashes[-1], rank)
             return rank, Decision.NEW
@@ -124,7 +134,8 @@ class PrefixAffinity:
             del self._routed[key]
 
     def _held(self, hashes: list[bytes]) -> int | None:
-        """The rank of the longest block-aligned prefix of the prompt that this frontend routed."""
+        """The rank of the longest of these block-aligned prefixes of the prompt (those that cover its key) that this
+        frontend routed."""
         for digest in reversed(hashes):
             rank = self._routed.get(digest)
             if rank is not None:

@@ -186,7 +186,9 @@ class Membership:
         if self.affinity is None or request.data_parallel_rank is not None \
                 or request.request_id in self.client.reqs_in_flight:
             return None
-        return self.affinity.choose(request.prompt_token_ids, self.routing_loads())
+        # With several frontends a request routed here counts once per frontend until the coordinator's next counts
+        # (`routing_loads`): one request of slack is that many.
+        return self.affinity.choose(request.prompt_token_ids, self.routing_loads(), slack=self.client.client_count)
 
     def refusal(self, request: Any) -> str | None:
         """Why a new request cannot be routed at all (pinned to a rank that takes none, or no rank takes any)."""
