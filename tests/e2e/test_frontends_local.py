@@ -9,7 +9,9 @@ it fail, the endpoint keeps answering through frontend 0, and the replacement ta
 engines' processes are untouched. A killed engine is replaced in place through both frontends: frontend 0 runs
 the new engine's handshake and drives frontend 1 through its part (it reads the new engine's ready response and
 routes to it at frontend 0's commit); the other engine and both frontends keep their processes, and requests
-pinned to the other rank never fail.
+pinned to the other rank never fail. Prefix-affinity routing without shared state: the turns of a conversation,
+taken by either frontend, go to one rank and hit the prefix cache the previous turn built there, and a replaced
+frontend, whose routing memory died with it, sends them there too.
 
 Resizes with two frontends (frontend 0 drives every frontend through each) are tested through the operator
 on the real node (tests/e2e/test_node_fleet.py), with the same client code. Heavy (real vLLM, 2 engines): on
@@ -18,15 +20,30 @@ shared machines run the e2e tier under `flock /tmp/corefleet-heavy.lock`.
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
+import random
+import re
 import signal
 import time
+import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from corefleet_client.admin import AdminClient, AdminError, FleetState, RankState, ResizePhase, ResizeRequest
+from corefleet_client.admin import (
+    AdminClient,
+    AdminError,
+    FleetState,
+    RankState,
+    RankStatus,
+    ResizePhase,
+    ResizeRequest,
+)
 from corefleet_harness import local
 from corefleet_harness.support import wait_until
 from corefleet_harness.tinymodel import write_tiny_model
@@ -40,13 +57,15 @@ FRONTENDS = 2
 JOIN_TIMEOUT = 300.0  # a new real vLLM engine on 2 busy cores
 CONTEXT = 1024
 WORKERS = 4  # clients, each with one request at a time: enough connections for the kernel to use both frontends
+# Each request's cached prompt tokens in its usage (vLLM's prompt_tokens_details): the prefix cache's answer to it.
+FLAGS = (*flags(CONTEXT), "--enable-prompt-tokens-details")
 
 
 @pytest.fixture(scope="module")
 def held(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Held]:
     tmp = tmp_path_factory.mktemp("frontends")
     model = str(write_tiny_model(tmp / "tiny", context=CONTEXT))
-    h = Held(tmp, REPLICAS, lambda d: start(d, local.ENGINE_VLLM, REPLICAS, model, flags(CONTEXT),
+    h = Held(tmp, REPLICAS, lambda d: start(d, local.ENGINE_VLLM, REPLICAS, model, FLAGS,
                                             max_tokens_long=CONTEXT - 64, token_delay_ms=None, ready_timeout=600,
                                             liveness_timeout=8, frontends=FRONTENDS))
     yield h
@@ -89,10 +108,119 @@ def group_runs(pgid: int) -> bool:
     return False
 
 
+@dataclass(frozen=True)
+class Turn:
+    frontend: int  # the client index of the frontend that routed it
+    rank: int
+    decision: str  # the prefix-affinity decision counted for it: "new", "affinity" or "spill"
+    prompt: int  # prompt tokens
+    cached: int  # prompt tokens the rank's prefix cache served
+
+
+@dataclass
+class Chat:
+    prompt: list[int]
+    turns: list[Turn] = field(default_factory=list)
+
+
+COUNTS = {"requests_total": "", "new_prefix_total": "new", "affinity_total": "affinity", "spilled_total": "spill"}
+
+
+def routing_counts(admin: AdminClient) -> dict[tuple[int, str], int]:
+    return {(r.rank, name): getattr(r, name) for r in admin.fleet().ranks for name in COUNTS}
+
+
+class Chats:
+    """Multi-turn conversations through the fleet's shared port, one request at a time, each over a new
+    connection (the kernel picks the frontend): each turn's prompt is the whole conversation so far (the prompt,
+    the reply's tokens, a new question). Which frontend routed a turn, to which rank and why, is read from the
+    frontends' counters around it; the cached tokens from its usage."""
+
+    def __init__(self, fleet: Fleet, admins: list[AdminClient], count: int) -> None:
+        self.fleet, self.admins = fleet, admins
+        found = re.search(r'vllm:cache_config_info{[^}]*block_size="(\d+)"', _get(f"{fleet.url}/metrics"))
+        assert found is not None
+        self.block = int(found.group(1))
+        rng = self.rng = random.Random(time.time_ns())  # openings no earlier request had
+        # Half open with one block and a bit (shorter than the routing key, 256 tokens), half with more than the key.
+        self.chats = [Chat([rng.randrange(3, 512) for _ in range(
+            (self.block if n % 2 else 2 * self.block) + 40)]) for n in range(count)]
+
+    def quiet(self) -> None:
+        """Until no frontend counts any load on any rank (the coordinator's counts caught up): a new prefix then goes
+        to its key's first rank on every frontend, so where a turn goes depends on its prompt alone."""
+        def idle(r: RankStatus) -> bool:
+            return r.waiting == r.running == r.in_flight == 0
+
+        wait_until(lambda: all(idle(r) for a in self.admins for r in a.fleet().ranks), 30, "no load on any rank",
+                   interval=0.02)
+
+    def turn(self, chat: Chat) -> Turn:
+        self.quiet()
+        before = [routing_counts(a) for a in self.admins]
+        body = {"model": MODEL_NAME, "prompt": chat.prompt, "max_tokens": 4, "ignore_eos": True,
+                "return_token_ids": True}
+        req = urllib.request.Request(f"{self.fleet.url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            out: dict[str, Any] = json.loads(r.read())
+        moved = [(i, rank, name) for i, a in enumerate(self.admins) for (rank, name), n in routing_counts(a).items()
+                 if n != before[i][(rank, name)]]
+        [(frontend, rank, _)] = [m for m in moved if m[2] == "requests_total"]
+        [decision] = [COUNTS[name] for i, r, name in moved if name != "requests_total"]
+        assert all((i, r) == (frontend, rank) for i, r, _ in moved), moved
+        usage = out["usage"]
+        done = Turn(frontend, rank, decision, usage["prompt_tokens"],
+                    (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        chat.turns.append(done)
+        reply: list[int] = out["choices"][0]["token_ids"]
+        chat.prompt = [*chat.prompt, *reply, *(self.rng.randrange(3, 512) for _ in range(12))]
+        return done
+
+    def check(self, chat: Chat) -> None:
+        """Every turn on the rank of the second (of the first, where that covered the key), whichever frontend took
+        it; each on the rank of the one before served at least that one's full blocks from the prefix cache."""
+        turns = chat.turns
+        home = turns[1].rank
+        first_covers_key = turns[0].prompt >= 2 * self.block
+        assert all(t.rank == home for t in turns[1:]), turns
+        assert not first_covers_key or turns[0].rank == home, turns
+        for before, now in itertools.pairwise(turns):
+            if before.rank == now.rank:
+                assert now.cached >= before.prompt // self.block * self.block, turns
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return str(r.read().decode())
+
+
+def test_either_frontend_sends_a_conversations_turns_to_one_rank_whose_prefix_cache_serves_them(fleet: Fleet) -> None:
+    """Prefix affinity with two frontends and no shared state: each turn of a conversation reaches whichever frontend
+    the kernel gives its connection; from its second turn on (from its first, where that covers the routing key)
+    every turn goes to one rank, taken by both frontends, and that rank's prefix cache serves the previous turn."""
+    chats = Chats(fleet, admins(fleet), 4)
+    for chat in chats.chats:
+        while len(chat.turns) < 4 or {t.frontend for t in chat.turns[1:]} != {0, 1}:
+            assert len(chat.turns) < 24, f"the kernel gave every turn to one frontend: {chat.turns}"
+            chats.turn(chat)
+        chats.check(chat)
+        # A frontend that had not routed the conversation placed it as a new prefix by its key, one that had continued
+        # it from memory: both reached the same rank.
+        assert {t.decision for t in chat.turns[1:]} <= {"new", "affinity"}, chat.turns
+    print("conversations through 2 frontends: " + "; ".join(
+        " ".join(f"f{t.frontend}>r{t.rank}:{t.decision}:{t.cached}/{t.prompt}" for t in c.turns) for c in chats.chats))
+
+
 def test_a_killed_frontend_fails_only_its_requests_and_its_replacement_takes_traffic_again(fleet: Fleet) -> None:
     state = Path(fleet.rec.state_dir)
     engines = engine_pids(state)
     lead, follower = admins(fleet)
+    # Conversations placed before the kill (two turns each): the replacement's routing memory starts empty.
+    chats = Chats(fleet, [lead, follower], 2)
+    for chat in chats.chats:
+        chats.turn(chat)
+        chats.turn(chat)
     with supervised(fleet):
         victim = next(p for p in fleet.rec.processes if p.role == local.ROLE_FRONTEND and p.rank == 1)
         load = Load(fleet.url, MODEL_NAME, workers=WORKERS, max_tokens=32, pause_s=0.05).start()
@@ -137,6 +265,15 @@ def test_a_killed_frontend_fails_only_its_requests_and_its_replacement_takes_tra
     for r in range(REPLICAS):  # each engine re-announced itself to frontend 1 and aborted what it had left
         log = (state / local.LOG_DIR / f"engine-{r}.log").read_text(errors="replace")
         assert "Frontend 1 re-attached: aborted the" in log, log[-3000:]
+    # The new frontend 1 knows none of the conversations, yet sends their next turns where they were, and the prefix
+    # cache there serves them.
+    for chat in chats.chats:
+        before = len(chat.turns)
+        while not [t for t in chat.turns[before:] if t.frontend == 1]:
+            assert len(chat.turns) < before + 20, f"the kernel gave every turn to frontend 0: {chat.turns}"
+            chats.turn(chat)
+        chats.check(chat)
+        assert next(t for t in chat.turns[before:] if t.frontend == 1).decision == "new", chat.turns
     print(f"frontend 1 killed: serving again after {back - dead_at:.1f} s; {load.summary()}")
 
 
