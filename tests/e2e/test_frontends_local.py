@@ -124,6 +124,8 @@ class Chat:
 
 
 COUNTS = {"requests_total": "", "new_prefix_total": "new", "affinity_total": "affinity", "spilled_total": "spill"}
+KEY_BLOCKS = 2  # the routing key: --routing-prefix-tokens (256) in vLLM's CPU blocks of 128
+QUESTION = 30  # tokens each turn adds after the reply's 4: up to 20 turns fit the context
 
 
 def routing_counts(admin: AdminClient) -> dict[tuple[int, str], int]:
@@ -136,15 +138,22 @@ class Chats:
     the reply's tokens, a new question). Which frontend routed a turn, to which rank and why, is read from the
     frontends' counters around it; the cached tokens from its usage."""
 
-    def __init__(self, fleet: Fleet, admins: list[AdminClient], count: int) -> None:
+    def __init__(self, fleet: Fleet, admins: list[AdminClient]) -> None:
         self.fleet, self.admins = fleet, admins
         found = re.search(r'vllm:cache_config_info{[^}]*block_size="(\d+)"', _get(f"{fleet.url}/metrics"))
         assert found is not None
         self.block = int(found.group(1))
-        rng = self.rng = random.Random(time.time_ns())  # openings no earlier request had
-        # Half open with one block and a bit (shorter than the routing key, 256 tokens), half with more than the key.
-        self.chats = [Chat([rng.randrange(3, 512) for _ in range(
-            (self.block if n % 2 else 2 * self.block) + 40)]) for n in range(count)]
+        self.rng = random.Random(time.time_ns())  # openings no earlier request had
+        self.chats: list[Chat] = []
+
+    def new(self) -> Chat:
+        """A conversation: every other one opens shorter than the routing key (one block and a bit, the key covered
+        from its third turn on), the others longer."""
+        short = len(self.chats) % 2 == 1
+        chat = Chat([self.rng.randrange(3, 512) for _ in range(
+            self.block + 60 if short else KEY_BLOCKS * self.block + 40)])
+        self.chats.append(chat)
+        return chat
 
     def quiet(self) -> None:
         """Until no frontend counts any load on any rank (the coordinator's counts caught up): a new prefix then goes
@@ -156,6 +165,7 @@ class Chats:
                    interval=0.02)
 
     def turn(self, chat: Chat) -> Turn:
+        assert len(chat.prompt) + 4 <= CONTEXT, chat.turns
         self.quiet()
         before = [routing_counts(a) for a in self.admins]
         body = {"model": MODEL_NAME, "prompt": chat.prompt, "max_tokens": 4, "ignore_eos": True,
@@ -174,20 +184,27 @@ class Chats:
                     (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
         chat.turns.append(done)
         reply: list[int] = out["choices"][0]["token_ids"]
-        chat.prompt = [*chat.prompt, *reply, *(self.rng.randrange(3, 512) for _ in range(12))]
+        chat.prompt = [*chat.prompt, *reply, *(self.rng.randrange(3, 512) for _ in range(QUESTION))]
         return done
 
+    def keyed(self, chat: Chat) -> list[Turn]:
+        """The conversation's turns whose prompt covers the routing key."""
+        return [t for t in chat.turns if t.prompt >= KEY_BLOCKS * self.block]
+
     def check(self, chat: Chat) -> None:
-        """Every turn on the rank of the second (of the first, where that covered the key), whichever frontend took
-        it; each on the rank of the one before served at least that one's full blocks from the prefix cache."""
-        turns = chat.turns
-        home = turns[1].rank
-        first_covers_key = turns[0].prompt >= 2 * self.block
-        assert all(t.rank == home for t in turns[1:]), turns
-        assert not first_covers_key or turns[0].rank == home, turns
-        for before, now in itertools.pairwise(turns):
+        """The turns shorter than the key on one rank, and those that cover it on one rank, whichever frontend took
+        each; a turn on the rank of the one before got at least that one's full blocks from the prefix cache."""
+        keyed = self.keyed(chat)
+        short = chat.turns[:len(chat.turns) - len(keyed)]
+        assert len({t.rank for t in short}) <= 1, chat.turns
+        assert len({t.rank for t in keyed}) <= 1, chat.turns
+        for before, now in itertools.pairwise(chat.turns):
             if before.rank == now.rank:
-                assert now.cached >= before.prompt // self.block * self.block, turns
+                assert now.cached >= before.prompt // self.block * self.block, chat.turns
+
+    def describe(self) -> str:
+        return "; ".join(" ".join(f"f{t.frontend}>r{t.rank}:{t.decision}:{t.cached}/{t.prompt}" for t in c.turns)
+                         for c in self.chats)
 
 
 def _get(url: str) -> str:
@@ -197,19 +214,23 @@ def _get(url: str) -> str:
 
 def test_either_frontend_sends_a_conversations_turns_to_one_rank_whose_prefix_cache_serves_them(fleet: Fleet) -> None:
     """Prefix affinity with two frontends and no shared state: each turn of a conversation reaches whichever frontend
-    the kernel gives its connection; from its second turn on (from its first, where that covers the routing key)
-    every turn goes to one rank, taken by both frontends, and that rank's prefix cache serves the previous turn."""
-    chats = Chats(fleet, admins(fleet), 4)
-    for chat in chats.chats:
-        while len(chat.turns) < 4 or {t.frontend for t in chat.turns[1:]} != {0, 1}:
-            assert len(chat.turns) < 24, f"the kernel gave every turn to one frontend: {chat.turns}"
+    the kernel gives its connection. Every turn that covers the routing key goes to one rank, taken by both
+    frontends, and that rank's prefix cache serves the previous turn (a conversation that opens shorter than the key
+    is placed by the key once it covers it: one turn's miss)."""
+    chats = Chats(fleet, admins(fleet))
+    mixed = 0  # conversations whose keyed turns both frontends took
+    while mixed < 3:
+        assert len(chats.chats) < 10, f"the kernel gave most conversations' turns to one frontend: {chats.describe()}"
+        chat = chats.new()
+        for _ in range(6):
             chats.turn(chat)
         chats.check(chat)
         # A frontend that had not routed the conversation placed it as a new prefix by its key, one that had continued
         # it from memory: both reached the same rank.
-        assert {t.decision for t in chat.turns[1:]} <= {"new", "affinity"}, chat.turns
-    print("conversations through 2 frontends: " + "; ".join(
-        " ".join(f"f{t.frontend}>r{t.rank}:{t.decision}:{t.cached}/{t.prompt}" for t in c.turns) for c in chats.chats))
+        assert {t.decision for t in chat.turns} <= {"new", "affinity"}, chat.turns
+        mixed += {t.frontend for t in chats.keyed(chat)} == {0, 1}
+    assert any(len(chats.keyed(c)) < len(c.turns) for c in chats.chats)  # a short opening crossed the key
+    print(f"conversations through 2 frontends: {chats.describe()}")
 
 
 def test_a_killed_frontend_fails_only_its_requests_and_its_replacement_takes_traffic_again(fleet: Fleet) -> None:
@@ -217,8 +238,9 @@ def test_a_killed_frontend_fails_only_its_requests_and_its_replacement_takes_tra
     engines = engine_pids(state)
     lead, follower = admins(fleet)
     # Conversations placed before the kill (two turns each): the replacement's routing memory starts empty.
-    chats = Chats(fleet, [lead, follower], 2)
-    for chat in chats.chats:
+    chats = Chats(fleet, [lead, follower])
+    for _ in range(2):
+        chat = chats.new()
         chats.turn(chat)
         chats.turn(chat)
     with supervised(fleet):
@@ -270,10 +292,11 @@ def test_a_killed_frontend_fails_only_its_requests_and_its_replacement_takes_tra
     for chat in chats.chats:
         before = len(chat.turns)
         while not [t for t in chat.turns[before:] if t.frontend == 1]:
-            assert len(chat.turns) < before + 20, f"the kernel gave every turn to frontend 0: {chat.turns}"
+            assert len(chat.turns) < 20, f"the kernel gave every turn to frontend 0: {chats.describe()}"
             chats.turn(chat)
         chats.check(chat)
-        assert next(t for t in chat.turns[before:] if t.frontend == 1).decision == "new", chat.turns
+        assert next(t for t in chat.turns[before:] if t.frontend == 1).decision == "new", chats.describe()
+    print(f"conversations before and after frontend 1's replacement: {chats.describe()}")
     print(f"frontend 1 killed: serving again after {back - dead_at:.1f} s; {load.summary()}")
 
 
