@@ -19,9 +19,9 @@ misses the cache the previous one built. This router keeps them together, bounde
   key are looked up, longest first: the next turn of a conversation (whose prompt is the whole
   conversation so far) goes where the last turn went, and a shared system prompt to where it went first,
   even where the key's order would now pick another rank. A remembered prefix shorter than the request's
-  key does not hold it: a conversation whose first turn was shorter than the key is placed by its key
-  (its whole key) at its second turn, as every other frontend would place it, at the cost of that first
-  turn's cache (fewer than `prefix_tokens` tokens) once.
+  key does not hold it: a conversation that opens shorter than the key is placed by its whole key at the
+  first turn that covers it, as every other frontend would place it, at the cost of the shorter turns'
+  cache (fewer than `prefix_tokens` tokens) once.
 * **Bounded loads** (consistent hashing with bounded loads): that rank takes the request only while its
   load stays within `balance` times the mean load after it; otherwise the request spills to the key's
   next rank in rendezvous order that has room, which then holds the prompt too. A hot prefix spreads
@@ -33,8 +33,8 @@ frontend until the coordinator's next counts: "within one request" is then withi
 frontends). The memory is per frontend: with several frontends, or after a frontend is replaced, a
 request that reaches a frontend which has not routed its key goes where a new prefix goes: the same rank
 as on the frontend that did, unless load moved it on either (a spill, or a first rank busier than the
-slack), so without shared state every frontend sends a conversation to one rank from its second turn
-on (from its first where that covers the key).
+slack), so without shared state every frontend sends a conversation to one rank from the first turn
+that covers its key on.
 
 Pure: no vLLM, no event loop, no clock. The client (`frontend.client`) asks `choose` for each new
 request that is not pinned to a rank, and counts the decision (`Decision`) per rank.
@@ -109,7 +109,7 @@ class PrefixAffinity:
         held = self._held(hashes[key_length - 1:])
         if held is None:
             # A key this frontend has not routed (or whose rank left): the first rank in the key's order that is
-            # within one request of the least loaded (every frontend's first choice, unless it is busier than that);
+            # within `slack` of the least loaded (every frontend's first choice, unless it is busier than that);
             # from now on the prefix and its continuations follow it.
             low = min(loads.values())
             rank = next(r for r in rendezvous(key, loads) if loads[r] <= low + slack)
