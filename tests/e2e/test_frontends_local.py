@@ -45,7 +45,7 @@ from corefleet_client.admin import (
     ResizeRequest,
 )
 from corefleet_harness import local
-from corefleet_harness.support import wait_until
+from corefleet_harness.support import http_get, wait_until
 from corefleet_harness.tinymodel import write_tiny_model
 from fleettest import Load
 from localfleet import MODEL_NAME, Fleet, Held, engine_pids, flags, start, supervised
@@ -140,8 +140,10 @@ class Chats:
 
     def __init__(self, fleet: Fleet, admins: list[AdminClient]) -> None:
         self.fleet, self.admins = fleet, admins
-        found = re.search(r'vllm:cache_config_info{[^}]*block_size="(\d+)"', _get(f"{fleet.url}/metrics"))
-        assert found is not None
+        status, body = http_get(f"{fleet.url}/metrics", timeout=30)
+        found = re.search(r'vllm:cache_config_info{[^}]*block_size="(\d+)"', body.decode())
+        assert status == 200
+        assert found is not None, body[:2000]
         self.block = int(found.group(1))
         self.rng = random.Random(time.time_ns())  # openings no earlier request had
         self.chats: list[Chat] = []
@@ -205,11 +207,6 @@ class Chats:
     def describe(self) -> str:
         return "; ".join(" ".join(f"f{t.frontend}>r{t.rank}:{t.decision}:{t.cached}/{t.prompt}" for t in c.turns)
                          for c in self.chats)
-
-
-def _get(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=30) as r:
-        return str(r.read().decode())
 
 
 def test_either_frontend_sends_a_conversations_turns_to_one_rank_whose_prefix_cache_serves_them(fleet: Fleet) -> None:
