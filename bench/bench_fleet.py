@@ -133,6 +133,7 @@ from typing import Any
 import psutil
 
 from bench_frontend import (
+    SIDES,
     BenchError,
     _cpu_model,
     _vllm_version,
@@ -149,7 +150,6 @@ from corefleet_harness.support import WaitTimeout, free_ports, http_get, tail, w
 from corefleet_harness.tinymodel import VLLM_CPU_FLAGS, VOCAB_SIZE, write_tiny_model
 
 SERVED_NAME = local.TINY_MODEL_NAME
-SIDES = ("stock", "corefleet")  # as bench_frontend's, whose `side_order` gives each round's order
 BIN = Path(sys.executable).parent  # the venv's bin: `corefleet` and `vllm` live beside its python
 STOP_GRACE = 20.0
 REQUEST_TIMEOUT = 120.0
